@@ -1,0 +1,220 @@
+"""The ``outbox`` command: each subcommand is thin and calls the modules below.
+
+Exit codes (also in the README): 0 ok; 1 failure, or ``status`` found something
+that needs attention; 2 usage; 3 PostgreSQL or RabbitMQ unreachable; 4 database
+not ready (prepared transactions disabled, schema missing or too old).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+from outbox import migrate, store
+from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, Settings
+from outbox.errors import ExitCode, OutboxError
+from outbox.events import configure
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+def server_options(func: F) -> F:
+    for decorator in reversed(
+        [
+            _option("--dsn", "OUTBOX_DSN", default=DEFAULT_DSN,
+                    help="PostgreSQL connection (libpq conninfo or URL)."),
+            _option("--amqp-url", "OUTBOX_AMQP_URL", default=DEFAULT_AMQP_URL,
+                    help="RabbitMQ connection URL."),
+            _option("--table", "OUTBOX_TABLE", default=Settings.table,
+                    help="Outbox table name."),
+            _option("--ledger-queue", "OUTBOX_LEDGER_QUEUE", default=Settings.ledger_queue,
+                    help="Stream queue recording finished batches (resolver evidence)."),
+            _option("--log-level", "OUTBOX_LOG_LEVEL", default="info",
+                    type=click.Choice(["debug", "info", "warning", "error"])),
+            _option("--log-format", "OUTBOX_LOG_FORMAT", default="text",
+                    type=click.Choice(["text", "json"])),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def tuning_options(func: F) -> F:
+    defaults = Settings()
+    for decorator in reversed(
+        [
+            _option("--batch-size", "OUTBOX_BATCH_SIZE", default=defaults.batch_size, type=int,
+                    help="Most rows per batch (one prepared transaction)."),
+            _option("--publish-timeout", "OUTBOX_PUBLISH_TIMEOUT",
+                    default=defaults.publish_timeout, type=float,
+                    help="Seconds to wait for publisher confirms before rolling back."),
+            _option("--poll-interval", "OUTBOX_POLL_INTERVAL", default=defaults.poll_interval,
+                    type=float, help="Fallback poll (s) when no NOTIFY wakes the relay."),
+            _option("--heartbeat-interval", "OUTBOX_HEARTBEAT_INTERVAL",
+                    default=defaults.heartbeat_interval, type=float,
+                    help="Seconds between heartbeats of the relay's registry row."),
+            _option("--relay-timeout", "OUTBOX_RELAY_TIMEOUT", default=defaults.relay_timeout,
+                    type=float,
+                    help="Heartbeat age after which a relay is presumed partitioned."),
+            _option("--resolve-interval", "OUTBOX_RESOLVE_INTERVAL",
+                    default=defaults.resolve_interval, type=float,
+                    help="Seconds between passes that resolve dead relays' batches."),
+            _option("--max-message-bytes", "OUTBOX_MAX_MESSAGE_BYTES",
+                    default=defaults.max_message_bytes, type=int,
+                    help="Largest payload the broker accepts (max_message_size)."),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def _settings(**options: Any) -> Settings:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    try:
+        return Settings(**{k: v for k, v in options.items() if k in fields})
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def known_errors(func: F) -> F:
+    """Print a known condition as one clear line plus a hint, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except OutboxError as exc:
+            click.echo(f"error: {exc.message}", err=True)
+            if exc.hint:
+                click.echo(f"  hint: {exc.hint}", err=True)
+            sys.exit(int(exc.exit_code))
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="outbox-relay")
+def cli() -> None:
+    """Transactional outbox relay: PostgreSQL → RabbitMQ with two-phase commit."""
+
+
+@cli.command()
+@server_options
+@click.option("--print-sql", is_flag=True, help="Print the schema instead of applying it.")
+@known_errors
+def init(print_sql: bool, **options: Any) -> None:
+    """Create or upgrade the outbox schema (idempotent, safe to run concurrently)."""
+    settings = _settings(**options)
+    if print_sql:
+        click.echo(migrate.render_sql(settings.table), nl=False)
+        return
+    conn = store.connect(settings.dsn, application_name="outbox-init")
+    try:
+        before, after = migrate.migrate(conn, settings.table)  # type: ignore[arg-type]
+    finally:
+        conn.close()
+    if before == after:
+        click.echo(f"schema of {settings.table!r} is up to date (version {after})")
+    else:
+        click.echo(f"schema of {settings.table!r} migrated from {before or 'nothing'} to {after}")
+
+
+@cli.command()
+@server_options
+@tuning_options
+@click.option("--drain", is_flag=True, help="Exit 0 once no claimable row is left.")
+@known_errors
+def relay(drain: bool, log_level: str, log_format: str, **options: Any) -> None:
+    """Publish committed outbox rows to RabbitMQ until SIGTERM/SIGINT."""
+    from outbox.relay import Relay, StopFlag
+
+    configure(log_level, log_format)
+    settings = _settings(**options)
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    runner = Relay(settings, stop=stop)
+    runner.start()
+    stats = runner.run(drain=drain)
+    click.echo(
+        f"relay stopped: {stats.messages_published} published, "
+        f"{stats.batches_committed} batches committed, {stats.dead_letters} dead letters",
+        err=True,
+    )
+
+
+@cli.command()
+@server_options
+@click.option("--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@known_errors
+def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **options: Any) -> None:
+    """Resolve in-doubt batches of dead relays once (relays also do this by themselves)."""
+    from resolver import resolve as resolve_pass
+
+    configure(log_level, log_format)
+    settings = _settings(**options)
+    batch_store = store.BatchStore(settings.dsn, settings.table, application_name="outbox-resolve")
+    try:
+        results = resolve_pass(batch_store, settings, dry_run=dry_run)
+    finally:
+        batch_store.close()
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, "batches": [r.as_dict() for r in results]},
+                              indent=2))
+        return
+    if not results:
+        click.echo("no prepared transactions in this cluster")
+    for r in results:
+        evidence = {True: "in ledger", False: "not in ledger", None: "-"}[r.evidence]
+        click.echo(f"{r.gid}  age={r.age_seconds:.0f}s  owner={r.decision.owner.value}  "
+                   f"evidence={evidence}  action={r.decision.action.value}  "
+                   f"outcome={r.outcome}  ({r.decision.why})")
+
+
+@cli.command()
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--max-prepared-age", envvar="OUTBOX_MAX_PREPARED_AGE", show_envvar=True,
+              default=60.0, show_default=True,
+              help="A prepared batch older than this (s) needs attention (exit 1).")
+@known_errors
+def status(as_json: bool, max_prepared_age: float, log_level: str, log_format: str,
+           **options: Any) -> None:
+    """Backlog, prepared batches, live relays and dead letters; exit 1 if attention needed."""
+    from outbox.status import collect, render
+
+    settings = _settings(**options)
+    report = collect(settings, max_prepared_age=max_prepared_age)
+    click.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if report["attention"]:
+        sys.exit(int(ExitCode.FAILURE))
+
+
+@cli.command()
+@click.option("--dsn", envvar="OUTBOX_DSN", show_envvar=True, default=None,
+              help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
+                   "instead of starting a private one.")
+@click.option("--amqp-url", envvar="OUTBOX_AMQP_URL", show_envvar=True,
+              default=DEFAULT_AMQP_URL, show_default=True)
+@click.option("--rows", default=1000, show_default=True, help="Messages to send.")
+@known_errors
+def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
+    """Show the relay end to end: write rows, relay them, consume and check them."""
+    from outbox.demo import run_demo
+
+    ok = run_demo(dsn=dsn, amqp_url=amqp_url, rows=rows, echo=click.echo)
+    sys.exit(0 if ok else int(ExitCode.FAILURE))
+
+
+def main(argv: Sequence[str] | None = None, prog_name: str = "outbox") -> None:
+    cli.main(args=list(argv) if argv is not None else None, prog_name=prog_name)

@@ -1,0 +1,109 @@
+"""Consumer-side helpers (kombu): topology and duplicate-dropping consumers.
+
+The relay delivers every message at least once, and more than once only after a
+crash or broker outage mid-batch (README, "The guarantee").  Consumers drop the
+duplicates by ``message_id``; ``Deduplicator`` is the in-memory version of that,
+and ``receive`` collects messages for scripts, demos and tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import socket
+import time
+from typing import Any
+
+import kombu
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    message_id: str
+    body: bytes
+    exchange: str
+    routing_key: str
+    properties: dict[str, Any]
+    headers: dict[str, Any]
+
+
+def declare(
+    amqp_url: str, *, exchange: str, queue: str, binding_key: str = "#",
+    exchange_type: str = "topic",
+) -> None:
+    """Declare a durable exchange and a durable queue bound to it."""
+    with kombu.Connection(amqp_url) as conn:
+        channel = conn.channel()
+        ex = kombu.Exchange(exchange, type=exchange_type, durable=True)
+        kombu.Queue(queue, ex, routing_key=binding_key, durable=True)(channel).declare()
+        channel.close()
+
+
+def delete(amqp_url: str, *, exchange: str | None = None, queue: str | None = None) -> None:
+    with kombu.Connection(amqp_url) as conn:
+        channel = conn.channel()
+        if queue:
+            channel.queue_delete(queue)
+        if exchange:
+            channel.exchange_delete(exchange)
+        channel.close()
+
+
+def receive(amqp_url: str, queue: str, *, expected: int, timeout: float = 30.0,
+            idle: float = 1.0) -> list[Received]:
+    """Consume (and ack) until ``expected`` messages arrived and ``idle`` s passed quietly,
+    or ``timeout``.  Waiting a little past ``expected`` reveals duplicates."""
+    received: list[Received] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        props = dict(message.properties)
+        received.append(
+            Received(
+                message_id=str(props.get("message_id")),
+                body=message.body if isinstance(message.body, bytes) else bytes(message.body),
+                exchange=message.delivery_info.get("exchange", ""),
+                routing_key=message.delivery_info.get("routing_key", ""),
+                properties=props,
+                headers=dict(message.headers or {}),
+            )
+        )
+        message.ack()
+
+    deadline = time.monotonic() + timeout
+    with kombu.Connection(amqp_url) as conn:
+        with kombu.Consumer(conn, [kombu.Queue(queue, no_declare=True)],
+                            callbacks=[on_message], accept=None, prefetch_count=500):
+            quiet_since = time.monotonic()
+            while time.monotonic() < deadline:
+                before = len(received)
+                try:
+                    conn.drain_events(timeout=0.2)
+                except socket.timeout:
+                    pass
+                if len(received) != before:
+                    quiet_since = time.monotonic()
+                elif len(received) >= expected and time.monotonic() - quiet_since >= idle:
+                    break
+    return received
+
+
+class Deduplicator:
+    """Remembers the last ``capacity`` message ids; ``first_time`` is False for repeats.
+
+    In production keep the ids in the consumer's own database, in the same
+    transaction as the consumer's effect; this one is for stateless consumers
+    whose duplicates can only come from a recent relay crash.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def first_time(self, message_id: str) -> bool:
+        if message_id in self._seen:
+            self._seen.move_to_end(message_id)
+            return False
+        self._seen[message_id] = None
+        if len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        return True

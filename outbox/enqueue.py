@@ -1,0 +1,170 @@
+"""What applications call inside their own transaction.
+
+``enqueue`` writes one row on the caller's psycopg connection; it never commits,
+so the message is published if and only if the caller's transaction commits.
+The statement-level trigger installed by ``outbox init`` wakes idle relays when
+that transaction commits.
+
+    with conn.transaction():
+        conn.execute("INSERT INTO orders ...")
+        outbox.enqueue(conn, exchange="orders", routing_key="order.created",
+                       payload=b'{"id": 1}')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from outbox.queries import table_identifiers
+
+_COLUMNS = ("message_id", "exchange", "routing_key", "payload", "headers", "content_type")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutgoingMessage:
+    """A message for ``enqueue_many``; ``message_id`` is generated when omitted."""
+
+    exchange: str
+    routing_key: str
+    payload: bytes
+    headers: Mapping[str, Any] | None = None
+    content_type: str | None = None
+    message_id: uuid.UUID | None = None
+
+
+def _params(message: OutgoingMessage) -> tuple[Any, ...]:
+    if not isinstance(message.payload, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"payload must be bytes, not {type(message.payload).__name__}; "
+            "use enqueue_json for objects"
+        )
+    return (
+        message.message_id or uuid.uuid4(),
+        message.exchange,
+        message.routing_key,
+        bytes(message.payload),
+        Jsonb(dict(message.headers)) if message.headers is not None else None,
+        message.content_type,
+    )
+
+
+def _insert(table: str, returning: bool) -> sql.Composed:
+    query = sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+        table_identifiers(table)["outbox"],
+        sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
+        sql.SQL(", ").join(sql.Placeholder() * len(_COLUMNS)),
+    )
+    return query + sql.SQL(" RETURNING message_id") if returning else query
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    *,
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None = None,
+    content_type: str | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """Write one message in the caller's transaction; returns its ``message_id``."""
+    message = OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    params = _params(message)
+    conn.execute(_insert(table, returning=False), params)
+    return params[0]  # type: ignore[no-any-return]
+
+
+def enqueue_many(
+    conn: psycopg.Connection[Any], messages: Iterable[OutgoingMessage], *, table: str = "outbox"
+) -> list[uuid.UUID]:
+    """Write several messages in the caller's transaction (one round trip per batch)."""
+    params = [_params(m) for m in messages]
+    if params:
+        with conn.cursor() as cur:
+            cur.executemany(_insert(table, returning=False), params)
+    return [p[0] for p in params]
+
+
+def enqueue_json(
+    conn: psycopg.Connection[Any],
+    *,
+    exchange: str,
+    routing_key: str,
+    body: Any,
+    headers: Mapping[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
+    return enqueue(
+        conn,
+        exchange=exchange,
+        routing_key=routing_key,
+        payload=json.dumps(body, separators=(",", ":")).encode(),
+        headers=headers,
+        content_type="application/json",
+        message_id=message_id,
+        table=table,
+    )
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None = None,
+    content_type: str | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """``enqueue`` for an ``AsyncConnection``."""
+    message = OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    params = _params(message)
+    await conn.execute(_insert(table, returning=False), params)
+    return params[0]  # type: ignore[no-any-return]
+
+
+async def enqueue_many_async(
+    conn: psycopg.AsyncConnection[Any],
+    messages: Iterable[OutgoingMessage],
+    *,
+    table: str = "outbox",
+) -> list[uuid.UUID]:
+    params = [_params(m) for m in messages]
+    if params:
+        async with conn.cursor() as cur:
+            await cur.executemany(_insert(table, returning=False), params)
+    return [p[0] for p in params]
+
+
+async def enqueue_json_async(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    exchange: str,
+    routing_key: str,
+    body: Any,
+    headers: Mapping[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    return await enqueue_async(
+        conn,
+        exchange=exchange,
+        routing_key=routing_key,
+        payload=json.dumps(body, separators=(",", ":")).encode(),
+        headers=headers,
+        content_type="application/json",
+        message_id=message_id,
+        table=table,
+    )

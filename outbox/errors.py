@@ -1,0 +1,68 @@
+"""The project's exceptions and the CLI's exit codes.
+
+Driver errors (psycopg, pika) are translated into these at the boundary of
+``store.py``, ``publisher.py`` and ``ledger.py``; nothing above those modules
+catches a driver exception.  Every error a user can cause or fix carries a
+``hint`` saying what to do, and the CLI prints ``error: <message>\\n  <hint>``
+instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Documented exit codes of the ``outbox`` command (see README)."""
+
+    OK = 0
+    FAILURE = 1  # unexpected error, or ``status`` found something needing attention
+    USAGE = 2  # bad command line (click's own code)
+    UNREACHABLE = 3  # PostgreSQL or RabbitMQ cannot be reached
+    NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old
+
+
+class OutboxError(Exception):
+    """Base class: a known condition with a message and a hint for the operator."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class DatabaseUnavailable(OutboxError):
+    """PostgreSQL cannot be reached or the connection was lost."""
+
+    exit_code = ExitCode.UNREACHABLE
+
+
+class BrokerUnavailable(OutboxError):
+    """RabbitMQ cannot be reached, refused us, or the connection was lost."""
+
+    exit_code = ExitCode.UNREACHABLE
+
+
+class PreparedTransactionsDisabled(OutboxError):
+    """``max_prepared_transactions`` is 0 on the server."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+class SchemaNotReady(OutboxError):
+    """The outbox schema is missing or older than this version of the relay."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+class PreparedSlotsExhausted(OutboxError):
+    """Every prepared-transaction slot of the server is in use (transient)."""
+
+
+class OutcomeUnknown(OutboxError):
+    """A PREPARE or COMMIT PREPARED was cut off: its result must be looked up."""

@@ -1,0 +1,41 @@
+"""Deterministic crash points for the fault-injection suite (tests only).
+
+Set ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's environment and the relay
+kills itself with SIGKILL the n-th time (default the first) it reaches that
+point.  The points are the step boundaries of ``relay.py``; when the variable is
+unset, ``reached`` is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "after_claim",
+    "after_prepare",
+    "mid_publish",
+    "after_publish",
+    "after_ledger",
+    "before_commit_prepared",
+)
+
+_spec = os.environ.get("OUTBOX_CRASH_AT", "")
+_point, _, _nth = _spec.partition(":")
+_remaining = int(_nth or 1) if _point else 0
+if _point and _point not in POINTS:
+    raise SystemExit(f"OUTBOX_CRASH_AT: unknown point {_point!r}; one of {', '.join(POINTS)}")
+
+
+def reached(point: str) -> None:
+    global _remaining
+    if point != _point:
+        return
+    _remaining -= 1
+    if _remaining == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed(point: str) -> bool:
+    """True if the next ``reached(point)`` will crash (lets the relay split a publish)."""
+    return point == _point and _remaining == 1

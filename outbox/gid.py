@@ -1,0 +1,65 @@
+"""Global transaction ids of relay batches, and the relay identity inside them.
+
+A batch's gid is ``obx:<table>:<relay_id>:<seq>``:
+
+- ``obx`` marks the prepared transaction as ours; anything else in
+  ``pg_prepared_xacts`` is foreign and never touched;
+- ``table`` keeps two outbox tables in one database apart;
+- ``relay_id`` is 32 random hex digits chosen when a relay starts, so a gid is never
+  reused, not even by a relay restarted after a crash.  A reused gid could find an
+  old ledger record and be committed without evidence: that would lose rows;
+- ``seq`` counts the relay's batches.
+
+The relay's control session holds the advisory lock ``(LOCK_CLASS, lock_key)``
+while the relay lives; ``lock_key`` is derived from ``relay_id``, so a resolver
+can test a gid's owner for life from the gid alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+
+PREFIX = "obx"
+# First key of the relay advisory locks ("obx" in ASCII); keeps them apart from an
+# application's own advisory locks.
+LOCK_CLASS = 0x6F6278
+
+_GID = re.compile(r"^obx:([a-z_][a-z0-9_]*):([0-9a-f]{32}):([0-9]+)$")
+
+
+def new_relay_id() -> str:
+    return secrets.token_hex(16)
+
+
+def lock_key(relay_id: str) -> int:
+    """A non-negative int4 from the relay id (fits both int4 and oid)."""
+    return int(relay_id[:8], 16) & 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Gid:
+    table: str
+    relay_id: str
+    seq: int
+
+    def __str__(self) -> str:
+        return f"{PREFIX}:{self.table}:{self.relay_id}:{self.seq}"
+
+    @property
+    def lock_key(self) -> int:
+        return lock_key(self.relay_id)
+
+
+def parse(text: str) -> Gid | None:
+    """The gid's parts, or None for a prepared transaction that is not a relay batch."""
+    match = _GID.match(text)
+    if match is None:
+        return None
+    return Gid(match.group(1), match.group(2), int(match.group(3)))
+
+
+def relay_prefix(table: str) -> str:
+    """The text every gid of ``table`` starts with (for LIKE filters)."""
+    return f"{PREFIX}:{table}:"

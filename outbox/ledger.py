@@ -1,0 +1,62 @@
+"""Broker-side evidence that a batch was fully accepted.
+
+The ledger is a RabbitMQ stream queue (durable, append-only, readable without
+being consumed).  After every message of a batch is confirmed (or recorded as a
+dead letter), the relay appends ``{"gid": …}`` to it and waits for that confirm;
+only then does it run COMMIT PREPARED.  A gid in the ledger is therefore positive
+evidence that the whole batch is safe on the broker, and a resolver commits only
+gids it finds there (DESIGN.md, invariant 2).
+
+Retention is the stream's ``x-max-age`` (7 days by default): far longer than any
+batch stays in doubt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import uuid
+from collections.abc import Iterable
+
+from outbox.publisher import Message, read_stream
+
+FORMAT_VERSION = 1
+
+
+def record(gid: str, *, rows: int, dead: int, relay_id: str) -> Message:
+    body = json.dumps(
+        {"v": FORMAT_VERSION, "gid": gid, "rows": rows, "dead": dead, "relay": relay_id},
+        separators=(",", ":"),
+    ).encode()
+    return Message(exchange="", routing_key="", body=body, message_id=f"ledger:{gid}")
+
+
+def gids_in(bodies: Iterable[bytes]) -> set[str]:
+    """The gids recorded in ledger bodies (probes and foreign records are skipped)."""
+    found = set()
+    for body in bodies:
+        try:
+            entry = json.loads(body)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("gid"), str):
+            found.add(entry["gid"])
+    return found
+
+
+def finished_gids(
+    amqp_url: str,
+    queue: str,
+    *,
+    since: datetime.datetime | None,
+    timeout: float = 30.0,
+    connect_timeout: float = 10.0,
+) -> set[str]:
+    """Every gid recorded in the ledger from ``since`` up to now."""
+    probe = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
+    return gids_in(
+        read_stream(
+            amqp_url, queue, since=since, probe=probe, timeout=timeout,
+            connect_timeout=connect_timeout,
+        )
+    )

@@ -1,0 +1,90 @@
+"""Outbox rows, the AMQP messages made from them, and the rules for bad rows.
+
+``problem_with`` is pure: it says why a row can never be published (it becomes a
+dead letter) or returns None.  Only conditions that retrying cannot fix belong
+here; a broker that is down or blocked is never a reason to dead-letter a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import uuid
+from typing import Any
+
+# AMQP 0-9-1 short strings (exchange, routing key, content type) are at most 255 bytes.
+SHORTSTR_MAX = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRow:
+    """One row of the outbox table, as claimed by the relay."""
+
+    id: int
+    message_id: uuid.UUID
+    exchange: str
+    routing_key: str
+    payload: bytes
+    headers: dict[str, Any] | None
+    content_type: str | None
+    created_at: datetime.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    row: OutboxRow
+    reason: str
+
+
+def _header_problem(value: Any, path: str) -> str | None:
+    """Why an AMQP field table cannot carry this JSON value, or None."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return None
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**63:
+            return None
+        return f"header {path} is an integer outside the 64-bit range AMQP can carry"
+    if isinstance(value, float):
+        return (
+            f"header {path} is a floating-point number, which AMQP field tables "
+            "(as encoded by pika) cannot carry; send it as a string"
+        )
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = _header_problem(item, f"{path}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if len(key.encode()) > SHORTSTR_MAX:
+                return f"header name {path}.{key[:20]}… is longer than 255 bytes"
+            problem = _header_problem(item, f"{path}.{key}")
+            if problem:
+                return problem
+        return None
+    return f"header {path} has unsupported type {type(value).__name__}"
+
+
+def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
+    """The reason ``row`` can never be published, or None if it may be."""
+    for field, value in (
+        ("exchange", row.exchange),
+        ("routing_key", row.routing_key),
+        ("content_type", row.content_type or ""),
+    ):
+        size = len(value.encode("utf-8"))
+        if size > SHORTSTR_MAX:
+            return f"{field} is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}"
+    if len(row.payload) > max_message_bytes:
+        return (
+            f"payload is {len(row.payload)} bytes; the broker accepts at most "
+            f"{max_message_bytes} (max_message_size)"
+        )
+    if row.headers is not None:
+        if not isinstance(row.headers, dict):
+            return "headers must be a JSON object"
+        problem = _header_problem(row.headers, "headers")
+        if problem:
+            return problem
+    return None

@@ -1,0 +1,113 @@
+"""Versioned, idempotent schema migrations (``outbox init``).
+
+Migrations are the files ``schema/NNNN_*.sql``, applied in order inside one
+transaction that first takes an advisory lock, so several ``outbox init`` (or
+several relays' deploy hooks) running at once apply each file exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from importlib import resources
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import tuple_row
+
+from outbox.queries import table_identifiers
+
+# Advisory-lock class of migrations; distinct from gid.LOCK_CLASS (relay liveness).
+MIGRATION_LOCK_CLASS = 0x6F6279
+
+_FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def migrations() -> list[Migration]:
+    folder = resources.files("outbox").joinpath("schema")
+    found = []
+    for entry in folder.iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match.group(1)), entry.name, entry.read_text("utf-8")))
+    return sorted(found, key=lambda m: m.version)
+
+
+LATEST_VERSION = migrations()[-1].version
+
+
+def _version_table_sql(table: str) -> sql.Composed:
+    return sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {schema_version} ("
+        " version integer PRIMARY KEY,"
+        " name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    ).format(schema_version=table_identifiers(table)["schema_version"])
+
+
+def _migration_sql(table: str, migration: Migration) -> sql.Composed:
+    return sql.SQL(migration.text).format(**table_identifiers(table))  # type: ignore[arg-type]
+
+
+def render_sql(table: str) -> str:
+    """The whole schema as one script, for teams that run their own migrations."""
+    parts = [f"-- outbox schema for table {table!r}, version {LATEST_VERSION}", "BEGIN;"]
+    parts.append(_version_table_sql(table).as_string(None) + ";")
+    for migration in migrations():
+        parts.append(f"-- {migration.name}")
+        parts.append(_migration_sql(table, migration).as_string(None))
+        parts.append(
+            sql.SQL("INSERT INTO {} (version, name) VALUES ({}, {}) ON CONFLICT DO NOTHING;")
+            .format(
+                table_identifiers(table)["schema_version"],
+                sql.Literal(migration.version),
+                sql.Literal(migration.name),
+            )
+            .as_string(None)
+        )
+    parts.append("COMMIT;")
+    return "\n".join(parts) + "\n"
+
+
+def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
+    """The applied schema version, or None when the outbox was never initialised."""
+    cur = conn.cursor(row_factory=tuple_row)
+    row = cur.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", [f"{table}_schema_version"]
+    ).fetchone()
+    if not row or not row[0]:
+        return None
+    version = cur.execute(
+        sql.SQL("SELECT max(version) FROM {}").format(table_identifiers(table)["schema_version"])
+    ).fetchone()
+    return int(version[0]) if version and version[0] is not None else None
+
+
+def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, int]:
+    """Apply the missing migrations; returns (version before, version after)."""
+    with conn.transaction():
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(%s, %s)",
+            [MIGRATION_LOCK_CLASS, zlib.crc32(table.encode()) & 0x7FFFFFFF],
+        )
+        before = current_version(conn, table)
+        conn.execute(_version_table_sql(table))
+        for migration in migrations():
+            if before is not None and migration.version <= before:
+                continue
+            conn.execute(_migration_sql(table, migration))
+            conn.execute(
+                sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                    table_identifiers(table)["schema_version"]
+                ),
+                [migration.version, migration.name],
+            )
+    return before, LATEST_VERSION

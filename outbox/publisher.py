@@ -1,0 +1,471 @@
+"""The only module that talks to RabbitMQ (pika).
+
+``Publisher`` wraps a pika ``SelectConnection`` whose I/O loop is driven from the
+relay's own thread: ``publish`` writes a whole batch without waiting, then runs the
+loop until every message is confirmed, returned, nacked or in doubt, or until the
+timeout.  That pipelines publisher confirms (one round trip per batch, not per
+message), which is what makes a confirmed publisher fast.
+
+Why ``mandatory``: without it the broker confirms a message that no queue took and
+drops it, so a confirm alone would be false evidence.  With it, an unroutable
+message comes back as ``basic.return`` *before* its confirm, and is reported as
+``Outcome.RETURNED``.  Why confirms: a message is only the broker's
+responsibility once confirmed (for persistent messages on durable queues, after
+the write); before that it is in doubt.
+
+A channel closed by the broker (404 missing exchange, 406 message too large)
+leaves every unconfirmed message in doubt (``Outcome.UNKNOWN``); the next batch
+opens a fresh channel.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import enum
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.select_connection import SelectConnection
+
+from outbox.errors import BrokerUnavailable, OutboxError
+
+log = logging.getLogger("outbox.publisher")
+
+
+class Outcome(enum.Enum):
+    ACCEPTED = "accepted"  # confirmed (ack) and routed
+    RETURNED = "returned"  # unroutable: basic.return before the ack
+    NACKED = "nacked"  # the broker could not take it (transient)
+    UNKNOWN = "unknown"  # no confirm: channel or connection lost, or timed out
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    exchange: str
+    routing_key: str
+    body: bytes
+    message_id: str
+    content_type: str | None = None
+    headers: Mapping[str, Any] | None = None
+    timestamp: datetime.datetime | None = None
+
+
+@dataclasses.dataclass
+class Delivery:
+    outcome: Outcome = Outcome.UNKNOWN
+    reason: str = ""
+
+
+class Publisher:
+    """A confirm-mode channel on one connection, driven synchronously."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 10.0,
+        blocked_timeout: float = 60.0,
+        on_blocked: Callable[[bool], None] | None = None,
+    ) -> None:
+        self._params = pika.URLParameters(url)
+        self._params.socket_timeout = connect_timeout
+        self._params.connection_attempts = 1
+        # Tear the connection down if an alarm blocks it for this long.
+        self._params.blocked_connection_timeout = blocked_timeout
+        self._connect_timeout = connect_timeout
+        self._on_blocked = on_blocked
+        self._conn: SelectConnection | None = None
+        self._channel: Any = None
+        self._opened = False
+        self._failure: str | None = None
+        self._channel_closed: str | None = None
+        self._next_tag = 1
+        self._unconfirmed: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._by_message_id: dict[str, list[int]] = {}
+        self._deliveries: list[Delivery] = []
+        self._done: Callable[[], bool] | None = None
+        self.blocked = False
+
+    # -- the I/O loop, driven from this thread ---------------------------------
+    def _run_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        if done():
+            return True
+        conn = self._conn
+        if conn is None:
+            return False
+        self._done = done
+        timer = conn.ioloop.call_later(max(timeout, 0.0), conn.ioloop.stop)
+        try:
+            conn.ioloop.start()
+        finally:
+            conn.ioloop.remove_timeout(timer)
+            self._done = None
+        return done()
+
+    def _poke(self) -> None:
+        if self._done is not None and self._done() and self._conn is not None:
+            self._conn.ioloop.stop()
+
+    # -- connection ------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return (
+            self._conn is not None
+            and self._opened
+            and self._conn.is_open
+            and self._failure is None
+        )
+
+    def connect(self) -> None:
+        """Open the connection and a confirm-mode channel, or raise BrokerUnavailable."""
+        self.close()
+        self._opened = False
+        self._failure = None
+        self._conn = SelectConnection(
+            self._params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=self._on_connection_closed,
+        )
+        self._run_until(lambda: self._opened or self._failure is not None, self._connect_timeout)
+        if not self._opened:
+            reason = self._failure or "timed out"
+            self.close()
+            raise BrokerUnavailable(
+                f"cannot connect to RabbitMQ at {self._where()}: {reason}",
+                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+            )
+        self._conn.add_on_connection_blocked_callback(lambda *_: self._set_blocked(True))
+        self._conn.add_on_connection_unblocked_callback(lambda *_: self._set_blocked(False))
+        self._open_channel()
+
+    def _where(self) -> str:
+        return f"{self._params.host}:{self._params.port}{self._params.virtual_host}"
+
+    def _set_blocked(self, blocked: bool) -> None:
+        self.blocked = blocked
+        log.warning("broker.blocked" if blocked else "broker.unblocked")
+        if self._on_blocked:
+            self._on_blocked(blocked)
+
+    def _on_open(self, _conn: Any) -> None:
+        self._opened = True
+        self._poke()
+
+    def _on_open_error(self, _conn: Any, error: BaseException | str) -> None:
+        self._failure = _describe(error)
+        self._poke()
+
+    def _on_connection_closed(self, _conn: Any, reason: BaseException) -> None:
+        self._failure = _describe(reason)
+        self._channel_closed = self._failure
+        self._channel = None
+        self._poke()
+
+    def _open_channel(self) -> None:
+        assert self._conn is not None
+        state: dict[str, Any] = {}
+
+        def opened(channel: Any) -> None:
+            state["channel"] = channel
+            channel.add_on_close_callback(self._on_channel_closed)
+            channel.add_on_return_callback(self._on_return)
+            channel.confirm_delivery(
+                ack_nack_callback=self._on_confirm,
+                callback=lambda _frame: state.update(confirming=True) or self._poke(),
+            )
+
+        self._channel_closed = None
+        self._conn.channel(on_open_callback=opened)
+        ok = self._run_until(
+            lambda: "confirming" in state or self._failure is not None, self._connect_timeout
+        )
+        if not ok or self._failure is not None:
+            raise BrokerUnavailable(f"cannot open a RabbitMQ channel: {self._failure or 'timed out'}")
+        self._channel = state["channel"]
+        self._next_tag = 1
+        self._unconfirmed.clear()
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if channel is not self._channel and self._channel is not None:
+            return
+        self._channel = None
+        self._channel_closed = _describe(reason)
+        for index in self._unconfirmed.values():
+            self._deliveries[index].reason = f"channel closed: {self._channel_closed}"
+        self._unconfirmed.clear()
+        self._poke()
+
+    def close(self) -> None:
+        conn, self._conn, self._channel = self._conn, None, None
+        if conn is None:
+            return
+        try:
+            if conn.is_open:
+                conn.close()
+                self._conn = conn
+                self._run_until(lambda: conn.is_closed, 2.0)
+        except Exception:  # noqa: BLE001 - closing a broken connection may fail any way
+            log.debug("broker.close_failed", exc_info=True)
+        finally:
+            self._conn = None
+
+    # -- publishing ------------------------------------------------------------
+    def publish(self, messages: Sequence[Message], timeout: float) -> list[Delivery]:
+        """Publish persistently with ``mandatory`` and wait for every confirm.
+
+        Returns one ``Delivery`` per message, in order.  Raises BrokerUnavailable if
+        not connected at the start; a connection lost midway leaves the unconfirmed
+        deliveries ``UNKNOWN``.
+        """
+        if not self.connected:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        if self._channel is None:
+            self._open_channel()
+        channel = self._channel
+        self._deliveries = [Delivery() for _ in messages]
+        self._by_message_id = {}
+        for index, message in enumerate(messages):
+            properties = pika.BasicProperties(
+                delivery_mode=2,
+                message_id=message.message_id,
+                content_type=message.content_type,
+                headers=dict(message.headers) if message.headers is not None else None,
+                timestamp=int(message.timestamp.timestamp()) if message.timestamp else None,
+            )
+            try:
+                channel.basic_publish(
+                    message.exchange, message.routing_key, message.body, properties, mandatory=True
+                )
+            except (pika.exceptions.AMQPError, ValueError, TypeError) as exc:
+                # Channel closed under us, or a value pika cannot encode.
+                self._deliveries[index].reason = _describe(exc)
+                if self._channel is None or not channel.is_open:
+                    break
+                continue
+            tag = self._next_tag
+            self._next_tag += 1
+            self._unconfirmed[tag] = index
+            self._by_message_id.setdefault(message.message_id, []).append(index)
+        self._run_until(
+            lambda: not self._unconfirmed or self._failure is not None, timeout
+        )
+        for index in self._unconfirmed.values():
+            if not self._deliveries[index].reason:
+                self._deliveries[index].reason = "no confirm before the publish timeout"
+        if self._unconfirmed:
+            # Late confirms for this batch must not be taken for the next one's.
+            self._abandon_channel()
+        return self._deliveries
+
+    def _abandon_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        self._unconfirmed.clear()
+        if channel is not None and channel.is_open:
+            try:
+                channel.close()
+            except Exception:  # noqa: BLE001
+                log.debug("broker.channel_close_failed", exc_info=True)
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        accepted = isinstance(method, pika.spec.Basic.Ack)
+        if method.multiple:
+            tags = []
+            for tag in self._unconfirmed:
+                if tag > method.delivery_tag:
+                    break
+                tags.append(tag)
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
+        for tag in tags:
+            delivery = self._deliveries[self._unconfirmed.pop(tag)]
+            if not accepted:
+                delivery.outcome = Outcome.NACKED
+                delivery.reason = "nacked by the broker"
+            elif delivery.outcome is not Outcome.RETURNED:
+                delivery.outcome = Outcome.ACCEPTED
+        self._poke()
+
+    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
+        # basic.return precedes the message's ack; mark the oldest unconfirmed
+        # delivery with this message id.
+        for index in self._by_message_id.get(properties.message_id, []):
+            delivery = self._deliveries[index]
+            if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
+                delivery.outcome = Outcome.RETURNED
+                delivery.reason = (
+                    f"unroutable: exchange {method.exchange!r} has no queue bound for "
+                    f"routing key {method.routing_key!r} ({method.reply_code} {method.reply_text})"
+                )
+                break
+
+    # -- topology --------------------------------------------------------------
+    def exchange_exists(self, name: str) -> bool:
+        """Passive declare on a throwaway channel (a 404 closes only that channel)."""
+        return self._passive(lambda ch, cb: ch.exchange_declare(name, passive=True, callback=cb))
+
+    def queue_exists(self, name: str) -> bool:
+        return self._passive(lambda ch, cb: ch.queue_declare(name, passive=True, callback=cb))
+
+    def _passive(self, declare: Callable[[Any, Callable[[Any], None]], None]) -> bool:
+        state = self._on_throwaway_channel(declare)
+        if "ok" in state:
+            return True
+        closed = state.get("closed")
+        if isinstance(closed, pika.exceptions.ChannelClosedByBroker) and closed.reply_code == 404:
+            return False
+        raise BrokerUnavailable(f"could not check the broker's topology: {_describe(closed)}")
+
+    def _on_throwaway_channel(
+        self, declare: Callable[[Any, Callable[[Any], None]], None]
+    ) -> dict[str, Any]:
+        """Run one declare on a channel of its own; a broker error closes only that one.
+
+        Returns ``{"ok": True}`` on success or ``{"closed": reason}``.
+        """
+        if not self.connected or self._conn is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        state: dict[str, Any] = {}
+
+        def closed(_channel: Any, reason: BaseException) -> None:
+            state["closed"] = reason
+            self._poke()
+
+        def declared(_frame: Any) -> None:
+            state["ok"] = True
+            self._poke()
+
+        def opened(channel: Any) -> None:
+            state["channel"] = channel
+            channel.add_on_close_callback(closed)
+            declare(channel, declared)
+
+        self._conn.channel(on_open_callback=opened)
+        finished = self._run_until(
+            lambda: "ok" in state or "closed" in state or self._failure is not None,
+            self._connect_timeout,
+        )
+        if "ok" in state and state["channel"].is_open:
+            state["channel"].close()
+        if not finished or self._failure is not None:
+            raise BrokerUnavailable(f"RabbitMQ did not answer a declare: {self._failure or 'timed out'}")
+        return state
+
+    def declare_stream(self, name: str, max_age: str) -> None:
+        """Declare the durable stream queue the ledger lives in (idempotent)."""
+        state = self._on_throwaway_channel(
+            lambda ch, cb: ch.queue_declare(
+                name,
+                durable=True,
+                arguments={"x-queue-type": "stream", "x-max-age": max_age},
+                callback=cb,
+            )
+        )
+        if "ok" not in state:
+            raise OutboxError(
+                f"cannot declare the ledger stream {name!r}: {_describe(state.get('closed'))}",
+                "a queue of that name exists with other arguments: delete it or set "
+                "--ledger-queue to another name",
+            )
+
+    # -- idle ------------------------------------------------------------------
+    def wait(self, timeout: float, wake_fd: int | None = None) -> bool:
+        """Serve the connection (heartbeats) for up to ``timeout`` seconds.
+
+        Returns True early when ``wake_fd`` becomes readable (a NOTIFY arrived on
+        the PostgreSQL control session).
+        """
+        if self._conn is None or not self.connected:
+            return False
+        woken: list[bool] = []
+        ioloop = self._conn.ioloop
+        if wake_fd is not None:
+
+            def on_readable(_fd: int, _events: int) -> None:
+                woken.append(True)
+                ioloop.stop()
+
+            ioloop.add_handler(wake_fd, on_readable, ioloop.READ)
+        try:
+            self._run_until(lambda: bool(woken) or self._failure is not None, timeout)
+        finally:
+            if wake_fd is not None:
+                ioloop.remove_handler(wake_fd)
+        return bool(woken)
+
+
+def _describe(error: object) -> str:
+    if isinstance(error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker):
+        return f"{error.reply_code} {error.reply_text}"
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0]
+
+
+def read_stream(
+    url: str,
+    queue: str,
+    *,
+    since: datetime.datetime | None,
+    probe: bytes,
+    timeout: float,
+    connect_timeout: float = 10.0,
+) -> Iterator[bytes]:
+    """Yield the bodies of a stream queue from ``since`` (or its start) up to ``probe``.
+
+    AMQP gives a stream reader no end-of-stream signal, so we first append a probe
+    record (confirmed), then read until we meet it again: everything written
+    before the probe has then been seen.
+    """
+    params = pika.URLParameters(url)
+    params.socket_timeout = connect_timeout
+    params.connection_attempts = 1
+    try:
+        conn = pika.BlockingConnection(params)
+    except pika.exceptions.AMQPError as exc:
+        raise BrokerUnavailable(
+            f"cannot connect to RabbitMQ to read the ledger: {_describe(exc)}",
+            "check --amqp-url / OUTBOX_AMQP_URL",
+        ) from exc
+    try:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            "", queue, probe, pika.BasicProperties(delivery_mode=2, message_id=str(uuid.uuid4())),
+            mandatory=True,
+        )
+        channel.basic_qos(prefetch_count=1000)
+        offset: Any = since.astimezone(datetime.timezone.utc) if since else "first"
+        seen = 0
+        for method, _props, body in channel.consume(
+            queue, arguments={"x-stream-offset": offset}, inactivity_timeout=timeout
+        ):
+            if method is None:
+                raise BrokerUnavailable(
+                    f"reading the ledger {queue!r} stalled for {timeout}s before the probe came back"
+                )
+            seen += 1
+            if seen % 500 == 0:
+                channel.basic_ack(method.delivery_tag, multiple=True)
+            if body == probe:
+                break
+            yield body
+        channel.cancel()
+    except pika.exceptions.UnroutableError as exc:
+        raise OutboxError(
+            f"the ledger stream {queue!r} does not exist",
+            "start a relay once (it declares the stream) or check --ledger-queue",
+        ) from exc
+    except pika.exceptions.AMQPError as exc:
+        raise BrokerUnavailable(f"lost RabbitMQ while reading the ledger: {_describe(exc)}") from exc
+    finally:
+        try:
+            conn.close()
+        except pika.exceptions.AMQPError:
+            pass

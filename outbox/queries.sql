@@ -1,0 +1,106 @@
+-- Every SQL statement of the package, as named blocks (`-- name --`).
+-- Identifiers in braces ({outbox}, {relays}, {dead_letters}) are filled in with
+-- psycopg.sql.Identifier for the configured table; values are %(name)s parameters.
+
+-- claim_batch --
+-- Lock and delete up to `limit` committed rows nobody else holds.  The delete only
+-- becomes final with COMMIT PREPARED; ROLLBACK PREPARED puts every row back.
+DELETE FROM {outbox}
+WHERE id IN (
+    SELECT id FROM {outbox}
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+
+-- has_claimable_rows --
+SELECT EXISTS (SELECT 1 FROM {outbox} FOR UPDATE SKIP LOCKED) AS claimable
+
+-- record_dead_letters --
+INSERT INTO {dead_letters}
+    (message_id, exchange, routing_key, payload, headers, content_type, created_at, reason, gid)
+VALUES
+    (%(message_id)s, %(exchange)s, %(routing_key)s, %(payload)s, %(headers)s,
+     %(content_type)s, %(created_at)s, %(reason)s, %(gid)s)
+ON CONFLICT (message_id) DO UPDATE
+SET reason = EXCLUDED.reason, gid = EXCLUDED.gid, failed_at = now(),
+    attempts = {dead_letters}.attempts + 1
+
+-- prepared_gid_exists --
+SELECT EXISTS (
+    SELECT 1 FROM pg_prepared_xacts
+    WHERE gid = %(gid)s AND database = current_database()
+) AS present
+
+-- prepared_batches --
+SELECT gid, prepared, owner, database = current_database() AS local,
+       extract(epoch FROM now() - prepared)::float8 AS age_seconds
+FROM pg_prepared_xacts
+ORDER BY prepared
+
+-- max_prepared_transactions --
+SELECT current_setting('max_prepared_transactions')::int AS slots
+
+-- register_relay --
+INSERT INTO {relays} (relay_id, lock_key, hostname, pid)
+VALUES (%(relay_id)s, %(lock_key)s, %(hostname)s, %(pid)s)
+ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()
+
+-- try_lock_relay --
+SELECT pg_try_advisory_lock(%(lock_class)s, %(lock_key)s) AS locked
+
+-- heartbeat --
+UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
+
+-- unregister_relay --
+DELETE FROM {relays} WHERE relay_id = %(relay_id)s
+
+-- relay_liveness --
+-- For each relay id: is its control session alive (advisory lock held), and how
+-- old is its last heartbeat.  Unknown ids come back with lock_held = false.
+SELECT ids.relay_id,
+       l.pid AS backend_pid,
+       r.hostname, r.pid, r.started_at,
+       extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age
+FROM unnest(%(relay_ids)s::text[], %(lock_keys)s::int[]) AS ids(relay_id, lock_key)
+LEFT JOIN {relays} r ON r.relay_id = ids.relay_id
+LEFT JOIN pg_locks l
+       ON l.locktype = 'advisory' AND l.granted
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = %(lock_class)s::int::oid
+      AND l.objid = ids.lock_key::oid
+      AND l.objsubid = 2
+
+-- live_relays --
+SELECT r.relay_id, r.hostname, r.pid, r.started_at,
+       extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age,
+       l.pid IS NOT NULL AS alive
+FROM {relays} r
+LEFT JOIN pg_locks l
+       ON l.locktype = 'advisory' AND l.granted
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = %(lock_class)s::int::oid
+      AND l.objid = r.lock_key::oid
+      AND l.objsubid = 2
+ORDER BY r.started_at
+
+-- forget_dead_relays --
+-- Registry rows of relays whose session is gone and that own no prepared batch.
+DELETE FROM {relays} r
+WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_locks l
+      WHERE l.locktype = 'advisory' AND l.granted
+        AND l.classid = %(lock_class)s::int::oid AND l.objid = r.lock_key::oid
+        AND l.objsubid = 2)
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
+
+-- backlog --
+SELECT count(*) AS rows,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds
+FROM {outbox}
+
+-- dead_letter_count --
+SELECT count(*) AS dead_letters FROM {dead_letters}

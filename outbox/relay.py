@@ -1,0 +1,450 @@
+"""The relay: claim → PREPARE → publish → record → COMMIT PREPARED, forever.
+
+State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
+
+    IDLE ──claim──▶ CLAIMED ──PREPARE──▶ PREPARED ──publish──▶ PUBLISHED
+      ▲               │ (0 rows: ROLLBACK)     │ nack / lost / timeout     │
+      │               ▼                        ▼                           ▼
+      │             IDLE                 ROLLBACK PREPARED         dead letters recorded
+      │                                  (rows claimable again)            │
+      │                                                                   ▼
+      └──────────── COMMIT PREPARED ◀──── EVIDENCE (gid in the ledger) ◀───┘
+
+A batch becomes ``UNSETTLED`` when the database connection drops during PREPARE,
+ROLLBACK PREPARED or COMMIT PREPARED: its outcome is unknown, and the relay looks
+the gid up after reconnecting (present → finish it by the evidence rule; gone →
+someone finished it).  Nothing is published for a batch whose PREPARE is not known
+to have succeeded.
+
+What a crash (kill -9) leaves at each step, and who cleans up:
+
+=============================  ===============================  =====================================
+crash right after              state left                       outcome (by whom)
+=============================  ===============================  =====================================
+claim (before PREPARE)         open transaction, dies with the  rows free at once; no duplicate
+                               session
+PREPARE                        prepared xact holding the rows   no evidence → ROLLBACK (resolver);
+                                                                no duplicate
+some messages published        some messages on the broker      no evidence → ROLLBACK (resolver);
+                                                                duplicates ≤ batch
+all messages confirmed         every message on the broker      no evidence → ROLLBACK (resolver);
+                                                                duplicates = batch (tiny window)
+ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
+COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
+=============================  ===============================  =====================================
+
+"resolver" is any relay's periodic pass (``resolver.resolve``) or ``outbox
+resolve``; it acts only once the owner's control session (advisory lock) is gone,
+or its heartbeat is older than ``relay_timeout`` (partition).  A relay whose own
+heartbeat is that stale no longer writes evidence for its batch: it rolls it
+back instead, so a resolver and the relay never disagree about a batch.
+
+Transient failures (broker down or blocked, nack, confirm timeout, database
+restart) roll the batch back when possible and retry with backoff; they never
+dead-letter a row.  Rows that can never be published (``message.problem_with``,
+missing exchange, unroutable) become dead letters in the same pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from outbox import backoff, faults, ledger
+from outbox.config import Settings
+from outbox.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    OutboxError,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+)
+from outbox.events import emit
+from outbox.gid import Gid, new_relay_id
+from outbox.message import DeadLetter, OutboxRow, problem_with
+from outbox.publisher import Message, Outcome, Publisher
+from outbox.store import BatchStore, ControlSession
+
+log = logging.getLogger("outbox.relay")
+
+# How long a verified exchange is trusted before it is checked again.
+EXCHANGE_CACHE_SECONDS = 60.0
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters of one relay process (exported as metrics, shown in logs)."""
+
+    batches_committed: int = 0
+    batches_rolled_back: int = 0
+    batches_resolved: int = 0
+    messages_published: int = 0
+    dead_letters: int = 0
+    reconnects: int = 0
+    duplicates_possible: int = 0  # messages accepted in batches that were then rolled back
+
+
+@dataclasses.dataclass
+class _Unsettled:
+    gid: str
+    evidence: bool  # the ledger record was confirmed: the batch must be committed
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (or a test); checked between batches."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.set())
+
+
+def to_message(row: OutboxRow) -> Message:
+    return Message(
+        exchange=row.exchange,
+        routing_key=row.routing_key,
+        body=row.payload,
+        message_id=str(row.message_id),
+        content_type=row.content_type,
+        headers=row.headers,
+        timestamp=row.created_at,
+    )
+
+
+class Relay:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        stop: StopFlag | None = None,
+        on_batch: Callable[[str, Stats], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stop = stop or StopFlag()
+        self.stats = Stats()
+        self._on_batch = on_batch
+        self.store: BatchStore | None = None
+        self.control: ControlSession | None = None
+        self.publisher = Publisher(
+            settings.amqp_url,
+            connect_timeout=settings.connect_timeout,
+            blocked_timeout=max(settings.publish_timeout * 2, 60.0),
+        )
+        self.relay_id = ""
+        self._seq = 0
+        self._unsettled: _Unsettled | None = None
+        self._in_flight: str | None = None  # prepared and not yet finished by us
+        self._exchanges_seen: dict[str, float] = {}
+        self._last_heartbeat_ok = 0.0
+        self._next_heartbeat = 0.0
+        self._next_resolve = 0.0
+        self._failures = 0
+
+    # -- connections -----------------------------------------------------------
+    def start(self) -> None:
+        """Connect everything and check the servers; raises OutboxError if not ready.
+
+        Called once before ``run``: a bad configuration fails fast with a clear
+        message; outages after this point are retried forever.
+        """
+        self._connect_database()
+        assert self.store is not None
+        self.store.check_ready()
+        self._connect_broker()
+
+    def _connect_database(self) -> None:
+        s = self.settings
+        if self.store is None or self.store.broken:
+            if self.store is not None:
+                self.store.close()
+            self.store = None
+            self.store = BatchStore(s.dsn, s.table, connect_timeout=s.connect_timeout)
+        if self.control is None or self.control.broken:
+            if self.control is not None:
+                self.control.close()
+            self.control = None
+            # A new control session gets a new relay id: the old session may still
+            # hold the old lock on the server until it notices it is dead.
+            while True:
+                relay_id = new_relay_id()
+                control = ControlSession(s.dsn, s.table, relay_id, connect_timeout=s.connect_timeout)
+                if control.acquire():
+                    break
+                control.close()
+            control.listen()
+            self.control, self.relay_id = control, relay_id
+            self._last_heartbeat_ok = time.monotonic()
+            self._next_heartbeat = self._last_heartbeat_ok + s.heartbeat_interval
+            self._next_resolve = 0.0  # resolve dead relays' batches right away
+            emit(log, "relay.registered", relay=relay_id)
+
+    def _connect_broker(self) -> None:
+        if not self.publisher.connected:
+            self.publisher.connect()
+            self._exchanges_seen.clear()
+            self.publisher.declare_stream(self.settings.ledger_queue, self.settings.ledger_max_age)
+            emit(log, "broker.connected")
+
+    def _reconnect(self, error: OutboxError) -> None:
+        """Back off, then reconnect whatever is broken; never raises for outages."""
+        self.stats.reconnects += 1
+        pause = backoff.delay(
+            self._failures, initial=self.settings.backoff_initial, maximum=self.settings.backoff_max
+        )
+        self._failures += 1
+        emit(log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s")
+        deadline = time.monotonic() + pause
+        while not self.stop and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        try:
+            self._connect_database()
+            self._connect_broker()
+        except (DatabaseUnavailable, BrokerUnavailable) as exc:
+            emit(log, "relay.reconnect_failed", logging.WARNING, error=exc.message)
+
+    def close(self) -> None:
+        if self.control is not None:
+            try:
+                self.control.unregister()
+            except OutboxError:
+                pass
+            self.control.close()
+        if self.store is not None:
+            self.store.close()
+        self.publisher.close()
+        self.control = self.store = None
+
+    # -- the loop --------------------------------------------------------------
+    def run(self, *, drain: bool = False) -> Stats:
+        """Relay until stopped (or, with ``drain``, until nothing is claimable)."""
+        if self.store is None:
+            self.start()
+        try:
+            while not self.stop:
+                try:
+                    if self._unsettled is not None:
+                        self._settle()
+                    self._maintain()
+                    claimed = self.process_one_batch()
+                    self._failures = 0
+                    if claimed:
+                        continue
+                    if drain and self._drained():
+                        break
+                    self._wait_for_work()
+                except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown) as exc:
+                    self._reconnect(exc)
+                except PreparedSlotsExhausted as exc:
+                    emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
+                    self._reconnect(exc)
+        finally:
+            self.close()
+        return self.stats
+
+    def _drained(self) -> bool:
+        assert self.store is not None
+        self._resolve_dead_relays()
+        return not self.store.has_claimable_rows()
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        assert self.control is not None
+        if now >= self._next_heartbeat:
+            self.control.heartbeat()
+            self._last_heartbeat_ok = now
+            self._next_heartbeat = now + self.settings.heartbeat_interval
+        if now >= self._next_resolve:
+            self._next_resolve = now + self.settings.resolve_interval
+            self._resolve_dead_relays()
+
+    def _resolve_dead_relays(self) -> None:
+        from resolver.apply import resolve  # the resolver imports outbox, not the reverse
+
+        assert self.store is not None
+        for resolution in resolve(self.store, self.settings):
+            if resolution.finished:
+                self.stats.batches_resolved += 1
+
+    def _wait_for_work(self) -> None:
+        """Sleep until a NOTIFY arrives or the poll interval passes (serving AMQP)."""
+        assert self.control is not None
+        if self.control.take_notifications():
+            return
+        deadline = time.monotonic() + self.settings.poll_interval
+        while not self.stop:
+            remaining = min(deadline, self._next_heartbeat) - time.monotonic()
+            if remaining <= 0:
+                return
+            # Wake at least every second so SIGTERM is noticed promptly.
+            if self.publisher.wait(min(remaining, 1.0), wake_fd=self.control.fileno()):
+                self.control.take_notifications()
+                return
+            if not self.publisher.connected:
+                raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    def _next_gid(self) -> str:
+        self._seq += 1
+        return str(Gid(self.settings.table, self.relay_id, self._seq))
+
+    # -- one batch -------------------------------------------------------------
+    def process_one_batch(self) -> int:
+        """Claim, prepare, publish, record and commit one batch; returns rows claimed."""
+        store = self.store
+        assert store is not None
+        started = time.monotonic()
+        rows = store.claim_batch(self.settings.batch_size)
+        if not rows:
+            store.abandon_claim()
+            return 0
+        faults.reached("after_claim")
+        gid = self._next_gid()
+        try:
+            store.prepare(gid)
+        except OutcomeUnknown:
+            self._unsettled = _Unsettled(gid, evidence=False)
+            raise
+        faults.reached("after_prepare")
+        # From here on the batch is durable and undecided until finished.
+        self._in_flight = gid
+        try:
+            self._publish_prepared(gid, rows, started)
+        except (DatabaseUnavailable, BrokerUnavailable):
+            if self._in_flight is not None and self._unsettled is None:
+                self._unsettled = _Unsettled(gid, evidence=False)
+            raise
+        finally:
+            self._in_flight = None
+        return len(rows)
+
+    def _publish_prepared(self, gid: str, rows: Sequence[OutboxRow], started: float) -> None:
+        store = self.store
+        assert store is not None
+        dead, good = self._sort_out(rows)
+        deliveries = self._publish(good)
+        returned = [
+            DeadLetter(row, d.reason)
+            for row, d in zip(good, deliveries)
+            if d.outcome is Outcome.RETURNED
+        ]
+        failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
+        if failed:
+            accepted = sum(1 for d in deliveries if d.outcome is Outcome.ACCEPTED)
+            self._roll_back(gid, reason=failed[0].reason, accepted=accepted)
+            if not self.publisher.connected:
+                raise BrokerUnavailable(f"lost RabbitMQ while publishing {gid}: {failed[0].reason}")
+            if any("404" in d.reason for d in failed):
+                self._exchanges_seen.clear()
+            raise BrokerUnavailable(f"batch {gid} not confirmed: {failed[0].reason}")
+        faults.reached("after_publish")
+        dead.extend(returned)
+        if dead:
+            store.record_dead_letters(dead, gid)
+            for letter in dead:
+                emit(log, "row.dead_lettered", logging.WARNING, gid=gid,
+                     message_id=letter.row.message_id, reason=letter.reason)
+        published = len(good) - len(returned)
+        if not self._may_commit():
+            self._roll_back(gid, reason="heartbeat too old (partitioned?)", accepted=published)
+            raise DatabaseUnavailable("the relay's heartbeat is stale; backing off")
+        record = ledger.record(gid, rows=len(rows), dead=len(dead), relay_id=self.relay_id)
+        record = dataclasses.replace(record, routing_key=self.settings.ledger_queue)
+        [entry] = self.publisher.publish([record], self.settings.publish_timeout)
+        if entry.outcome is not Outcome.ACCEPTED:
+            self._roll_back(gid, reason=f"ledger record not confirmed: {entry.reason}",
+                            accepted=published)
+            raise BrokerUnavailable(f"could not record {gid} in the ledger: {entry.reason}")
+        faults.reached("after_ledger")
+        self._unsettled = _Unsettled(gid, evidence=True)
+        faults.reached("before_commit_prepared")
+        store.finish(gid, commit=True)
+        self._unsettled = self._in_flight = None
+        self.stats.batches_committed += 1
+        self.stats.messages_published += published
+        self.stats.dead_letters += len(dead)
+        emit(log, "batch.committed", logging.DEBUG, gid=gid, rows=len(rows), published=published,
+             dead=len(dead), ms=f"{(time.monotonic() - started) * 1000:.1f}")
+        if self._on_batch:
+            self._on_batch(gid, self.stats)
+
+    def _sort_out(self, rows: Sequence[OutboxRow]) -> tuple[list[DeadLetter], list[OutboxRow]]:
+        """Split rows into those that can never be published and the rest."""
+        dead: list[DeadLetter] = []
+        good: list[OutboxRow] = []
+        missing = self._missing_exchanges({r.exchange for r in rows})
+        for row in rows:
+            reason = problem_with(row, self.settings.max_message_bytes)
+            if reason is None and row.exchange in missing:
+                reason = f"exchange {row.exchange!r} does not exist"
+            if reason is None:
+                good.append(row)
+            else:
+                dead.append(DeadLetter(row, reason))
+        return dead, good
+
+    def _missing_exchanges(self, names: set[str]) -> set[str]:
+        now = time.monotonic()
+        missing = set()
+        for name in names:
+            if name == "" or len(name.encode()) > 255:
+                continue
+            if self._exchanges_seen.get(name, 0.0) > now:
+                continue
+            if self.publisher.exchange_exists(name):
+                self._exchanges_seen[name] = now + EXCHANGE_CACHE_SECONDS
+            else:
+                missing.add(name)
+        return missing
+
+    def _publish(self, rows: Sequence[OutboxRow]) -> list[Any]:
+        messages = [to_message(r) for r in rows]
+        timeout = self.settings.publish_timeout
+        if faults.armed("mid_publish") and len(messages) > 1:
+            half = len(messages) // 2
+            first = self.publisher.publish(messages[:half], timeout)
+            faults.reached("mid_publish")
+            return first + self.publisher.publish(messages[half:], timeout)
+        return self.publisher.publish(messages, timeout) if messages else []
+
+    def _may_commit(self) -> bool:
+        """False once our heartbeat is so old a resolver may presume us dead."""
+        age = time.monotonic() - self._last_heartbeat_ok
+        return age < self.settings.relay_timeout - self.settings.heartbeat_interval
+
+    def _roll_back(self, gid: str, *, reason: str, accepted: int) -> None:
+        assert self.store is not None
+        self._unsettled = _Unsettled(gid, evidence=False)
+        self.store.finish(gid, commit=False)
+        self._unsettled = self._in_flight = None
+        self.stats.batches_rolled_back += 1
+        self.stats.duplicates_possible += accepted
+        emit(log, "batch.rolled_back", logging.WARNING, gid=gid, reason=reason,
+             accepted_before=accepted)
+
+    def _settle(self) -> None:
+        """Finish the batch whose PREPARE/COMMIT/ROLLBACK outcome was cut off."""
+        unsettled = self._unsettled
+        assert unsettled is not None and self.store is not None
+        if self.store.gid_exists(unsettled.gid):
+            self.store.finish(unsettled.gid, commit=unsettled.evidence)
+            outcome = "committed" if unsettled.evidence else "rolled_back"
+        else:
+            outcome = "finished_elsewhere"
+        if unsettled.evidence:
+            self.stats.batches_committed += 1
+        else:
+            self.stats.batches_rolled_back += 1
+        emit(log, "batch.settled", logging.WARNING, gid=unsettled.gid, outcome=outcome)
+        self._unsettled = None

@@ -1,0 +1,391 @@
+"""The only module that talks to PostgreSQL (psycopg 3).
+
+Two kinds of session:
+
+- ``BatchStore``: the relay's work connection.  It claims rows, prepares and
+  finishes batches.  It runs in autocommit mode and issues BEGIN / PREPARE
+  TRANSACTION / COMMIT PREPARED itself, so that a prepared batch never pins the
+  connection's transaction state.
+- ``ControlSession``: one small autocommit session per relay that holds the relay's
+  advisory lock (proof of life for resolvers), writes its heartbeat and LISTENs for
+  wake-ups.  It never takes part in a batch, because a transaction that ran LISTEN
+  cannot be prepared.
+
+Driver exceptions never leave this module: they become ``outbox.errors`` types.
+A lost connection during PREPARE or COMMIT/ROLLBACK PREPARED raises
+``OutcomeUnknown``: the caller must look the gid up after reconnecting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from outbox import gid as gids
+from outbox import migrate
+from outbox.errors import (
+    DatabaseUnavailable,
+    OutboxError,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+    PreparedTransactionsDisabled,
+    SchemaNotReady,
+)
+from outbox.message import DeadLetter, OutboxRow
+from outbox.queries import Queries
+
+Row = dict[str, Any]
+Conn = psycopg.Connection[Row]
+
+
+def connect(dsn: str, *, application_name: str, connect_timeout: float = 10.0) -> Conn:
+    """An autocommit connection, or ``DatabaseUnavailable`` saying what to check."""
+    try:
+        return psycopg.connect(
+            dsn,
+            autocommit=True,
+            row_factory=dict_row,
+            application_name=application_name,
+            connect_timeout=max(1, round(connect_timeout)),
+            # Notice a dead server or a cut network in seconds, not hours.
+            keepalives=1,
+            keepalives_idle=10,
+            keepalives_interval=5,
+            keepalives_count=3,
+        )
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(
+            f"cannot connect to PostgreSQL: {_first_line(exc)}",
+            "check --dsn / OUTBOX_DSN and that the server is running",
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost(conn: Conn, exc: Exception) -> bool:
+    return conn.broken or conn.closed or isinstance(exc, psycopg.OperationalError)
+
+
+def _row(record: Row) -> OutboxRow:
+    return OutboxRow(
+        id=record["id"],
+        message_id=record["message_id"],
+        exchange=record["exchange"],
+        routing_key=record["routing_key"],
+        payload=bytes(record["payload"]),
+        headers=record["headers"],
+        content_type=record["content_type"],
+        created_at=record["created_at"],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """A row of ``pg_prepared_xacts``."""
+
+    gid: str
+    prepared: datetime.datetime
+    owner: str
+    local: bool  # in the current database
+    age_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayLiveness:
+    relay_id: str
+    lock_held: bool
+    heartbeat_age: float | None  # None: the relay never registered or was forgotten
+    backend_pid: int | None
+
+
+class _Session:
+    def __init__(self, dsn: str, table: str, application_name: str, connect_timeout: float):
+        self.table = table
+        self.queries = Queries(table)
+        self.conn = connect(dsn, application_name=application_name, connect_timeout=connect_timeout)
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except OutboxError:
+            raise
+        except psycopg.Error as exc:
+            if _lost(self.conn, exc):
+                raise DatabaseUnavailable(
+                    f"lost the PostgreSQL connection while {what}: {_first_line(exc)}",
+                    "the relay reconnects by itself; check the server if this repeats",
+                ) from exc
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+    @property
+    def broken(self) -> bool:
+        return self.conn.broken or self.conn.closed
+
+
+class BatchStore(_Session):
+    """Claims, prepares and finishes batches on the relay's work connection."""
+
+    def __init__(
+        self, dsn: str, table: str, *, application_name: str = "outbox-relay",
+        connect_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(dsn, table, application_name, connect_timeout)
+
+    # -- preflight ---------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raise if prepared transactions are disabled or the schema is not current."""
+        with self._translated("checking the database"):
+            slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
+            if not slots or slots["slots"] <= 0:
+                raise PreparedTransactionsDisabled(
+                    "PostgreSQL has prepared transactions disabled (max_prepared_transactions = 0)",
+                    "set max_prepared_transactions to at least the number of relays "
+                    "(e.g. 64) in postgresql.conf and restart PostgreSQL",
+                )
+            version = migrate.current_version(self.conn, self.table)  # type: ignore[arg-type]
+        if version is None:
+            raise SchemaNotReady(
+                f"the outbox table {self.table!r} has not been created in this database",
+                "run `outbox init` (or apply `outbox init --print-sql`)",
+            )
+        if version < migrate.LATEST_VERSION:
+            raise SchemaNotReady(
+                f"the outbox schema is at version {version}, this relay needs "
+                f"{migrate.LATEST_VERSION}",
+                "run `outbox init` to upgrade it",
+            )
+
+    # -- the batch ---------------------------------------------------------
+    def claim_batch(self, limit: int) -> list[OutboxRow]:
+        """Open a transaction and claim up to ``limit`` rows (deleted, locked).
+
+        Crash right after: the open transaction dies with the session, the rows are
+        free again at once; nothing to clean up.
+        """
+        with self._translated("claiming a batch"):
+            self.conn.execute("BEGIN")
+            cur = self.conn.execute(self.queries["claim_batch"], {"limit": limit})
+            return [_row(r) for r in cur.fetchall()]
+
+    def abandon_claim(self) -> None:
+        """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
+        with self._translated("rolling back a claim"):
+            self.conn.execute("ROLLBACK")
+
+    def prepare(self, gid: str) -> None:
+        """PREPARE TRANSACTION: the claim survives any crash, undecided.
+
+        Raises ``OutcomeUnknown`` if the connection drops, because PREPARE may or
+        may not have happened; the caller must not publish and must look the gid
+        up (``gid_exists``) after reconnecting.
+        """
+        stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid))
+        try:
+            self.conn.execute(stmt)
+        except pgerrors.ObjectNotInPrerequisiteState as exc:
+            self._rollback_quietly()
+            raise PreparedTransactionsDisabled(
+                "PostgreSQL refused PREPARE TRANSACTION: prepared transactions are disabled",
+                "set max_prepared_transactions > 0 and restart PostgreSQL",
+            ) from exc
+        except psycopg.Error as exc:
+            if _lost(self.conn, exc):
+                raise OutcomeUnknown(f"connection lost during PREPARE of {gid}") from exc
+            self._rollback_quietly()
+            if "maximum number of prepared transactions" in str(exc):
+                raise PreparedSlotsExhausted(
+                    "every prepared-transaction slot of the server is in use",
+                    "raise max_prepared_transactions or run fewer relays; "
+                    "the relay backs off and retries",
+                ) from exc
+            raise DatabaseUnavailable(f"PREPARE TRANSACTION failed: {_first_line(exc)}") from exc
+
+    def _rollback_quietly(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.conn.execute("ROLLBACK")
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        """COMMIT PREPARED or ROLLBACK PREPARED; False if the gid was finished elsewhere.
+
+        Two finishers may race on one gid: the loser sees 42704 (no such gid) or
+        55000 (busy), and both mean someone else is finishing it.  A dropped
+        connection raises ``OutcomeUnknown``.
+        """
+        verb = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
+        stmt = sql.SQL(verb + " {}").format(sql.Literal(gid))
+        try:
+            self.conn.execute(stmt)
+        except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
+            return False
+        except psycopg.Error as exc:
+            if _lost(self.conn, exc):
+                raise OutcomeUnknown(f"connection lost during {verb} of {gid}") from exc
+            raise
+        return True
+
+    def gid_exists(self, gid: str) -> bool:
+        with self._translated("looking up a prepared batch"):
+            row = self.conn.execute(self.queries["prepared_gid_exists"], {"gid": gid}).fetchone()
+            return bool(row and row["present"])
+
+    def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None:
+        """Store rows that can never be published, in a transaction of their own.
+
+        This commits before the batch's COMMIT PREPARED.  A crash in between rolls
+        the batch back: the row is then both a dead letter and in the outbox, is
+        tried again and dead-lettered again (``attempts`` counts up).  At no moment
+        is it in neither place.
+        """
+        params = [
+            {
+                "message_id": d.row.message_id,
+                "exchange": d.row.exchange,
+                "routing_key": d.row.routing_key,
+                "payload": d.row.payload,
+                "headers": Jsonb(d.row.headers) if d.row.headers is not None else None,
+                "content_type": d.row.content_type,
+                "created_at": d.row.created_at,
+                "reason": d.reason,
+                "gid": gid,
+            }
+            for d in dead
+        ]
+        with self._translated("recording dead letters"), self.conn.transaction():
+            self.conn.cursor().executemany(self.queries["record_dead_letters"], params)
+
+    def has_claimable_rows(self) -> bool:
+        with self._translated("looking for claimable rows"), self.conn.transaction():
+            row = self.conn.execute(self.queries["has_claimable_rows"]).fetchone()
+            return bool(row and row["claimable"])
+
+    # -- what resolvers and status read ---------------------------------------
+    def prepared_batches(self) -> list[PreparedBatch]:
+        with self._translated("reading pg_prepared_xacts"):
+            rows = self.conn.execute(self.queries["prepared_batches"]).fetchall()
+        return [PreparedBatch(**r) for r in rows]
+
+    def relay_liveness(self, relay_ids: Sequence[str]) -> dict[str, RelayLiveness]:
+        if not relay_ids:
+            return {}
+        with self._translated("checking relay liveness"):
+            rows = self.conn.execute(
+                self.queries["relay_liveness"],
+                {
+                    "relay_ids": list(relay_ids),
+                    "lock_keys": [gids.lock_key(r) for r in relay_ids],
+                    "lock_class": gids.LOCK_CLASS,
+                },
+            ).fetchall()
+        return {
+            r["relay_id"]: RelayLiveness(
+                relay_id=r["relay_id"],
+                lock_held=r["backend_pid"] is not None,
+                heartbeat_age=r["heartbeat_age"],
+                backend_pid=r["backend_pid"],
+            )
+            for r in rows
+        }
+
+    def terminate_backend(self, pid: int) -> bool:
+        """End a partitioned relay's control session, so its death becomes certain."""
+        with self._translated("terminating a relay session"):
+            row = self.conn.execute("SELECT pg_terminate_backend(%s) AS done", [pid]).fetchone()
+            return bool(row and row["done"])
+
+    def forget_dead_relays(self, older_than: float) -> int:
+        with self._translated("pruning the relay registry"):
+            cur = self.conn.execute(
+                self.queries["forget_dead_relays"],
+                {
+                    "older_than": older_than,
+                    "lock_class": gids.LOCK_CLASS,
+                    "gid_prefix": gids.relay_prefix(self.table),
+                },
+            )
+            return cur.rowcount
+
+    def live_relays(self) -> list[Row]:
+        with self._translated("listing relays"):
+            return self.conn.execute(
+                self.queries["live_relays"], {"lock_class": gids.LOCK_CLASS}
+            ).fetchall()
+
+    def backlog(self) -> Row:
+        with self._translated("measuring the backlog"):
+            row = self.conn.execute(self.queries["backlog"]).fetchone()
+            assert row is not None
+            return row
+
+    def dead_letter_count(self) -> int:
+        with self._translated("counting dead letters"):
+            row = self.conn.execute(self.queries["dead_letter_count"]).fetchone()
+            return int(row["dead_letters"]) if row else 0
+
+
+class ControlSession(_Session):
+    """The relay's proof of life, heartbeat and wake-up channel."""
+
+    def __init__(
+        self, dsn: str, table: str, relay_id: str, *, connect_timeout: float = 10.0
+    ) -> None:
+        super().__init__(dsn, table, f"outbox-relay-control:{relay_id[:12]}", connect_timeout)
+        self.relay_id = relay_id
+
+    def acquire(self) -> bool:
+        """Take the relay's advisory lock and register; False if the key is taken."""
+        with self._translated("registering the relay"):
+            row = self.conn.execute(
+                self.queries["try_lock_relay"],
+                {"lock_class": gids.LOCK_CLASS, "lock_key": gids.lock_key(self.relay_id)},
+            ).fetchone()
+            if not row or not row["locked"]:
+                return False
+            self.conn.execute(
+                self.queries["register_relay"],
+                {
+                    "relay_id": self.relay_id,
+                    "lock_key": gids.lock_key(self.relay_id),
+                    "hostname": socket.gethostname(),
+                    "pid": os.getpid(),
+                },
+            )
+            return True
+
+    def heartbeat(self) -> None:
+        with self._translated("writing the heartbeat"):
+            self.conn.execute(self.queries["heartbeat"], {"relay_id": self.relay_id})
+
+    def unregister(self) -> None:
+        with self._translated("unregistering the relay"):
+            self.conn.execute(self.queries["unregister_relay"], {"relay_id": self.relay_id})
+
+    def listen(self) -> None:
+        with self._translated("subscribing to wake-ups"):
+            self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.table)))
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def take_notifications(self) -> int:
+        """How many wake-ups arrived since the last call (never blocks)."""
+        with self._translated("reading wake-ups"):
+            return sum(1 for _ in self.conn.notifies(timeout=0))

@@ -1,0 +1,12 @@
+"""Finish in-doubt relay batches from broker-side evidence.
+
+Scan ``pg_prepared_xacts`` (``apply.resolve``) → decide for each batch, purely
+(``decide.decide``) → COMMIT PREPARED or ROLLBACK PREPARED.  Every relay runs a
+pass at start-up and every ``resolve_interval``; ``outbox resolve`` and
+``python -m resolver`` run one pass for operators.
+"""
+
+from resolver.apply import Resolution, resolve
+from resolver.decide import Action, Decision, Owner, decide
+
+__all__ = ["Action", "Decision", "Owner", "Resolution", "decide", "resolve"]

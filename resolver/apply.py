@@ -1,0 +1,125 @@
+"""One resolver pass: scan, gather evidence, decide, apply.
+
+Races are harmless by construction: COMMIT/ROLLBACK PREPARED on a gid that another
+finisher already took returns "finished elsewhere" (SQLSTATE 42704 or 55000), and
+both finishers decide from the same evidence rule, so they never disagree about a
+batch whose owner is dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+
+from outbox import gid as gids
+from outbox import ledger
+from outbox.config import Settings
+from outbox.errors import OutcomeUnknown
+from outbox.events import emit
+from outbox.store import BatchStore, PreparedBatch
+from resolver.decide import Action, Decision, Owner, decide, owner_state
+
+log = logging.getLogger("outbox.resolver")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    gid: str
+    age_seconds: float
+    decision: Decision
+    evidence: bool | None
+    outcome: str  # committed | rolled_back | finished_elsewhere | waiting | skipped | planned
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome in ("committed", "rolled_back")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "gid": self.gid,
+            "age_seconds": round(self.age_seconds, 3),
+            "owner": self.decision.owner.value,
+            "action": self.decision.action.value,
+            "evidence": self.evidence,
+            "why": self.decision.why,
+            "outcome": self.outcome,
+        }
+
+
+def _is_ours(batch: PreparedBatch, table: str) -> bool:
+    parsed = gids.parse(batch.gid)
+    return batch.local and parsed is not None and parsed.table == table
+
+
+def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> list[Resolution]:
+    """Resolve every in-doubt batch of dead relays; report on all the others."""
+    batches = store.prepared_batches()
+    ours = [b for b in batches if _is_ours(b, settings.table)]
+    relay_ids = sorted({gids.parse(b.gid).relay_id for b in ours})  # type: ignore[union-attr]
+    liveness = store.relay_liveness(relay_ids)
+
+    owners: dict[str, Owner] = {}
+    for batch in batches:
+        parsed = gids.parse(batch.gid)
+        alive = liveness.get(parsed.relay_id) if parsed else None
+        owners[batch.gid] = owner_state(
+            ours=_is_ours(batch, settings.table),
+            lock_held=bool(alive and alive.lock_held),
+            heartbeat_age=alive.heartbeat_age if alive else None,
+            batch_age=batch.age_seconds,
+            relay_timeout=settings.relay_timeout,
+        )
+
+    orphans = [b for b in ours if owners[b.gid] in (Owner.DEAD, Owner.PRESUMED_DEAD)]
+    recorded: set[str] = set()
+    if orphans:
+        oldest = min(b.prepared for b in orphans)
+        since = oldest - datetime.timedelta(seconds=settings.ledger_clock_skew)
+        recorded = ledger.finished_gids(
+            settings.amqp_url, settings.ledger_queue, since=since,
+            timeout=settings.publish_timeout, connect_timeout=settings.connect_timeout,
+        )
+
+    results = []
+    for batch in batches:
+        owner = owners[batch.gid]
+        evidence = batch.gid in recorded if batch in orphans else None
+        decision = decide(owner, evidence)
+        outcome = _apply(store, batch, decision, liveness, dry_run)
+        results.append(Resolution(batch.gid, batch.age_seconds, decision, evidence, outcome))
+    if not dry_run and orphans:
+        store.forget_dead_relays(older_than=settings.relay_timeout)
+    return results
+
+
+def _apply(
+    store: BatchStore,
+    batch: PreparedBatch,
+    decision: Decision,
+    liveness: dict[str, object],
+    dry_run: bool,
+) -> str:
+    if decision.action is Action.SKIP:
+        return "skipped"
+    if decision.action is Action.WAIT:
+        return "waiting"
+    if dry_run:
+        return "planned"
+    if decision.owner is Owner.PRESUMED_DEAD:
+        parsed = gids.parse(batch.gid)
+        state = liveness.get(parsed.relay_id) if parsed else None
+        pid = getattr(state, "backend_pid", None)
+        if pid is not None:
+            # Make the partitioned relay's death certain before finishing its work.
+            store.terminate_backend(pid)
+    commit = decision.action is Action.COMMIT
+    try:
+        done = store.finish(batch.gid, commit=commit)
+    except OutcomeUnknown:
+        emit(log, "resolver.outcome_unknown", logging.WARNING, gid=batch.gid)
+        raise
+    outcome = ("committed" if commit else "rolled_back") if done else "finished_elsewhere"
+    emit(log, "batch.resolved", logging.WARNING, gid=batch.gid, action=decision.action.value,
+         outcome=outcome, why=decision.why)
+    return outcome
