@@ -31,18 +31,37 @@ def _option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:
 def server_options(func: F) -> F:
     for decorator in reversed(
         [
-            _option("--dsn", "OUTBOX_DSN", default=DEFAULT_DSN,
-                    help="PostgreSQL connection (libpq conninfo or URL)."),
-            _option("--amqp-url", "OUTBOX_AMQP_URL", default=DEFAULT_AMQP_URL,
-                    help="RabbitMQ connection URL."),
-            _option("--table", "OUTBOX_TABLE", default=Settings.table,
-                    help="Outbox table name."),
-            _option("--ledger-queue", "OUTBOX_LEDGER_QUEUE", default=Settings.ledger_queue,
-                    help="Stream queue recording finished batches (resolver evidence)."),
-            _option("--log-level", "OUTBOX_LOG_LEVEL", default="info",
-                    type=click.Choice(["debug", "info", "warning", "error"])),
-            _option("--log-format", "OUTBOX_LOG_FORMAT", default="text",
-                    type=click.Choice(["text", "json"])),
+            _option(
+                "--dsn",
+                "OUTBOX_DSN",
+                default=DEFAULT_DSN,
+                help="PostgreSQL connection (libpq conninfo or URL).",
+            ),
+            _option(
+                "--amqp-url",
+                "OUTBOX_AMQP_URL",
+                default=DEFAULT_AMQP_URL,
+                help="RabbitMQ connection URL.",
+            ),
+            _option("--table", "OUTBOX_TABLE", default=Settings.table, help="Outbox table name."),
+            _option(
+                "--ledger-queue",
+                "OUTBOX_LEDGER_QUEUE",
+                default=Settings.ledger_queue,
+                help="Stream queue recording finished batches (resolver evidence).",
+            ),
+            _option(
+                "--log-level",
+                "OUTBOX_LOG_LEVEL",
+                default="info",
+                type=click.Choice(["debug", "info", "warning", "error"]),
+            ),
+            _option(
+                "--log-format",
+                "OUTBOX_LOG_FORMAT",
+                default="text",
+                type=click.Choice(["text", "json"]),
+            ),
         ]
     ):
         func = decorator(func)
@@ -53,25 +72,55 @@ def tuning_options(func: F) -> F:
     defaults = Settings()
     for decorator in reversed(
         [
-            _option("--batch-size", "OUTBOX_BATCH_SIZE", default=defaults.batch_size, type=int,
-                    help="Most rows per batch (one prepared transaction)."),
-            _option("--publish-timeout", "OUTBOX_PUBLISH_TIMEOUT",
-                    default=defaults.publish_timeout, type=float,
-                    help="Seconds to wait for publisher confirms before rolling back."),
-            _option("--poll-interval", "OUTBOX_POLL_INTERVAL", default=defaults.poll_interval,
-                    type=float, help="Fallback poll (s) when no NOTIFY wakes the relay."),
-            _option("--heartbeat-interval", "OUTBOX_HEARTBEAT_INTERVAL",
-                    default=defaults.heartbeat_interval, type=float,
-                    help="Seconds between heartbeats of the relay's registry row."),
-            _option("--relay-timeout", "OUTBOX_RELAY_TIMEOUT", default=defaults.relay_timeout,
-                    type=float,
-                    help="Heartbeat age after which a relay is presumed partitioned."),
-            _option("--resolve-interval", "OUTBOX_RESOLVE_INTERVAL",
-                    default=defaults.resolve_interval, type=float,
-                    help="Seconds between passes that resolve dead relays' batches."),
-            _option("--max-message-bytes", "OUTBOX_MAX_MESSAGE_BYTES",
-                    default=defaults.max_message_bytes, type=int,
-                    help="Largest payload the broker accepts (max_message_size)."),
+            _option(
+                "--batch-size",
+                "OUTBOX_BATCH_SIZE",
+                default=defaults.batch_size,
+                type=int,
+                help="Most rows per batch (one prepared transaction).",
+            ),
+            _option(
+                "--publish-timeout",
+                "OUTBOX_PUBLISH_TIMEOUT",
+                default=defaults.publish_timeout,
+                type=float,
+                help="Seconds to wait for publisher confirms before rolling back.",
+            ),
+            _option(
+                "--poll-interval",
+                "OUTBOX_POLL_INTERVAL",
+                default=defaults.poll_interval,
+                type=float,
+                help="Fallback poll (s) when no NOTIFY wakes the relay.",
+            ),
+            _option(
+                "--heartbeat-interval",
+                "OUTBOX_HEARTBEAT_INTERVAL",
+                default=defaults.heartbeat_interval,
+                type=float,
+                help="Seconds between heartbeats of the relay's registry row.",
+            ),
+            _option(
+                "--relay-timeout",
+                "OUTBOX_RELAY_TIMEOUT",
+                default=defaults.relay_timeout,
+                type=float,
+                help="Heartbeat age after which a relay is presumed partitioned.",
+            ),
+            _option(
+                "--resolve-interval",
+                "OUTBOX_RESOLVE_INTERVAL",
+                default=defaults.resolve_interval,
+                type=float,
+                help="Seconds between passes that resolve dead relays' batches.",
+            ),
+            _option(
+                "--max-message-bytes",
+                "OUTBOX_MAX_MESSAGE_BYTES",
+                default=defaults.max_message_bytes,
+                type=int,
+                help="Largest payload the broker accepts (max_message_size).",
+            ),
         ]
     ):
         func = decorator(func)
@@ -120,7 +169,7 @@ def init(print_sql: bool, **options: Any) -> None:
         return
     conn = store.connect(settings.dsn, application_name="outbox-init")
     try:
-        before, after = migrate.migrate(conn, settings.table)  # type: ignore[arg-type]
+        before, after = migrate.migrate(conn, settings.table)
     finally:
         conn.close()
     if before == after:
@@ -154,7 +203,9 @@ def relay(drain: bool, log_level: str, log_format: str, **options: Any) -> None:
 
 @cli.command()
 @server_options
-@click.option("--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing."
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **options: Any) -> None:
@@ -169,27 +220,36 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     finally:
         batch_store.close()
     if as_json:
-        click.echo(json.dumps({"dry_run": dry_run, "batches": [r.as_dict() for r in results]},
-                              indent=2))
+        click.echo(
+            json.dumps({"dry_run": dry_run, "batches": [r.as_dict() for r in results]}, indent=2)
+        )
         return
     if not results:
         click.echo("no prepared transactions in this cluster")
     for r in results:
         evidence = {True: "in ledger", False: "not in ledger", None: "-"}[r.evidence]
-        click.echo(f"{r.gid}  age={r.age_seconds:.0f}s  owner={r.decision.owner.value}  "
-                   f"evidence={evidence}  action={r.decision.action.value}  "
-                   f"outcome={r.outcome}  ({r.decision.why})")
+        click.echo(
+            f"{r.gid}  age={r.age_seconds:.0f}s  owner={r.decision.owner.value}  "
+            f"evidence={evidence}  action={r.decision.action.value}  "
+            f"outcome={r.outcome}  ({r.decision.why})"
+        )
 
 
 @cli.command()
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option("--max-prepared-age", envvar="OUTBOX_MAX_PREPARED_AGE", show_envvar=True,
-              default=60.0, show_default=True,
-              help="A prepared batch older than this (s) needs attention (exit 1).")
+@click.option(
+    "--max-prepared-age",
+    envvar="OUTBOX_MAX_PREPARED_AGE",
+    show_envvar=True,
+    default=60.0,
+    show_default=True,
+    help="A prepared batch older than this (s) needs attention (exit 1).",
+)
 @known_errors
-def status(as_json: bool, max_prepared_age: float, log_level: str, log_format: str,
-           **options: Any) -> None:
+def status(
+    as_json: bool, max_prepared_age: float, log_level: str, log_format: str, **options: Any
+) -> None:
     """Backlog, prepared batches, live relays and dead letters; exit 1 if attention needed."""
     from outbox.status import collect, render
 
@@ -201,11 +261,21 @@ def status(as_json: bool, max_prepared_age: float, log_level: str, log_format: s
 
 
 @cli.command()
-@click.option("--dsn", envvar="OUTBOX_DSN", show_envvar=True, default=None,
-              help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
-                   "instead of starting a private one.")
-@click.option("--amqp-url", envvar="OUTBOX_AMQP_URL", show_envvar=True,
-              default=DEFAULT_AMQP_URL, show_default=True)
+@click.option(
+    "--dsn",
+    envvar="OUTBOX_DSN",
+    show_envvar=True,
+    default=None,
+    help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
+    "instead of starting a private one.",
+)
+@click.option(
+    "--amqp-url",
+    envvar="OUTBOX_AMQP_URL",
+    show_envvar=True,
+    default=DEFAULT_AMQP_URL,
+    show_default=True,
+)
 @click.option("--rows", default=1000, show_default=True, help="Messages to send.")
 @known_errors
 def demo(dsn: str | None, amqp_url: str, rows: int) -> None:

@@ -9,12 +9,15 @@ and ``receive`` collects messages for scripts, demos and tests.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import socket
 import time
 from typing import Any
 
-import kombu
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,19 +31,23 @@ class Received:
 
 
 def declare(
-    amqp_url: str, *, exchange: str, queue: str, binding_key: str = "#",
+    amqp_url: str,
+    *,
+    exchange: str,
+    queue: str,
+    binding_key: str = "#",
     exchange_type: str = "topic",
 ) -> None:
     """Declare a durable exchange and a durable queue bound to it."""
-    with kombu.Connection(amqp_url) as conn:
+    with Connection(amqp_url) as conn:
         channel = conn.channel()
-        ex = kombu.Exchange(exchange, type=exchange_type, durable=True)
-        kombu.Queue(queue, ex, routing_key=binding_key, durable=True)(channel).declare()
+        ex = Exchange(exchange, type=exchange_type, durable=True)
+        Queue(queue, ex, routing_key=binding_key, durable=True)(channel).declare()
         channel.close()
 
 
 def delete(amqp_url: str, *, exchange: str | None = None, queue: str | None = None) -> None:
-    with kombu.Connection(amqp_url) as conn:
+    with Connection(amqp_url) as conn:
         channel = conn.channel()
         if queue:
             channel.queue_delete(queue)
@@ -49,8 +56,9 @@ def delete(amqp_url: str, *, exchange: str | None = None, queue: str | None = No
         channel.close()
 
 
-def receive(amqp_url: str, queue: str, *, expected: int, timeout: float = 30.0,
-            idle: float = 1.0) -> list[Received]:
+def receive(
+    amqp_url: str, queue: str, *, expected: int, timeout: float = 30.0, idle: float = 1.0
+) -> list[Received]:
     """Consume (and ack) until ``expected`` messages arrived and ``idle`` s passed quietly,
     or ``timeout``.  Waiting a little past ``expected`` reveals duplicates."""
     received: list[Received] = []
@@ -70,20 +78,25 @@ def receive(amqp_url: str, queue: str, *, expected: int, timeout: float = 30.0,
         message.ack()
 
     deadline = time.monotonic() + timeout
-    with kombu.Connection(amqp_url) as conn:
-        with kombu.Consumer(conn, [kombu.Queue(queue, no_declare=True)],
-                            callbacks=[on_message], accept=None, prefetch_count=500):
-            quiet_since = time.monotonic()
-            while time.monotonic() < deadline:
-                before = len(received)
-                try:
-                    conn.drain_events(timeout=0.2)
-                except socket.timeout:
-                    pass
-                if len(received) != before:
-                    quiet_since = time.monotonic()
-                elif len(received) >= expected and time.monotonic() - quiet_since >= idle:
-                    break
+    with (
+        Connection(amqp_url) as conn,
+        Consumer(
+            conn,
+            [Queue(queue, no_declare=True)],
+            callbacks=[on_message],
+            accept=None,
+            prefetch_count=500,
+        ),
+    ):
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            before = len(received)
+            with contextlib.suppress(socket.timeout):
+                conn.drain_events(timeout=0.2)
+            if len(received) != before:
+                quiet_since = time.monotonic()
+            elif len(received) >= expected and time.monotonic() - quiet_since >= idle:
+                break
     return received
 
 

@@ -100,21 +100,48 @@ class PostgresCluster:
                 entry = pwd.getpwnam(self._user)
                 for path in (self.base_dir, self.data_dir):
                     os.chown(path, entry.pw_uid, entry.pw_gid)
-            self._run(["initdb", "-D", self.data_dir, "-U", "postgres", "--auth=trust",
-                       "--no-sync", "-E", "UTF8", "--locale=C"])
+            self._run(
+                [
+                    "initdb",
+                    "-D",
+                    self.data_dir,
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--no-sync",
+                    "-E",
+                    "UTF8",
+                    "--locale=C",
+                ]
+            )
             with open(os.path.join(self.data_dir, "postgresql.auto.conf"), "a") as conf:
                 for key, value in self.settings.items():
                     conf.write(f"{key} = '{value}'\n")
-        self._run(["pg_ctl", "-D", self.data_dir, "-l", os.path.join(self.base_dir, "log"),
-                   "-w", "-t", "60", "start"])
+        self._run(
+            [
+                "pg_ctl",
+                "-D",
+                self.data_dir,
+                "-l",
+                os.path.join(self.base_dir, "log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ]
+        )
         self._wait_ready()
         return self.dsn
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._run(["pg_isready", "-h", "127.0.0.1", "-p", str(self.port)],
-                         check=False).returncode == 0:
+            if (
+                self._run(
+                    ["pg_isready", "-h", "127.0.0.1", "-p", str(self.port)], check=False
+                ).returncode
+                == 0
+            ):
                 return
             time.sleep(0.1)
         raise OutboxError(f"private PostgreSQL on port {self.port} did not become ready")

@@ -56,7 +56,11 @@ def finished_gids(
     probe = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
     return gids_in(
         read_stream(
-            amqp_url, queue, since=since, probe=probe, timeout=timeout,
+            amqp_url,
+            queue,
+            since=since,
+            probe=probe,
+            timeout=timeout,
             connect_timeout=connect_timeout,
         )
     )

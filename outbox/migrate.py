@@ -54,7 +54,7 @@ def _version_table_sql(table: str) -> sql.Composed:
 
 
 def _migration_sql(table: str, migration: Migration) -> sql.Composed:
-    return sql.SQL(migration.text).format(**table_identifiers(table))  # type: ignore[arg-type]
+    return sql.SQL(migration.text).format(**table_identifiers(table))
 
 
 def render_sql(table: str) -> str:
@@ -80,9 +80,7 @@ def render_sql(table: str) -> str:
 def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
     """The applied schema version, or None when the outbox was never initialised."""
     cur = conn.cursor(row_factory=tuple_row)
-    row = cur.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", [f"{table}_schema_version"]
-    ).fetchone()
+    row = cur.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_schema_version"]).fetchone()
     if not row or not row[0]:
         return None
     version = cur.execute(

@@ -21,6 +21,7 @@ opens a fresh channel.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -116,10 +117,7 @@ class Publisher:
     @property
     def connected(self) -> bool:
         return (
-            self._conn is not None
-            and self._opened
-            and self._conn.is_open
-            and self._failure is None
+            self._conn is not None and self._opened and self._conn.is_open and self._failure is None
         )
 
     def connect(self) -> None:
@@ -178,7 +176,7 @@ class Publisher:
             channel.add_on_return_callback(self._on_return)
             channel.confirm_delivery(
                 ack_nack_callback=self._on_confirm,
-                callback=lambda _frame: state.update(confirming=True) or self._poke(),
+                callback=lambda _frame: self._confirming(state),
             )
 
         self._channel_closed = None
@@ -187,10 +185,16 @@ class Publisher:
             lambda: "confirming" in state or self._failure is not None, self._connect_timeout
         )
         if not ok or self._failure is not None:
-            raise BrokerUnavailable(f"cannot open a RabbitMQ channel: {self._failure or 'timed out'}")
+            raise BrokerUnavailable(
+                f"cannot open a RabbitMQ channel: {self._failure or 'timed out'}"
+            )
         self._channel = state["channel"]
         self._next_tag = 1
         self._unconfirmed.clear()
+
+    def _confirming(self, state: dict[str, Any]) -> None:
+        state["confirming"] = True
+        self._poke()
 
     def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
         if channel is not self._channel and self._channel is not None:
@@ -211,7 +215,7 @@ class Publisher:
                 conn.close()
                 self._conn = conn
                 self._run_until(lambda: conn.is_closed, 2.0)
-        except Exception:  # noqa: BLE001 - closing a broken connection may fail any way
+        except Exception:
             log.debug("broker.close_failed", exc_info=True)
         finally:
             self._conn = None
@@ -253,9 +257,7 @@ class Publisher:
             self._next_tag += 1
             self._unconfirmed[tag] = index
             self._by_message_id.setdefault(message.message_id, []).append(index)
-        self._run_until(
-            lambda: not self._unconfirmed or self._failure is not None, timeout
-        )
+        self._run_until(lambda: not self._unconfirmed or self._failure is not None, timeout)
         for index in self._unconfirmed.values():
             if not self._deliveries[index].reason:
                 self._deliveries[index].reason = "no confirm before the publish timeout"
@@ -270,7 +272,7 @@ class Publisher:
         if channel is not None and channel.is_open:
             try:
                 channel.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.debug("broker.channel_close_failed", exc_info=True)
 
     def _on_confirm(self, frame: Any) -> None:
@@ -355,7 +357,9 @@ class Publisher:
         if "ok" in state and state["channel"].is_open:
             state["channel"].close()
         if not finished or self._failure is not None:
-            raise BrokerUnavailable(f"RabbitMQ did not answer a declare: {self._failure or 'timed out'}")
+            raise BrokerUnavailable(
+                f"RabbitMQ did not answer a declare: {self._failure or 'timed out'}"
+            )
         return state
 
     def declare_stream(self, name: str, max_age: str) -> None:
@@ -402,7 +406,9 @@ class Publisher:
 
 
 def _describe(error: object) -> str:
-    if isinstance(error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker):
+    if isinstance(
+        error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker
+    ):
         return f"{error.reply_code} {error.reply_text}"
     text = str(error) or type(error).__name__
     return text.splitlines()[0]
@@ -437,20 +443,25 @@ def read_stream(
         channel = conn.channel()
         channel.confirm_delivery()
         channel.basic_publish(
-            "", queue, probe, pika.BasicProperties(delivery_mode=2, message_id=str(uuid.uuid4())),
+            "",
+            queue,
+            probe,
+            pika.BasicProperties(delivery_mode=2, message_id=str(uuid.uuid4())),
             mandatory=True,
         )
         channel.basic_qos(prefetch_count=1000)
         offset: Any = since.astimezone(datetime.timezone.utc) if since else "first"
-        seen = 0
-        for method, _props, body in channel.consume(
-            queue, arguments={"x-stream-offset": offset}, inactivity_timeout=timeout
+        for seen, (method, _props, body) in enumerate(
+            channel.consume(
+                queue, arguments={"x-stream-offset": offset}, inactivity_timeout=timeout
+            ),
+            start=1,
         ):
             if method is None:
                 raise BrokerUnavailable(
-                    f"reading the ledger {queue!r} stalled for {timeout}s before the probe came back"
+                    f"reading the ledger {queue!r} stalled for {timeout}s "
+                    "before the probe came back"
                 )
-            seen += 1
             if seen % 500 == 0:
                 channel.basic_ack(method.delivery_tag, multiple=True)
             if body == probe:
@@ -463,9 +474,9 @@ def read_stream(
             "start a relay once (it declares the stream) or check --ledger-queue",
         ) from exc
     except pika.exceptions.AMQPError as exc:
-        raise BrokerUnavailable(f"lost RabbitMQ while reading the ledger: {_describe(exc)}") from exc
+        raise BrokerUnavailable(
+            f"lost RabbitMQ while reading the ledger: {_describe(exc)}"
+        ) from exc
     finally:
-        try:
+        with contextlib.suppress(pika.exceptions.AMQPError):
             conn.close()
-        except pika.exceptions.AMQPError:
-            pass

@@ -17,7 +17,7 @@ def _raw_blocks() -> dict[str, str]:
     parts = _BLOCK.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     blocks: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
+    for name, body in zip(parts[1::2], parts[2::2], strict=False):
         lines = [ln for ln in body.strip().splitlines() if not ln.lstrip().startswith("--")]
         blocks[name] = "\n".join(lines).strip()
     return blocks
@@ -40,10 +40,7 @@ class Queries:
 
     def __init__(self, table: str) -> None:
         ids = table_identifiers(table)
-        self._composed = {
-            name: sql.SQL(body).format(**ids)  # type: ignore[arg-type]
-            for name, body in _raw_blocks().items()
-        }
+        self._composed = {name: sql.SQL(body).format(**ids) for name, body in _raw_blocks().items()}
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._composed[name]

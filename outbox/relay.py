@@ -18,9 +18,9 @@ to have succeeded.
 
 What a crash (kill -9) leaves at each step, and who cleans up:
 
-=============================  ===============================  =====================================
+=============================  ===============================  ==================================
 crash right after              state left                       outcome (by whom)
-=============================  ===============================  =====================================
+=============================  ===============================  ==================================
 claim (before PREPARE)         open transaction, dies with the  rows free at once; no duplicate
                                session
 PREPARE                        prepared xact holding the rows   no evidence → ROLLBACK (resolver);
@@ -31,7 +31,7 @@ all messages confirmed         every message on the broker      no evidence → 
                                                                 duplicates = batch (tiny window)
 ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
 COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
-=============================  ===============================  =====================================
+=============================  ===============================  ==================================
 
 "resolver" is any relay's periodic pass (``resolver.resolve``) or ``outbox
 resolve``; it acts only once the owner's control session (advisory lock) is gone,
@@ -47,6 +47,7 @@ missing exchange, unroutable) become dead letters in the same pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -180,7 +181,9 @@ class Relay:
             # hold the old lock on the server until it notices it is dead.
             while True:
                 relay_id = new_relay_id()
-                control = ControlSession(s.dsn, s.table, relay_id, connect_timeout=s.connect_timeout)
+                control = ControlSession(
+                    s.dsn, s.table, relay_id, connect_timeout=s.connect_timeout
+                )
                 if control.acquire():
                     break
                 control.close()
@@ -217,10 +220,8 @@ class Relay:
 
     def close(self) -> None:
         if self.control is not None:
-            try:
+            with contextlib.suppress(OutboxError):
                 self.control.unregister()
-            except OutboxError:
-                pass
             self.control.close()
         if self.store is not None:
             self.store.close()
@@ -336,7 +337,7 @@ class Relay:
         deliveries = self._publish(good)
         returned = [
             DeadLetter(row, d.reason)
-            for row, d in zip(good, deliveries)
+            for row, d in zip(good, deliveries, strict=False)
             if d.outcome is Outcome.RETURNED
         ]
         failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
@@ -353,8 +354,14 @@ class Relay:
         if dead:
             store.record_dead_letters(dead, gid)
             for letter in dead:
-                emit(log, "row.dead_lettered", logging.WARNING, gid=gid,
-                     message_id=letter.row.message_id, reason=letter.reason)
+                emit(
+                    log,
+                    "row.dead_lettered",
+                    logging.WARNING,
+                    gid=gid,
+                    message_id=letter.row.message_id,
+                    reason=letter.reason,
+                )
         published = len(good) - len(returned)
         if not self._may_commit():
             self._roll_back(gid, reason="heartbeat too old (partitioned?)", accepted=published)
@@ -363,8 +370,9 @@ class Relay:
         record = dataclasses.replace(record, routing_key=self.settings.ledger_queue)
         [entry] = self.publisher.publish([record], self.settings.publish_timeout)
         if entry.outcome is not Outcome.ACCEPTED:
-            self._roll_back(gid, reason=f"ledger record not confirmed: {entry.reason}",
-                            accepted=published)
+            self._roll_back(
+                gid, reason=f"ledger record not confirmed: {entry.reason}", accepted=published
+            )
             raise BrokerUnavailable(f"could not record {gid} in the ledger: {entry.reason}")
         faults.reached("after_ledger")
         self._unsettled = _Unsettled(gid, evidence=True)
@@ -374,8 +382,16 @@ class Relay:
         self.stats.batches_committed += 1
         self.stats.messages_published += published
         self.stats.dead_letters += len(dead)
-        emit(log, "batch.committed", logging.DEBUG, gid=gid, rows=len(rows), published=published,
-             dead=len(dead), ms=f"{(time.monotonic() - started) * 1000:.1f}")
+        emit(
+            log,
+            "batch.committed",
+            logging.DEBUG,
+            gid=gid,
+            rows=len(rows),
+            published=published,
+            dead=len(dead),
+            ms=f"{(time.monotonic() - started) * 1000:.1f}",
+        )
         if self._on_batch:
             self._on_batch(gid, self.stats)
 
@@ -430,8 +446,14 @@ class Relay:
         self._unsettled = self._in_flight = None
         self.stats.batches_rolled_back += 1
         self.stats.duplicates_possible += accepted
-        emit(log, "batch.rolled_back", logging.WARNING, gid=gid, reason=reason,
-             accepted_before=accepted)
+        emit(
+            log,
+            "batch.rolled_back",
+            logging.WARNING,
+            gid=gid,
+            reason=reason,
+            accepted_before=accepted,
+        )
 
     def _settle(self) -> None:
         """Finish the batch whose PREPARE/COMMIT/ROLLBACK outcome was cut off."""

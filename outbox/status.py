@@ -13,17 +13,21 @@ from outbox.store import BatchStore
 def collect(settings: Settings, *, max_prepared_age: float) -> dict[str, Any]:
     store = BatchStore(settings.dsn, settings.table, application_name="outbox-status")
     try:
-        version = migrate.current_version(store.conn, settings.table)  # type: ignore[arg-type]
+        version = migrate.current_version(store.conn, settings.table)
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint
         backlog = store.backlog()
         prepared = store.prepared_batches()
-        ours = []
-        foreign = []
+        ours: list[dict[str, Any]] = []
+        foreign: list[dict[str, Any]] = []
         for batch in prepared:
             parsed = gids.parse(batch.gid)
-            entry = {"gid": batch.gid, "age_seconds": round(batch.age_seconds, 3),
-                     "owner": batch.owner, "prepared": batch.prepared.isoformat()}
+            entry = {
+                "gid": batch.gid,
+                "age_seconds": round(batch.age_seconds, 3),
+                "owner": batch.owner,
+                "prepared": batch.prepared.isoformat(),
+            }
             if batch.local and parsed is not None and parsed.table == settings.table:
                 ours.append(entry)
             else:
@@ -42,7 +46,7 @@ def collect(settings: Settings, *, max_prepared_age: float) -> dict[str, Any]:
         dead_letters = store.dead_letter_count()
     finally:
         store.close()
-    oldest_prepared = max((b["age_seconds"] for b in ours), default=0.0)
+    oldest_prepared = max((float(b["age_seconds"]) for b in ours), default=0.0)
     problems = []
     if oldest_prepared > max_prepared_age:
         problems.append(
@@ -79,8 +83,10 @@ def render(report: dict[str, Any]) -> str:
     ]
     for relay in report["relays"]:
         state = "alive" if relay["alive"] else "gone"
-        lines.append(f"  relay {relay['relay_id'][:12]} {relay['hostname']}:{relay['pid']} "
-                     f"{state}, heartbeat {relay['heartbeat_age_seconds']:.1f}s ago")
+        lines.append(
+            f"  relay {relay['relay_id'][:12]} {relay['hostname']}:{relay['pid']} "
+            f"{state}, heartbeat {relay['heartbeat_age_seconds']:.1f}s ago"
+        )
     for batch in report["prepared_batches"]:
         lines.append(f"  batch {batch['gid']} prepared {batch['age_seconds']:.1f}s ago")
     if report["attention"]:

@@ -145,7 +145,11 @@ class BatchStore(_Session):
     """Claims, prepares and finishes batches on the relay's work connection."""
 
     def __init__(
-        self, dsn: str, table: str, *, application_name: str = "outbox-relay",
+        self,
+        dsn: str,
+        table: str,
+        *,
+        application_name: str = "outbox-relay",
         connect_timeout: float = 10.0,
     ) -> None:
         super().__init__(dsn, table, application_name, connect_timeout)
@@ -161,7 +165,7 @@ class BatchStore(_Session):
                     "set max_prepared_transactions to at least the number of relays "
                     "(e.g. 64) in postgresql.conf and restart PostgreSQL",
                 )
-            version = migrate.current_version(self.conn, self.table)  # type: ignore[arg-type]
+            version = migrate.current_version(self.conn, self.table)
         if version is None:
             raise SchemaNotReady(
                 f"the outbox table {self.table!r} has not been created in this database",

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+from collections.abc import Mapping
 
 from outbox import gid as gids
 from outbox import ledger
 from outbox.config import Settings
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
-from outbox.store import BatchStore, PreparedBatch
+from outbox.store import BatchStore, PreparedBatch, RelayLiveness
 from resolver.decide import Action, Decision, Owner, decide, owner_state
 
 log = logging.getLogger("outbox.resolver")
@@ -77,8 +78,11 @@ def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> 
         oldest = min(b.prepared for b in orphans)
         since = oldest - datetime.timedelta(seconds=settings.ledger_clock_skew)
         recorded = ledger.finished_gids(
-            settings.amqp_url, settings.ledger_queue, since=since,
-            timeout=settings.publish_timeout, connect_timeout=settings.connect_timeout,
+            settings.amqp_url,
+            settings.ledger_queue,
+            since=since,
+            timeout=settings.publish_timeout,
+            connect_timeout=settings.connect_timeout,
         )
 
     results = []
@@ -97,7 +101,7 @@ def _apply(
     store: BatchStore,
     batch: PreparedBatch,
     decision: Decision,
-    liveness: dict[str, object],
+    liveness: Mapping[str, RelayLiveness],
     dry_run: bool,
 ) -> str:
     if decision.action is Action.SKIP:
@@ -109,7 +113,7 @@ def _apply(
     if decision.owner is Owner.PRESUMED_DEAD:
         parsed = gids.parse(batch.gid)
         state = liveness.get(parsed.relay_id) if parsed else None
-        pid = getattr(state, "backend_pid", None)
+        pid = state.backend_pid if state else None
         if pid is not None:
             # Make the partitioned relay's death certain before finishing its work.
             store.terminate_backend(pid)
@@ -120,6 +124,13 @@ def _apply(
         emit(log, "resolver.outcome_unknown", logging.WARNING, gid=batch.gid)
         raise
     outcome = ("committed" if commit else "rolled_back") if done else "finished_elsewhere"
-    emit(log, "batch.resolved", logging.WARNING, gid=batch.gid, action=decision.action.value,
-         outcome=outcome, why=decision.why)
+    emit(
+        log,
+        "batch.resolved",
+        logging.WARNING,
+        gid=batch.gid,
+        action=decision.action.value,
+        outcome=outcome,
+        why=decision.why,
+    )
     return outcome
