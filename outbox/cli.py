@@ -115,6 +115,40 @@ def tuning_options(func: F) -> F:
                 help="Seconds between passes that resolve dead relays' batches.",
             ),
             _option(
+                "--ledger-max-age",
+                "OUTBOX_LEDGER_MAX_AGE",
+                default=defaults.ledger_max_age,
+                help="Retention of the ledger stream (x-max-age, e.g. 7D, 12h).",
+            ),
+            _option(
+                "--ledger-clock-skew",
+                "OUTBOX_LEDGER_CLOCK_SKEW",
+                default=defaults.ledger_clock_skew,
+                type=float,
+                help="Seconds before a batch's PREPARE the resolver starts reading the ledger.",
+            ),
+            _option(
+                "--backoff-initial",
+                "OUTBOX_BACKOFF_INITIAL",
+                default=defaults.backoff_initial,
+                type=float,
+                help="First retry delay (s) after an outage; doubles up to --backoff-max.",
+            ),
+            _option(
+                "--backoff-max",
+                "OUTBOX_BACKOFF_MAX",
+                default=defaults.backoff_max,
+                type=float,
+                help="Longest retry delay (s).",
+            ),
+            _option(
+                "--connect-timeout",
+                "OUTBOX_CONNECT_TIMEOUT",
+                default=defaults.connect_timeout,
+                type=float,
+                help="Seconds to wait when connecting to either server.",
+            ),
+            _option(
                 "--max-message-bytes",
                 "OUTBOX_MAX_MESSAGE_BYTES",
                 default=defaults.max_message_bytes,
@@ -203,6 +237,7 @@ def relay(drain: bool, log_level: str, log_format: str, **options: Any) -> None:
 
 @cli.command()
 @server_options
+@tuning_options
 @click.option(
     "--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing."
 )
