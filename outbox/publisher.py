@@ -33,6 +33,7 @@ from typing import Any
 import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
+from pika.adapters.utils import connection_workflow
 
 from outbox.errors import BrokerUnavailable, OutboxError
 
@@ -410,6 +411,17 @@ def _describe(error: object) -> str:
         error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker
     ):
         return f"{error.reply_code} {error.reply_text}"
+    # pika wraps the socket error (refused, timed out, no route) two levels deep.
+    if isinstance(error, pika.exceptions.AMQPConnectionError) and error.args:
+        error = error.args[0]
+    if isinstance(error, connection_workflow.AMQPConnectionWorkflowFailed) and error.exceptions:
+        error = error.exceptions[-1]
+    if isinstance(error, connection_workflow.AMQPConnectorException) and getattr(
+        error, "exception", None
+    ):
+        error = error.exception
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
     text = str(error) or type(error).__name__
     return text.splitlines()[0]
 

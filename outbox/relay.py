@@ -134,7 +134,7 @@ class Relay:
         on_batch: Callable[[str, Stats], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.stop = stop or StopFlag()
+        self.stop = stop if stop is not None else StopFlag()
         self.stats = Stats()
         self._on_batch = on_batch
         self.store: BatchStore | None = None
@@ -161,10 +161,11 @@ class Relay:
         Called once before ``run``: a bad configuration fails fast with a clear
         message; outages after this point are retried forever.
         """
-        self._connect_database()
-        assert self.store is not None
+        s = self.settings
+        self.store = BatchStore(s.dsn, s.table, connect_timeout=s.connect_timeout)
         self.store.check_ready()
         self._connect_broker()
+        self._connect_database()
 
     def _connect_database(self) -> None:
         s = self.settings

@@ -1,0 +1,171 @@
+"""The real ``outbox`` command, run as users run it (subprocesses)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psycopg
+
+from outbox.config import Settings
+from outbox.devservers import free_port
+from tests.fixtures.servers import Topology, run_cli, settings_env
+
+LOCAL_PG_WITHOUT_2PC = os.environ.get(
+    "OUTBOX_TEST_DSN_NO_2PC", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def assert_one_clear_error(
+    result: subprocess.CompletedProcess[str], code: int, *words: str
+) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+
+
+def test_init__twice_is_idempotent(empty_dsn: str) -> None:
+    first = run_cli("init", "--dsn", empty_dsn)
+    second = run_cli("init", "--dsn", empty_dsn)
+    assert first.returncode == 0 and "migrated from nothing to 1" in first.stdout, first.stderr
+    assert second.returncode == 0 and "up to date (version 1)" in second.stdout, second.stderr
+
+
+def test_init__concurrent_runs_apply_the_schema_once(empty_dsn: str) -> None:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: run_cli("init", "--dsn", empty_dsn), range(4)))
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    assert sum("migrated from nothing" in r.stdout for r in results) == 1
+    with psycopg.connect(empty_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_schema_version").fetchone() == (1,)
+
+
+def test_init__print_sql_applies_cleanly_with_psql_semantics(empty_dsn: str) -> None:
+    result = run_cli("init", "--print-sql", "--table", "shop_outbox")
+    assert result.returncode == 0
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute(result.stdout)  # the script has its own BEGIN/COMMIT
+    after = run_cli("init", "--dsn", empty_dsn, "--table", "shop_outbox")
+    assert "up to date" in after.stdout, after.stderr
+
+
+def test_plain_sql_insert_from_the_contract_works(dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) "
+            "VALUES ('orders', 'order.created', '{\"id\": 1}')"
+        )
+        row = conn.execute("SELECT payload, message_id IS NOT NULL FROM outbox").fetchone()
+    assert row == (b'{"id": 1}', True)
+
+
+def test_relay__drain_moves_everything_and_exits_zero(
+    settings: Settings, topology: Topology
+) -> None:
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) "
+            "SELECT %s, 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, 500) i",
+            [topology.exchange],
+        )
+    result = run_cli("relay", "--drain", env=settings_env(settings))
+    assert result.returncode == 0, result.stderr
+    assert "500 published" in result.stderr
+    bodies = sorted(int(body) for _, _, body in topology.messages())
+    assert bodies == list(range(1, 501))
+
+
+def test_relay__sigterm_stops_an_idle_relay_cleanly(settings: Settings) -> None:
+    script = os.path.join(os.path.dirname(os.sys.executable), "outbox")  # type: ignore[attr-defined]
+    proc = subprocess.Popen(
+        [script, "relay"],
+        env=settings_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    with psycopg.connect(settings.dsn) as conn:
+        while time.monotonic() < deadline:
+            if conn.execute("SELECT count(*) FROM outbox_relays").fetchone() == (1,):
+                break
+            time.sleep(0.1)
+        else:
+            proc.kill()
+            raise AssertionError(proc.communicate())
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    with psycopg.connect(settings.dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_relays").fetchone() == (0,)
+
+
+def test_relay__prepared_transactions_disabled_says_what_to_set(settings: Settings) -> None:
+    env = settings_env(settings)
+    env["OUTBOX_DSN"] = LOCAL_PG_WITHOUT_2PC
+    result = run_cli("relay", "--drain", env=env)
+    assert_one_clear_error(result, 4, "max_prepared_transactions")
+
+
+def test_relay__schema_missing_says_run_init(empty_dsn: str, settings: Settings) -> None:
+    env = settings_env(settings)
+    env["OUTBOX_DSN"] = empty_dsn
+    result = run_cli("relay", "--drain", env=env)
+    assert_one_clear_error(result, 4, "outbox init")
+
+
+def test_relay__unreachable_database_exits_3(settings: Settings) -> None:
+    env = settings_env(settings)
+    env["OUTBOX_DSN"] = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    result = run_cli("relay", "--drain", env=env)
+    assert_one_clear_error(result, 3, "cannot connect to PostgreSQL", "OUTBOX_DSN")
+
+
+def test_relay__unreachable_broker_exits_3(settings: Settings) -> None:
+    env = settings_env(settings)
+    env["OUTBOX_AMQP_URL"] = f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F"
+    result = run_cli("relay", "--drain", env=env)
+    assert_one_clear_error(result, 3, "cannot connect to RabbitMQ", "OUTBOX_AMQP_URL")
+
+
+def test_relay__bad_broker_credentials_exit_3(settings: Settings) -> None:
+    env = settings_env(settings)
+    env["OUTBOX_AMQP_URL"] = "amqp://guest:wrong@127.0.0.1:5672/%2F"
+    result = run_cli("relay", "--drain", env=env)
+    assert_one_clear_error(result, 3, "cannot connect to RabbitMQ")
+
+
+def test_status__json_reports_backlog_and_relays(settings: Settings, topology: Topology) -> None:
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) VALUES (%s, 'k', 'x'), (%s, 'k', 'y')",
+            [topology.exchange, topology.exchange],
+        )
+    result = run_cli("status", "--json", env=settings_env(settings))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["backlog_rows"] == 2
+    assert report["prepared_batches"] == []
+    assert report["live_relays"] == 0
+    assert report["attention"] == []
+
+
+def test_resolve__dry_run_with_nothing_in_doubt(settings: Settings) -> None:
+    result = run_cli("resolve", "--dry-run", "--json", env=settings_env(settings))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["batches"] == []
+
+
+def test_usage_error_exits_2() -> None:
+    result = run_cli("relay", "--batch-size", "zero")
+    assert result.returncode == 2
+    bad_table = run_cli("status", "--table", "Bad-Name")
+    assert bad_table.returncode == 2 and "table name" in bad_table.stderr

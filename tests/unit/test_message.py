@@ -1,0 +1,69 @@
+import datetime
+import uuid
+
+import pika
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox.message import OutboxRow, problem_with
+
+MAX = 1024
+
+
+def row(**changes: object) -> OutboxRow:
+    fields: dict[str, object] = dict(
+        id=1,
+        message_id=uuid.uuid4(),
+        exchange="orders",
+        routing_key="order.created",
+        payload=b"{}",
+        headers=None,
+        content_type="application/json",
+        created_at=datetime.datetime.now(datetime.timezone.utc),
+    )
+    fields.update(changes)
+    return OutboxRow(**fields)  # type: ignore[arg-type]
+
+
+def test_problem_with__accepts_a_normal_row() -> None:
+    assert problem_with(row(headers={"a": 1, "b": [True, None, "x"], "c": {"d": -5}}), MAX) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"exchange": "e" * 256}, "exchange is 256 bytes"),
+        ({"routing_key": "é" * 128}, "routing_key is 256 bytes"),
+        ({"content_type": "t" * 300}, "content_type is 300 bytes"),
+        ({"payload": b"x" * (MAX + 1)}, "payload is 1025 bytes"),
+        ({"headers": {"price": 1.5}}, "header headers.price is a floating-point"),
+        ({"headers": {"n": 2**64}}, "outside the 64-bit range"),
+        ({"headers": {"list": [1, {"deep": 0.1}]}}, "headers.list[1].deep"),
+        ({"headers": ["not", "an", "object"]}, "headers must be a JSON object"),
+    ],
+)
+def test_problem_with__names_the_reason(changes: dict[str, object], reason: str) -> None:
+    problem = problem_with(row(**changes), MAX)
+    assert problem is not None and reason in problem
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@given(st.dictionaries(st.text(max_size=10), json_values, max_size=4))
+def test_problem_with__agrees_with_pika_on_headers(headers: dict[str, object]) -> None:
+    """A row passes exactly when pika can encode its headers."""
+    verdict = problem_with(row(headers=headers), MAX)
+    try:
+        pika.BasicProperties(headers=headers).encode()
+        encodable = True
+    except Exception:
+        encodable = False
+    assert (verdict is None) == encodable, verdict
