@@ -146,7 +146,8 @@ def test_relay__bad_broker_credentials_exit_3(settings: Settings) -> None:
 def test_status__json_reports_backlog_and_relays(settings: Settings, topology: Topology) -> None:
     with psycopg.connect(settings.dsn) as conn:
         conn.execute(
-            "INSERT INTO outbox (exchange, routing_key, payload) VALUES (%s, 'k', 'x'), (%s, 'k', 'y')",
+            "INSERT INTO outbox (exchange, routing_key, payload) "
+            "VALUES (%s, 'k', 'x'), (%s, 'k', 'y')",
             [topology.exchange, topology.exchange],
         )
     result = run_cli("status", "--json", env=settings_env(settings))
