@@ -13,7 +13,7 @@ import psycopg
 
 from outbox.config import Settings
 from outbox.devservers import free_port
-from tests.fixtures.servers import Topology, run_cli, settings_env
+from tests.fixtures.servers import Topology, insert_numbered_rows, run_cli, settings_env
 
 LOCAL_PG_WITHOUT_2PC = os.environ.get(
     "OUTBOX_TEST_DSN_NO_2PC", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -69,12 +69,7 @@ def test_plain_sql_insert_from_the_contract_works(dsn: str) -> None:
 def test_relay__drain_moves_everything_and_exits_zero(
     settings: Settings, topology: Topology
 ) -> None:
-    with psycopg.connect(settings.dsn) as conn:
-        conn.execute(
-            "INSERT INTO outbox (exchange, routing_key, payload) "
-            "SELECT %s, 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, 500) i",
-            [topology.exchange],
-        )
+    insert_numbered_rows(settings.dsn, topology.exchange, 500)
     result = run_cli("relay", "--drain", env=settings_env(settings))
     assert result.returncode == 0, result.stderr
     assert "500 published" in result.stderr
@@ -183,12 +178,7 @@ def test_relay__three_processes_drain_one_table_exactly_once(
     settings: Settings, topology: Topology
 ) -> None:
     total = 6000
-    with psycopg.connect(settings.dsn) as conn:
-        conn.execute(
-            "INSERT INTO outbox (exchange, routing_key, payload) "
-            "SELECT %s, 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, %s) i",
-            [topology.exchange, total],
-        )
+    insert_numbered_rows(settings.dsn, topology.exchange, total)
     script = os.path.join(os.path.dirname(os.sys.executable), "outbox")  # type: ignore[attr-defined]
     procs = [
         subprocess.Popen(

@@ -16,7 +16,7 @@ import outbox
 from outbox import ledger
 from outbox.config import Settings
 from outbox.relay import Relay
-from tests.fixtures.servers import Topology
+from tests.fixtures.servers import Topology, insert_numbered_rows
 
 
 def relay_drain(settings: Settings) -> Relay:
@@ -145,12 +145,7 @@ def test_relay__several_relays_share_the_table_without_duplicates(
     settings: Settings, topology: Topology
 ) -> None:
     total = 3000
-    with psycopg.connect(settings.dsn) as conn:
-        conn.execute(
-            "INSERT INTO outbox (exchange, routing_key, payload) "
-            "SELECT %s, 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, %s) i",
-            [topology.exchange, total],
-        )
+    insert_numbered_rows(settings.dsn, topology.exchange, total)
     relays = [Relay(settings) for _ in range(3)]
     for relay in relays:
         relay.start()
