@@ -212,7 +212,13 @@ class Relay:
         emit(log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s")
         deadline = time.monotonic() + pause
         while not self.stop and time.monotonic() < deadline:
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            step = min(0.2, max(0.0, deadline - time.monotonic()))
+            if self.publisher.connected:
+                # Serve the connection while waiting: heartbeats, and the broker's
+                # connection.unblocked when a resource alarm clears.
+                self.publisher.wait(step)
+            else:
+                time.sleep(step)
         try:
             self._connect_database()
             self._connect_broker()
@@ -307,6 +313,10 @@ class Relay:
         store = self.store
         assert store is not None
         started = time.monotonic()
+        if self.publisher.blocked:
+            # Publishing into a blocked connection only queues messages that a
+            # timeout would then put in doubt: claim nothing until the alarm clears.
+            raise BrokerUnavailable("RabbitMQ is blocking publishers (resource alarm)")
         rows = store.claim_batch(self.settings.batch_size)
         if not rows:
             store.abandon_claim()
