@@ -94,6 +94,8 @@ class Stats:
 class _Unsettled:
     gid: str
     evidence: bool  # the ledger record was confirmed: the batch must be committed
+    published: int = 0  # for the stats once it is settled
+    dead: int = 0
 
 
 class StopFlag:
@@ -386,7 +388,7 @@ class Relay:
             )
             raise BrokerUnavailable(f"could not record {gid} in the ledger: {entry.reason}")
         faults.reached("after_ledger")
-        self._unsettled = _Unsettled(gid, evidence=True)
+        self._unsettled = _Unsettled(gid, evidence=True, published=published, dead=len(dead))
         faults.reached("before_commit_prepared")
         store.finish(gid, commit=True)
         self._unsettled = self._in_flight = None
@@ -477,6 +479,8 @@ class Relay:
             outcome = "finished_elsewhere"
         if unsettled.evidence:
             self.stats.batches_committed += 1
+            self.stats.messages_published += unsettled.published
+            self.stats.dead_letters += unsettled.dead
         else:
             self.stats.batches_rolled_back += 1
         emit(log, "batch.settled", logging.WARNING, gid=unsettled.gid, outcome=outcome)
