@@ -245,6 +245,9 @@ class Relay:
         try:
             while not self.stop:
                 try:
+                    # A reconnect that failed earlier leaves a session missing.
+                    self._connect_database()
+                    self._connect_broker()
                     if self._unsettled is not None:
                         self._settle()
                     self._maintain()

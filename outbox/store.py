@@ -76,8 +76,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# SQLSTATEs that mean the session is gone (08: connection exception; 57P0x: the
+# server is shutting down, crashed or not yet accepting connections).
+_SESSION_GONE = ("08", "57P01", "57P02", "57P03")
+
+
 def _lost(conn: Conn, exc: Exception) -> bool:
-    return conn.broken or conn.closed or isinstance(exc, psycopg.OperationalError)
+    """Whether ``exc`` means the connection is gone (outcome of the statement unknown).
+
+    Not every OperationalError: psycopg uses that class for class 53 (insufficient
+    resources, e.g. "maximum number of prepared transactions reached"), 55P03 and
+    57014 too, which leave the session alive and the statement certainly failed.
+    """
+    if conn.broken or conn.closed:
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    sqlstate = getattr(exc, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith(_SESSION_GONE)
 
 
 def _row(record: Row) -> OutboxRow:
@@ -129,6 +145,15 @@ class _Session:
                 raise DatabaseUnavailable(
                     f"lost the PostgreSQL connection while {what}: {_first_line(exc)}",
                     "the relay reconnects by itself; check the server if this repeats",
+                ) from exc
+            if isinstance(exc, psycopg.OperationalError):
+                # Transient trouble on a live session (resources, lock timeout):
+                # end any open claim so the retry starts clean.
+                with contextlib.suppress(psycopg.Error):
+                    self.conn.execute("ROLLBACK")
+                raise DatabaseUnavailable(
+                    f"PostgreSQL failed while {what}: {_first_line(exc)}",
+                    "the relay retries with backoff; check the server if this repeats",
                 ) from exc
             raise
 
