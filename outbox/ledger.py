@@ -31,6 +31,14 @@ def record(gid: str, *, rows: int, dead: int, relay_id: str) -> Message:
     return Message(exchange="", routing_key="", body=body, message_id=f"ledger:{gid}")
 
 
+def probe() -> Message:
+    """A record with no gid: proves the ledger takes writes (``gids_in`` skips it)."""
+    body = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
+    return Message(
+        exchange="", routing_key="", body=body, message_id=f"ledger-probe:{uuid.uuid4()}"
+    )
+
+
 def gids_in(bodies: Iterable[bytes]) -> set[str]:
     """The gids recorded in ledger bodies (probes and foreign records are skipped)."""
     found = set()

@@ -373,6 +373,14 @@ class Publisher:
                 callback=cb,
             )
         )
+        closed = state.get("closed")
+        if "ok" not in state and not (
+            isinstance(closed, pika.exceptions.ChannelClosedByBroker) and closed.reply_code == 406
+        ):
+            # A broker still starting up (stream coordinator not ready) is transient.
+            raise BrokerUnavailable(
+                f"cannot declare the ledger stream {name!r}: {_describe(closed)}"
+            )
         if "ok" not in state:
             raise OutboxError(
                 f"cannot declare the ledger stream {name!r}: {_describe(state.get('closed'))}",

@@ -155,6 +155,7 @@ class Relay:
         self._next_heartbeat = 0.0
         self._next_resolve = 0.0
         self._failures = 0
+        self._ledger_doubtful = False  # the last ledger write failed
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -322,6 +323,8 @@ class Relay:
             # Publishing into a blocked connection only queues messages that a
             # timeout would then put in doubt: claim nothing until the alarm clears.
             raise BrokerUnavailable("RabbitMQ is blocking publishers (resource alarm)")
+        if self._ledger_doubtful:
+            self._probe_ledger()
         rows = store.claim_batch(self.settings.batch_size)
         if not rows:
             store.abandon_claim()
@@ -386,6 +389,7 @@ class Relay:
         record = dataclasses.replace(record, routing_key=self.settings.ledger_queue)
         [entry] = self.publisher.publish([record], self.settings.publish_timeout)
         if entry.outcome is not Outcome.ACCEPTED:
+            self._ledger_doubtful = True
             self._roll_back(
                 gid, reason=f"ledger record not confirmed: {entry.reason}", accepted=published
             )
@@ -449,6 +453,20 @@ class Relay:
             faults.reached("mid_publish")
             return first + self.publisher.publish(messages[half:], timeout)
         return self.publisher.publish(messages, timeout) if messages else []
+
+    def _probe_ledger(self) -> None:
+        """Prove the ledger takes records again before publishing another batch.
+
+        Without evidence a batch is rolled back, so while the ledger stream is
+        unavailable every retry would publish a whole batch only to duplicate it.
+        """
+        probe = dataclasses.replace(ledger.probe(), routing_key=self.settings.ledger_queue)
+        [entry] = self.publisher.publish([probe], self.settings.publish_timeout)
+        if entry.outcome is not Outcome.ACCEPTED:
+            raise BrokerUnavailable(
+                f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}"
+            )
+        self._ledger_doubtful = False
 
     def _may_commit(self) -> bool:
         """False once our heartbeat is so old a resolver may presume us dead."""
