@@ -321,5 +321,79 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     sys.exit(0 if ok else int(ExitCode.FAILURE))
 
 
+@cli.command()
+@click.option(
+    "--dsn",
+    envvar="OUTBOX_DSN",
+    show_envvar=True,
+    default=None,
+    help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
+    "instead of starting a private one (fsync on).",
+)
+@click.option(
+    "--amqp-url",
+    envvar="OUTBOX_AMQP_URL",
+    show_envvar=True,
+    default=DEFAULT_AMQP_URL,
+    show_default=True,
+)
+@click.option("--rows", default=20_000, show_default=True, help="Messages per throughput run.")
+@click.option("--payload", default=1024, show_default=True, help="Payload bytes per message.")
+@click.option("--repeats", default=3, show_default=True, help="Bare/relay pairs (medians).")
+@click.option(
+    "--relays", default="1,2,4", show_default=True, help="Relay counts for the scaling runs."
+)
+@click.option(
+    "--batch-sizes",
+    default="100,1000,5000",
+    show_default=True,
+    help="Batch sizes for the scaling runs.",
+)
+@click.option("--window", default=1000, show_default=True, help="Bare publisher confirm window.")
+@click.option(
+    "--latency-rate", default=200.0, show_default=True, help="Single-row commits per second."
+)
+@click.option(
+    "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
+)
+@click.option("--idle-seconds", default=15.0, show_default=True, help="Length of the idle run.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@known_errors
+def bench(
+    dsn: str | None,
+    amqp_url: str,
+    relays: str,
+    batch_sizes: str,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost."""
+    from outbox.bench import BenchOptions, render, run_bench
+
+    def numbers(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError as exc:
+            raise click.UsageError(f"not a list of numbers: {text!r}") from exc
+        if not values or min(values) < 1:
+            raise click.UsageError(f"not a list of positive numbers: {text!r}")
+        return values
+
+    bench_options = BenchOptions(
+        amqp_url=amqp_url,
+        dsn=dsn,
+        relays=numbers(relays),
+        batch_sizes=numbers(batch_sizes),
+        **options,
+    )
+    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    report = run_bench(bench_options, echo)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(render(report))
+    sys.exit(0 if report["every_row_arrived"] else int(ExitCode.FAILURE))
+
+
 def main(argv: Sequence[str] | None = None, prog_name: str = "outbox") -> None:
     cli.main(args=list(argv) if argv is not None else None, prog_name=prog_name)

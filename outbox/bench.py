@@ -1,0 +1,583 @@
+"""``outbox bench``: the relay next to a bare pika publisher, in one run.
+
+Measures, against the same PostgreSQL and RabbitMQ:
+
+1. **Throughput.**  A bare publisher (pika, persistent messages, ``mandatory``,
+   publisher confirms pipelined over a sliding window) sends ``rows`` messages of
+   ``payload`` bytes; then relays drain the same number of such rows from the
+   outbox table.  Runs alternate (bare, relay, bare, relay, …) so both see the
+   same background load; the ratio is taken from the medians.  Then relays x batch
+   sizes for scaling.
+2. **Latency.**  One idle relay; the bench commits single-row transactions at a
+   fixed rate and a consumer timestamps each message: commit returned → message
+   received (same clock, same process).
+3. **Idle cost.**  The relay left alone: its CPU (``/proc/<pid>/stat``) and the
+   transactions its database ran (``pg_stat_database``).
+
+Relays run as subprocesses (``python -m outbox relay``), exactly as deployed: each
+gets its own interpreter and GIL, so 2 or 4 relays measure the design rather than
+Python threads fighting over one GIL, and the bench's own consumer and polling do
+not steal the relay's CPU time.  Startup (imports, connecting) is kept out of the
+figures: relays are started and registered before the rows are committed, and the
+clock starts when that commit returns (the NOTIFY wakes them).
+
+This module imports pika directly (the only one besides ``publisher.py``): the
+baseline must be a plain pika publisher, not our ``Publisher``, and the latency
+consumer must be as thin as possible.  Benchmarks print figures; nothing here is
+a timed assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pika
+from pika.adapters.select_connection import SelectConnection
+
+from outbox import migrate, store
+from outbox.config import Settings
+from outbox.devservers import PostgresCluster
+from outbox.errors import OutboxError
+
+Echo = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    amqp_url: str
+    dsn: str | None = None
+    rows: int = 20_000
+    payload: int = 1024
+    repeats: int = 3
+    relays: tuple[int, ...] = (1, 2, 4)
+    batch_sizes: tuple[int, ...] = (100, 1000, 5000)
+    window: int = 1000
+    latency_rate: float = 200.0
+    latency_seconds: float = 5.0
+    idle_seconds: float = 15.0
+
+
+# -- the bare publisher -------------------------------------------------------------
+def bare_publish(
+    amqp_url: str,
+    exchange: str,
+    routing_key: str,
+    bodies: Sequence[bytes],
+    message_ids: Sequence[str],
+    *,
+    window: int = 1000,
+    timeout: float = 120.0,
+) -> float:
+    """Publish every body (persistent, mandatory) with at most ``window`` unconfirmed.
+
+    Returns the seconds from the first publish to the last confirm.  This is what a
+    competent hand-written pika publisher does; the relay is measured against it.
+    """
+    state: dict[str, Any] = {"sent": 0, "acked": 0, "nacked": 0, "returned": 0}
+    outstanding: dict[int, None] = {}
+    conn_ref: list[SelectConnection] = []
+    total = len(bodies)
+    started = [0.0]
+
+    def pump(channel: Any) -> None:
+        while state["sent"] < total and len(outstanding) < window:
+            i = state["sent"]
+            props = pika.BasicProperties(delivery_mode=2, message_id=message_ids[i])
+            channel.basic_publish(exchange, routing_key, bodies[i], props, mandatory=True)
+            state["sent"] = i + 1
+            outstanding[i + 1] = None
+
+    def on_confirm(frame: Any) -> None:
+        method = frame.method
+        tags = (
+            [t for t in outstanding if t <= method.delivery_tag]
+            if method.multiple
+            else [method.delivery_tag]
+        )
+        for tag in tags:
+            outstanding.pop(tag, None)
+        key = "acked" if isinstance(method, pika.spec.Basic.Ack) else "nacked"
+        state[key] += len(tags)
+        if state["acked"] + state["nacked"] >= total:
+            state["elapsed"] = time.perf_counter() - started[0]
+            conn_ref[0].close()
+        else:
+            pump(state["channel"])
+
+    def on_channel(channel: Any) -> None:
+        state["channel"] = channel
+        channel.add_on_return_callback(lambda *_: state.__setitem__("returned", 1))
+
+        def confirming(_frame: Any) -> None:
+            started[0] = time.perf_counter()
+            pump(channel)
+
+        channel.confirm_delivery(ack_nack_callback=on_confirm, callback=confirming)
+
+    def on_closed(_conn: Any, _reason: Any) -> None:
+        conn_ref[0].ioloop.stop()
+
+    conn = SelectConnection(
+        pika.URLParameters(amqp_url),
+        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+        on_open_error_callback=lambda _c, err: on_closed(_c, err),
+        on_close_callback=on_closed,
+    )
+    conn_ref.append(conn)
+    timer = conn.ioloop.call_later(timeout, conn.ioloop.stop)
+    conn.ioloop.start()
+    conn.ioloop.remove_timeout(timer)
+    if "elapsed" not in state or state["nacked"] or state["returned"]:
+        raise OutboxError(f"bare publisher did not finish cleanly: {state}")
+    return float(state["elapsed"])
+
+
+# -- broker topology and the latency consumer ------------------------------------
+class Broker:
+    """A private exchange and queue for one bench run, deleted afterwards."""
+
+    def __init__(self, amqp_url: str, suffix: str) -> None:
+        self.amqp_url = amqp_url
+        self.exchange = f"outbox.bench.{suffix}"
+        self.queue = f"outbox.bench.{suffix}"
+        self.ledger = f"outbox.bench.ledger.{suffix}"
+        self._conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        self._channel = self._conn.channel()
+        self._channel.exchange_declare(self.exchange, "topic", durable=True)
+        self._channel.queue_declare(self.queue, durable=True)
+        self._channel.queue_bind(self.queue, self.exchange, "#")
+
+    def depth(self) -> int:
+        frame = self._channel.queue_declare(self.queue, passive=True)
+        return int(frame.method.message_count)
+
+    def purge(self) -> None:
+        self._channel.queue_purge(self.queue)
+
+    def delete(self) -> None:
+        with contextlib.suppress(Exception):
+            self._channel.queue_delete(self.queue)
+            self._channel.queue_delete(self.ledger)
+            self._channel.exchange_delete(self.exchange)
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
+class Receiver(threading.Thread):
+    """Consumes the bench queue and notes when each message id arrived."""
+
+    def __init__(self, amqp_url: str, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.arrived: dict[str, float] = {}
+        self._amqp_url, self._queue = amqp_url, queue
+        self._halt = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        conn = pika.BlockingConnection(pika.URLParameters(self._amqp_url))
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=1000)
+
+        def on_message(_ch: Any, _method: Any, props: Any, _body: bytes) -> None:
+            self.arrived.setdefault(props.message_id, time.perf_counter())
+
+        channel.basic_consume(self._queue, on_message, auto_ack=True)
+        self.ready.set()
+        while not self._halt.is_set():
+            conn.process_data_events(time_limit=0.05)
+        conn.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+# -- relays as subprocesses -----------------------------------------------------------
+class RelayProcesses:
+    """``count`` relay processes with the given settings (SIGTERM on exit)."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        env = dict(os.environ)
+        for field in dataclasses.fields(Settings):
+            env[f"OUTBOX_{field.name.upper()}"] = str(getattr(settings, field.name))
+        env["OUTBOX_LOG_LEVEL"] = "warning"
+        self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "outbox", "relay"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+            for log in self._logs
+        ]
+
+    def check_alive(self) -> None:
+        for proc, log in zip(self.procs, self._logs, strict=True):
+            if proc.poll() is not None:
+                log.seek(0)
+                text = log.read().decode(errors="replace")[-2000:]
+                raise OutboxError(f"a bench relay exited with {proc.returncode}:\n{text}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the relay processes so far."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for proc in self.procs:
+            with open(f"/proc/{proc.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / ticks
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()
+
+
+# -- the database ------------------------------------------------------------------
+@dataclasses.dataclass
+class Database:
+    dsn: str  # where the relays and the bench's writes go
+    stats_dsn: str  # where pg_stat_database is read from (another database if we can)
+    table: str
+    description: str
+
+
+@contextlib.contextmanager
+def _database(dsn: str | None, echo: Echo) -> Iterator[Database]:
+    suffix = uuid.uuid4().hex[:8]
+    if dsn:
+        table = f"outbox_bench_{suffix}"
+        conn = store.connect(dsn, application_name="outbox-bench")
+        try:
+            migrate.migrate(conn, table)
+            yield Database(dsn, dsn, table, "the server given by --dsn")
+        finally:
+            for name in ("", "_relays", "_dead_letters", "_schema_version"):
+                with contextlib.suppress(Exception):
+                    conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
+            conn.close()
+        return
+    echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")
+    with PostgresCluster(durable=True) as cluster:
+        admin = store.connect(cluster.dsn, application_name="outbox-bench")
+        admin.execute("CREATE DATABASE bench")
+        admin.close()
+        bench_dsn = cluster.dsn.rsplit("/", 1)[0] + "/bench"
+        conn = store.connect(bench_dsn, application_name="outbox-bench")
+        migrate.migrate(conn, "outbox")
+        conn.close()
+        yield Database(bench_dsn, cluster.dsn, "outbox", "private cluster, fsync on")
+
+
+def _fill(conn: store.Conn, table: str, exchange: str, rows: int, payload: int) -> None:
+    conn.execute(
+        f'INSERT INTO "{table}" (exchange, routing_key, payload) '
+        "SELECT %s, 'bench.' || (i %% 16), "
+        "convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8') "
+        "FROM generate_series(1, %s) AS i",
+        [exchange, payload, rows],
+    )
+
+
+def _wait_registered(conn: store.Conn, table: str, count: int, relays: RelayProcesses) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        relays.check_alive()
+        row = conn.execute(f'SELECT count(*) AS n FROM "{table}_relays"').fetchone()
+        if row and row["n"] >= count:
+            return
+        time.sleep(0.05)
+    raise OutboxError("bench relays did not register within 30 s")
+
+
+# -- the runs ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    kind: str  # bare | relay
+    relays: int
+    batch_size: int
+    rows: int
+    seconds: float
+    delivered: int
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+class Bench:
+    def __init__(self, options: BenchOptions, db: Database, broker: Broker, echo: Echo) -> None:
+        self.o, self.db, self.broker, self.echo = options, db, broker, echo
+        self.conn = store.connect(db.dsn, application_name="outbox-bench")
+        self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]
+
+    def settings(self, batch_size: int | None = None) -> Settings:
+        defaults = Settings()
+        return Settings(
+            dsn=self.db.dsn,
+            amqp_url=self.o.amqp_url,
+            table=self.db.table,
+            ledger_queue=self.broker.ledger,
+            batch_size=batch_size or defaults.batch_size,
+        )
+
+    def bare(self) -> Run:
+        ids = [str(uuid.uuid4()) for _ in self.bodies]
+        self.broker.purge()
+        seconds = bare_publish(
+            self.o.amqp_url,
+            self.broker.exchange,
+            "bench.bare",
+            self.bodies,
+            ids,
+            window=self.o.window,
+        )
+        run = Run("bare", 0, self.o.window, len(ids), seconds, self.broker.depth())
+        self.broker.purge()
+        return run
+
+    def relay(self, count: int, batch_size: int | None = None) -> Run:
+        settings = self.settings(batch_size)
+        self.broker.purge()
+        self.conn.execute(f'TRUNCATE "{self.db.table}"')
+        self.conn.execute(f'VACUUM ANALYZE "{self.db.table}"')
+        relays = RelayProcesses(settings, count)
+        try:
+            _wait_registered(self.conn, self.db.table, count, relays)
+            with self.conn.transaction():
+                _fill(self.conn, self.db.table, self.broker.exchange, self.o.rows, self.o.payload)
+            started = time.perf_counter()
+            deadline = time.monotonic() + 300
+            while True:
+                row = self.conn.execute(f'SELECT count(*) AS n FROM "{self.db.table}"').fetchone()
+                if row and row["n"] == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise OutboxError(f"relays left {row and row['n']} rows after 300 s")
+                relays.check_alive()
+                time.sleep(0.005)
+            seconds = time.perf_counter() - started
+        finally:
+            relays.stop()
+        self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
+        delivered = self.broker.depth()
+        self.broker.purge()
+        return Run("relay", count, settings.batch_size, self.o.rows, seconds, delivered)
+
+    def latency(self) -> dict[str, Any]:
+        self.broker.purge()
+        self.conn.execute(f'TRUNCATE "{self.db.table}"')
+        receiver = Receiver(self.o.amqp_url, self.broker.queue)
+        receiver.start()
+        receiver.ready.wait(10)
+        relays = RelayProcesses(self.settings(), 1)
+        committed: dict[str, float] = {}
+        try:
+            _wait_registered(self.conn, self.db.table, 1, relays)
+            time.sleep(0.5)
+            count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
+            producer = store.connect(self.db.dsn, application_name="outbox-bench-producer")
+            insert = (
+                f'INSERT INTO "{self.db.table}" (message_id, exchange, routing_key, payload) '
+                "VALUES (%s, %s, 'bench.latency', %s)"
+            )
+            body = b"x" * self.o.payload
+            started = time.perf_counter()
+            for i in range(count):
+                due = started + i / self.o.latency_rate
+                pause = due - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                message_id = uuid.uuid4()
+                with producer.transaction():
+                    producer.execute(insert, [message_id, self.broker.exchange, body])
+                committed[str(message_id)] = time.perf_counter()
+            producer.close()
+            deadline = time.monotonic() + 10
+            while len(receiver.arrived) < count and time.monotonic() < deadline:
+                time.sleep(0.05)
+            idle = self._idle(relays)
+        finally:
+            relays.stop()
+            receiver.stop()
+        self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
+        latencies = sorted(
+            (receiver.arrived[m] - t) * 1000 for m, t in committed.items() if m in receiver.arrived
+        )
+        result: dict[str, Any] = {
+            "rate_per_s": self.o.latency_rate,
+            "sent": len(committed),
+            "delivered": sum(1 for m in committed if m in receiver.arrived),
+        }
+        for q in (50, 95, 99):
+            result[f"p{q}_ms"] = round(_percentile(latencies, q), 2)
+        result["max_ms"] = round(latencies[-1], 2) if latencies else None
+        result["idle"] = idle
+        return result
+
+    def _idle(self, relays: RelayProcesses) -> dict[str, Any]:
+        """The relay with nothing to do: CPU and database transactions per second."""
+        self.conn.close()  # our own session must not count
+        stats = store.connect(self.db.stats_dsn, application_name="outbox-bench-stats")
+        dbname = store.connect(self.db.dsn, application_name="outbox-bench-stats")
+        name = dbname.info.dbname
+        dbname.close()
+
+        def xacts() -> int:
+            row = stats.execute(
+                "SELECT (xact_commit + xact_rollback)::bigint AS n "
+                "FROM pg_stat_database WHERE datname = %s",
+                [name],
+            ).fetchone()
+            return int(row["n"]) if row else 0
+
+        time.sleep(2.0)  # let the last batch's stats be flushed
+        own = 1 if self.db.stats_dsn == self.db.dsn else 0
+        cpu0, tx0, t0 = relays.cpu_seconds(), xacts(), time.perf_counter()
+        time.sleep(self.o.idle_seconds)
+        # Idle backends report their counters at most every ~10 s: wait for the tail.
+        cpu1, t1 = relays.cpu_seconds(), time.perf_counter()
+        time.sleep(1.0)
+        tx1 = xacts()
+        stats.close()
+        self.conn = store.connect(self.db.dsn, application_name="outbox-bench")
+        seconds = t1 - t0
+        return {
+            "seconds": round(seconds, 1),
+            "cpu_percent_of_a_core": round(100 * (cpu1 - cpu0) / seconds, 3),
+            "db_transactions_per_s": round(max(0, tx1 - tx0 - own) / seconds, 3),
+        }
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
+    """Every measurement; returns the figures (``--json`` prints them as they are)."""
+    suffix = uuid.uuid4().hex[:8]
+    with _database(options.dsn, echo) as db:
+        broker = Broker(options.amqp_url, suffix)
+        bench = Bench(options, db, broker, echo)
+        try:
+            return _measure(bench, options, db, echo)
+        finally:
+            bench.close()
+            broker.delete()
+
+
+def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[str, Any]:
+    server = bench.conn.execute("SHOW server_version").fetchone()
+    bare_runs: list[Run] = []
+    relay_runs: list[Run] = []
+    for i in range(o.repeats):
+        bare_runs.append(bench.bare())
+        echo(f"  bare publisher  run {i + 1}: {bare_runs[-1].rate:,.0f} msg/s")
+        relay_runs.append(bench.relay(1))
+        echo(f"  1 relay         run {i + 1}: {relay_runs[-1].rate:,.0f} msg/s")
+    bare_rate = statistics.median(r.rate for r in bare_runs)
+    relay_rate = statistics.median(r.rate for r in relay_runs)
+    scaling = []
+    default_batch = Settings().batch_size
+    for count in o.relays:
+        for batch_size in o.batch_sizes:
+            if count == 1 and batch_size == default_batch:
+                run_rate = relay_rate
+                delivered = min(r.delivered for r in relay_runs)
+            else:
+                run = bench.relay(count, batch_size)
+                run_rate, delivered = run.rate, run.delivered
+                relay_runs.append(run)
+            scaling.append(
+                {
+                    "relays": count,
+                    "batch_size": batch_size,
+                    "msg_per_s": round(run_rate),
+                    "ratio_to_bare": round(run_rate / bare_rate, 3),
+                    "delivered": delivered,
+                }
+            )
+            echo(f"  {count} relay(s), batch {batch_size}: {run_rate:,.0f} msg/s")
+    echo("  latency and idle run ...")
+    latency = bench.latency()
+    every_row = (
+        all(r.delivered == r.rows for r in bare_runs + relay_runs)
+        and latency["delivered"] == latency["sent"]
+    )
+    return {
+        "machine": {"cpus": os.cpu_count(), "postgres": db.description},
+        "server_version": server["server_version"] if server else None,
+        "rows": o.rows,
+        "payload_bytes": o.payload,
+        "repeats": o.repeats,
+        "throughput": {
+            "bare_msg_per_s": [round(r.rate) for r in bare_runs],
+            "relay_msg_per_s": [round(r.rate) for r in relay_runs[: o.repeats]],
+            "bare_median": round(bare_rate),
+            "relay_median": round(relay_rate),
+            "ratio": round(relay_rate / bare_rate, 3),
+            "window": o.window,
+        },
+        "scaling": scaling,
+        "latency": {k: v for k, v in latency.items() if k != "idle"},
+        "idle": latency["idle"],
+        "every_row_arrived": every_row,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    t, lat, idle = report["throughput"], report["latency"], report["idle"]
+    lines = [
+        f"outbox bench: {report['rows']} rows of {report['payload_bytes']} B, "
+        f"{report['machine']['cpus']} CPUs, PostgreSQL {report['server_version']} "
+        f"({report['machine']['postgres']}), medians of {report['repeats']}",
+        "",
+        "| what | msg/s | ratio to bare |",
+        "|---|---:|---:|",
+        f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 |",
+        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} |",
+    ]
+    for s in report["scaling"]:
+        lines.append(
+            f"| {s['relays']} relay(s), batch {s['batch_size']} | {s['msg_per_s']:,} | "
+            f"{s['ratio_to_bare']:.2f} |"
+        )
+    lines += [
+        "",
+        f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "
+        f"{lat['delivered']}/{lat['sent']} delivered: p50 {lat['p50_ms']} ms, "
+        f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms",
+        f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
+        f"{idle['db_transactions_per_s']} database transactions/s",
+        "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
+    ]
+    return "\n".join(lines)
