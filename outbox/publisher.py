@@ -26,11 +26,13 @@ import dataclasses
 import datetime
 import enum
 import logging
+import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pika
+import pika.data
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.adapters.utils import connection_workflow
@@ -62,6 +64,68 @@ class Message:
 class Delivery:
     outcome: Outcome = Outcome.UNKNOWN
     reason: str = ""
+
+
+# -- frames, encoded by hand -----------------------------------------------------
+# pika builds a Basic.Publish, a BasicProperties and three Frame objects per
+# message and hands each frame to its transport separately (one send() each).
+# Profiling the relay showed that to be about half of its CPU time.  We encode
+# the same bytes directly (``encode_publish``, checked against pika's own
+# marshalling by the unit tests) and write a whole run of messages at once.
+_FRAME_END = b"\xce"
+_BASIC_PUBLISH = struct.pack(">HHH", 60, 40, 0)  # class basic, method publish, ticket
+_FLAG_CONTENT_TYPE = 1 << 15
+_FLAG_HEADERS = 1 << 13
+_FLAG_DELIVERY_MODE = 1 << 12
+_FLAG_MESSAGE_ID = 1 << 7
+_FLAG_TIMESTAMP = 1 << 6
+# Flush to the socket (and read confirms) after this many bytes of a batch, so the
+# broker works on the start of a batch while we encode the rest.
+FLUSH_BYTES = 128 * 1024
+
+
+def _short_string(value: str) -> bytes:
+    data = value.encode("utf-8")
+    if len(data) > 255:
+        raise ValueError(f"AMQP short string longer than 255 bytes: {value[:40]!r}…")
+    return bytes((len(data),)) + data
+
+
+def _frame(kind: int, channel: int, payload: bytes) -> bytes:
+    return struct.pack(">BHI", kind, channel, len(payload)) + payload + _FRAME_END
+
+
+def encode_publish(channel: int, message: Message, *, mandatory: bool, body_max: int) -> bytes:
+    """The frames of one persistent ``basic.publish`` (method, header, body)."""
+    method = _frame(
+        1,
+        channel,
+        _BASIC_PUBLISH
+        + _short_string(message.exchange)
+        + _short_string(message.routing_key)
+        + (b"\x01" if mandatory else b"\x00"),
+    )
+    flags = _FLAG_DELIVERY_MODE | _FLAG_MESSAGE_ID
+    props = []
+    if message.content_type is not None:
+        flags |= _FLAG_CONTENT_TYPE
+        props.append(_short_string(message.content_type))
+    if message.headers is not None:
+        flags |= _FLAG_HEADERS
+        table: list[bytes] = []
+        pika.data.encode_table(table, dict(message.headers))
+        props.append(b"".join(table))
+    props.append(b"\x02")  # delivery_mode: persistent
+    props.append(_short_string(message.message_id))
+    if message.timestamp is not None:
+        flags |= _FLAG_TIMESTAMP
+        props.append(struct.pack(">Q", int(message.timestamp.timestamp())))
+    body = message.body
+    header = _frame(2, channel, struct.pack(">HHQH", 60, 0, len(body), flags) + b"".join(props))
+    frames = [method, header]
+    for start in range(0, len(body), body_max):
+        frames.append(_frame(3, channel, body[start : start + body_max]))
+    return b"".join(frames)
 
 
 class Publisher:
@@ -234,38 +298,68 @@ class Publisher:
         if self._channel is None:
             self._open_channel()
         channel = self._channel
+        conn = self._conn
+        assert conn is not None
         self._deliveries = [Delivery() for _ in messages]
         self._by_message_id = {}
+        number, body_max = channel.channel_number, conn._body_max_length
+        chunk: list[bytes] = []
+        chunk_indexes: list[int] = []
+        size = 0
         for index, message in enumerate(messages):
-            properties = pika.BasicProperties(
-                delivery_mode=2,
-                message_id=message.message_id,
-                content_type=message.content_type,
-                headers=dict(message.headers) if message.headers is not None else None,
-                timestamp=int(message.timestamp.timestamp()) if message.timestamp else None,
-            )
             try:
-                channel.basic_publish(
-                    message.exchange, message.routing_key, message.body, properties, mandatory=True
-                )
-            except (pika.exceptions.AMQPError, ValueError, TypeError) as exc:
-                # Channel closed under us, or a value pika cannot encode.
+                data = encode_publish(number, message, mandatory=True, body_max=body_max)
+            except (pika.exceptions.AMQPError, ValueError, TypeError, struct.error) as exc:
+                # A value AMQP cannot carry: this message fails, the others go on.
                 self._deliveries[index].reason = _describe(exc)
-                if self._channel is None or not channel.is_open:
-                    break
                 continue
-            tag = self._next_tag
-            self._next_tag += 1
-            self._unconfirmed[tag] = index
-            self._by_message_id.setdefault(message.message_id, []).append(index)
+            chunk.append(data)
+            chunk_indexes.append(index)
+            size += len(data)
+            if size >= FLUSH_BYTES:
+                if not self._write(channel, chunk, chunk_indexes, messages):
+                    break
+                chunk, chunk_indexes, size = [], [], 0
+                # Let the broker start on what we sent; take the confirms so far.
+                self._run_until(lambda: False, 0.0)
+        else:
+            if chunk:
+                self._write(channel, chunk, chunk_indexes, messages)
         self._run_until(lambda: not self._unconfirmed or self._failure is not None, timeout)
         for index in self._unconfirmed.values():
             if not self._deliveries[index].reason:
                 self._deliveries[index].reason = "no confirm before the publish timeout"
+        for delivery in self._deliveries:
+            if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
+                delivery.reason = "not sent: the channel closed"
         if self._unconfirmed:
             # Late confirms for this batch must not be taken for the next one's.
             self._abandon_channel()
         return self._deliveries
+
+    def _write(
+        self,
+        channel: Any,
+        chunk: list[bytes],
+        indexes: list[int],
+        messages: Sequence[Message],
+    ) -> bool:
+        """Hand encoded messages to the transport; False if the channel is gone."""
+        conn = self._conn
+        if channel is not self._channel or not channel.is_open or conn is None or conn.is_closed:
+            reason = f"channel closed: {self._channel_closed or self._failure or 'unknown'}"
+            for index in indexes:
+                self._deliveries[index].reason = reason
+            return False
+        for index in indexes:
+            tag = self._next_tag
+            self._next_tag += 1
+            self._unconfirmed[tag] = index
+            self._by_message_id.setdefault(messages[index].message_id, []).append(index)
+        # pika's own path (Connection._send_message) ends in this call, once per
+        # frame; we make it once per run of messages.
+        conn._output_marshaled_frames([b"".join(chunk)])
+        return True
 
     def _abandon_channel(self) -> None:
         channel, self._channel = self._channel, None
