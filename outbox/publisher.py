@@ -66,6 +66,19 @@ class Delivery:
     reason: str = ""
 
 
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """Messages handed to the broker by ``send`` whose confirms may still be due."""
+
+    deliveries: list[Delivery]
+    by_message_id: dict[str, list[Delivery]] = dataclasses.field(default_factory=dict)
+    outstanding: int = 0  # sent and neither confirmed nor given up
+
+    @property
+    def settled(self) -> bool:
+        return self.outstanding == 0
+
+
 # -- frames, encoded by hand -----------------------------------------------------
 # pika builds a Basic.Publish, a BasicProperties and three Frame objects per
 # message and hands each frame to its transport separately (one send() each).
@@ -152,9 +165,11 @@ class Publisher:
         self._failure: str | None = None
         self._channel_closed: str | None = None
         self._next_tag = 1
-        self._unconfirmed: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self._by_message_id: dict[str, list[int]] = {}
-        self._deliveries: list[Delivery] = []
+        # delivery tag → (its batch, its delivery); several batches may be in flight.
+        self._unconfirmed: collections.OrderedDict[int, tuple[Pending, Delivery]] = (
+            collections.OrderedDict()
+        )
+        self._pending: list[Pending] = []
         self._done: Callable[[], bool] | None = None
         self.blocked = False
 
@@ -254,8 +269,8 @@ class Publisher:
                 f"cannot open a RabbitMQ channel: {self._failure or 'timed out'}"
             )
         self._channel = state["channel"]
+        self._give_up_unconfirmed("channel replaced before its confirms arrived")
         self._next_tag = 1
-        self._unconfirmed.clear()
 
     def _confirming(self, state: dict[str, Any]) -> None:
         state["confirming"] = True
@@ -266,10 +281,17 @@ class Publisher:
             return
         self._channel = None
         self._channel_closed = _describe(reason)
-        for index in self._unconfirmed.values():
-            self._deliveries[index].reason = f"channel closed: {self._channel_closed}"
-        self._unconfirmed.clear()
+        self._give_up_unconfirmed(f"channel closed: {self._channel_closed}")
         self._poke()
+
+    def _give_up_unconfirmed(self, reason: str) -> None:
+        """Every unconfirmed message is in doubt from now on (``Outcome.UNKNOWN``)."""
+        for pending, delivery in self._unconfirmed.values():
+            if not delivery.reason:
+                delivery.reason = reason
+            pending.outstanding -= 1
+        self._unconfirmed.clear()
+        self._pending = [p for p in self._pending if not p.settled]
 
     def close(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
@@ -293,6 +315,14 @@ class Publisher:
         not connected at the start; a connection lost midway leaves the unconfirmed
         deliveries ``UNKNOWN``.
         """
+        return self.confirmed(self.send(messages), timeout)
+
+    def send(self, messages: Sequence[Message]) -> Pending:
+        """Write every message (persistent, ``mandatory``) without waiting for confirms.
+
+        Confirms are collected whenever the I/O loop runs: by ``confirmed``, and while
+        later batches are sent.  Several sends may be outstanding on the channel.
+        """
         if not self.connected:
             raise BrokerUnavailable("not connected to RabbitMQ")
         if self._channel is None:
@@ -300,8 +330,9 @@ class Publisher:
         channel = self._channel
         conn = self._conn
         assert conn is not None
-        self._deliveries = [Delivery() for _ in messages]
-        self._by_message_id = {}
+        pending = Pending([Delivery() for _ in messages])
+        self._pending = [p for p in self._pending if not p.settled]
+        self._pending.append(pending)
         number, body_max = channel.channel_number, conn._body_max_length
         chunk: list[bytes] = []
         chunk_indexes: list[int] = []
@@ -311,35 +342,47 @@ class Publisher:
                 data = encode_publish(number, message, mandatory=True, body_max=body_max)
             except (pika.exceptions.AMQPError, ValueError, TypeError, struct.error) as exc:
                 # A value AMQP cannot carry: this message fails, the others go on.
-                self._deliveries[index].reason = _describe(exc)
+                pending.deliveries[index].reason = _describe(exc)
                 continue
             chunk.append(data)
             chunk_indexes.append(index)
             size += len(data)
             if size >= FLUSH_BYTES:
-                if not self._write(channel, chunk, chunk_indexes, messages):
+                if not self._write(channel, pending, chunk, chunk_indexes, messages):
                     break
                 chunk, chunk_indexes, size = [], [], 0
                 # Let the broker start on what we sent; take the confirms so far.
                 self._run_until(lambda: False, 0.0)
         else:
             if chunk:
-                self._write(channel, chunk, chunk_indexes, messages)
-        self._run_until(lambda: not self._unconfirmed or self._failure is not None, timeout)
-        for index in self._unconfirmed.values():
-            if not self._deliveries[index].reason:
-                self._deliveries[index].reason = "no confirm before the publish timeout"
-        for delivery in self._deliveries:
+                self._write(channel, pending, chunk, chunk_indexes, messages)
+        # Start the transfer now: the broker works while the caller does other things.
+        self._run_until(lambda: False, 0.0)
+        return pending
+
+    def confirmed(self, pending: Pending, timeout: float) -> list[Delivery]:
+        """Wait until every message of ``pending`` is confirmed, returned, nacked or lost.
+
+        A timeout abandons the channel: every message still unconfirmed on it, of
+        this batch or another, is then in doubt (late confirms must not be taken
+        for a later batch's).
+        """
+        self._run_until(lambda: pending.settled or self._failure is not None, timeout)
+        if not pending.settled:
+            if self._failure is not None:
+                self._give_up_unconfirmed(f"connection lost: {self._failure}")
+            else:
+                self._give_up_unconfirmed("no confirm before the publish timeout")
+                self._abandon_channel()
+        for delivery in pending.deliveries:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.reason = "not sent: the channel closed"
-        if self._unconfirmed:
-            # Late confirms for this batch must not be taken for the next one's.
-            self._abandon_channel()
-        return self._deliveries
+        return pending.deliveries
 
     def _write(
         self,
         channel: Any,
+        pending: Pending,
         chunk: list[bytes],
         indexes: list[int],
         messages: Sequence[Message],
@@ -349,13 +392,14 @@ class Publisher:
         if channel is not self._channel or not channel.is_open or conn is None or conn.is_closed:
             reason = f"channel closed: {self._channel_closed or self._failure or 'unknown'}"
             for index in indexes:
-                self._deliveries[index].reason = reason
+                pending.deliveries[index].reason = reason
             return False
         for index in indexes:
-            tag = self._next_tag
+            delivery = pending.deliveries[index]
+            self._unconfirmed[self._next_tag] = (pending, delivery)
             self._next_tag += 1
-            self._unconfirmed[tag] = index
-            self._by_message_id.setdefault(messages[index].message_id, []).append(index)
+            pending.by_message_id.setdefault(messages[index].message_id, []).append(delivery)
+        pending.outstanding += len(indexes)
         # pika's own path (Connection._send_message) ends in this call, once per
         # frame; we make it once per run of messages.
         conn._output_marshaled_frames([b"".join(chunk)])
@@ -363,7 +407,7 @@ class Publisher:
 
     def _abandon_channel(self) -> None:
         channel, self._channel = self._channel, None
-        self._unconfirmed.clear()
+        self._give_up_unconfirmed("channel abandoned after a confirm timeout")
         if channel is not None and channel.is_open:
             try:
                 channel.close()
@@ -382,7 +426,8 @@ class Publisher:
         else:
             tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
         for tag in tags:
-            delivery = self._deliveries[self._unconfirmed.pop(tag)]
+            pending, delivery = self._unconfirmed.pop(tag)
+            pending.outstanding -= 1
             if not accepted:
                 delivery.outcome = Outcome.NACKED
                 delivery.reason = "nacked by the broker"
@@ -393,8 +438,12 @@ class Publisher:
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         # basic.return precedes the message's ack; mark the oldest unconfirmed
         # delivery with this message id.
-        for index in self._by_message_id.get(properties.message_id, []):
-            delivery = self._deliveries[index]
+        candidates = (
+            delivery
+            for pending in self._pending
+            for delivery in pending.by_message_id.get(properties.message_id, [])
+        )
+        for delivery in candidates:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.outcome = Outcome.RETURNED
                 delivery.reason = (
