@@ -80,6 +80,12 @@ def tuning_options(func: F) -> F:
                 help="Most rows per batch (one prepared transaction).",
             ),
             _option(
+                "--pipeline/--no-pipeline",
+                "OUTBOX_PIPELINE",
+                default=defaults.pipeline,
+                help="Prepare the next batch while the broker confirms the current one.",
+            ),
+            _option(
                 "--publish-timeout",
                 "OUTBOX_PUBLISH_TIMEOUT",
                 default=defaults.publish_timeout,

@@ -54,7 +54,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from outbox import backoff, faults, ledger
 from outbox.config import Settings
@@ -68,7 +67,7 @@ from outbox.errors import (
 from outbox.events import emit
 from outbox.gid import Gid, new_relay_id
 from outbox.message import DeadLetter, OutboxRow, problem_with
-from outbox.publisher import Message, Outcome, Publisher
+from outbox.publisher import Message, Outcome, Pending, Publisher
 from outbox.store import BatchStore, ControlSession
 
 log = logging.getLogger("outbox.relay")
@@ -96,6 +95,20 @@ class _Unsettled:
     evidence: bool  # the ledger record was confirmed: the batch must be committed
     published: int = 0  # for the stats once it is settled
     dead: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """A prepared batch on its way: sent, then evidenced, then committed."""
+
+    gid: str
+    rows: Sequence[OutboxRow]
+    started: float
+    good: list[OutboxRow] = dataclasses.field(default_factory=list)
+    dead: list[DeadLetter] = dataclasses.field(default_factory=list)
+    sent: list[Pending] = dataclasses.field(default_factory=list)
+    ledger: Pending | None = None
+    published: int = 0
 
 
 class StopFlag:
@@ -148,8 +161,10 @@ class Relay:
         )
         self.relay_id = ""
         self._seq = 0
-        self._unsettled: _Unsettled | None = None
-        self._in_flight: str | None = None  # prepared and not yet finished by us
+        self._unsettled: list[_Unsettled] = []
+        # Prepared by us and not yet finished, by gid (evidence: ledger record confirmed).
+        self._open: dict[str, _Unsettled] = {}
+        self._sent: _Batch | None = None  # pipelined: sent, finished by the next step
         self._exchanges_seen: dict[str, float] = {}
         self._last_heartbeat_ok = 0.0
         self._next_heartbeat = 0.0
@@ -249,7 +264,7 @@ class Relay:
                     # A reconnect that failed earlier leaves a session missing.
                     self._connect_database()
                     self._connect_broker()
-                    if self._unsettled is not None:
+                    if self._unsettled:
                         self._settle()
                     self._maintain()
                     claimed = self.process_one_batch()
@@ -264,6 +279,8 @@ class Relay:
                 except PreparedSlotsExhausted as exc:
                     emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
                     self._reconnect(exc)
+            with contextlib.suppress(DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
+                self._finish_sent()  # stopping: finish the batch in flight, claim no more
         finally:
             self.close()
         return self.stats
@@ -315,7 +332,64 @@ class Relay:
 
     # -- one batch -------------------------------------------------------------
     def process_one_batch(self) -> int:
-        """Claim, prepare, publish, record and commit one batch; returns rows claimed."""
+        """One step of the loop; returns the rows claimed.
+
+        Without ``pipeline``: claim, PREPARE, publish, record, COMMIT PREPARED one
+        batch.  With it (the default) two batches overlap, and a step is:
+
+        1. claim and PREPARE batch N+1, while the broker persists batch N;
+        2. wait for N's confirms, record its dead letters, send N's ledger record;
+        3. publish N+1 (its PREPARE succeeded in 1);
+        4. wait for N's ledger confirm, COMMIT PREPARED N.
+
+        Each batch still goes claim → PREPARE → publish → confirms → ledger →
+        COMMIT PREPARED in that order, and nothing is published before its own
+        PREPARE is known to have succeeded.  At most two batches of a relay are
+        prepared at once, so a crash leaves at most two to resolve (each by the
+        crash table) and duplicates ≤ 2 x batch_size.
+        """
+        try:
+            batch = self._claim_and_prepare()
+            if not self.settings.pipeline:
+                if batch is not None:
+                    self._send(batch)
+                    self._record_evidence(batch)
+                    self._commit(batch)
+                return len(batch.rows) if batch else 0
+            previous, self._sent = self._sent, None
+            if previous is not None:
+                self._record_evidence(previous)
+            if batch is not None:
+                self._send(batch)
+                self._sent = batch
+            if previous is not None:
+                self._commit(previous)
+            return len(batch.rows) if batch else 0
+        except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown, PreparedSlotsExhausted):
+            self._give_up_open_batches()
+            raise
+
+    def _finish_sent(self) -> None:
+        """Record and commit the batch already sent (on stop), claiming nothing new."""
+        previous, self._sent = self._sent, None
+        if previous is None:
+            return
+        try:
+            self._record_evidence(previous)
+            self._commit(previous)
+        except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
+            self._give_up_open_batches()
+            raise
+
+    def _give_up_open_batches(self) -> None:
+        """After a failure, every batch we prepared and did not finish is settled later."""
+        self._sent = None
+        known = {u.gid for u in self._unsettled}
+        self._unsettled.extend(u for gid, u in self._open.items() if gid not in known)
+        self._open.clear()
+
+    def _claim_and_prepare(self) -> _Batch | None:
+        """Claim rows and PREPARE them (crash table: "claim", "PREPARE")."""
         store = self.store
         assert store is not None
         started = time.monotonic()
@@ -328,35 +402,44 @@ class Relay:
         rows = store.claim_batch(self.settings.batch_size)
         if not rows:
             store.abandon_claim()
-            return 0
+            return None
         faults.reached("after_claim")
         gid = self._next_gid()
         try:
             store.prepare(gid)
         except OutcomeUnknown:
-            self._unsettled = _Unsettled(gid, evidence=False)
+            self._unsettled.append(_Unsettled(gid, evidence=False))
             raise
-        faults.reached("after_prepare")
         # From here on the batch is durable and undecided until finished.
-        self._in_flight = gid
-        try:
-            self._publish_prepared(gid, rows, started)
-        except (DatabaseUnavailable, BrokerUnavailable):
-            if self._in_flight is not None and self._unsettled is None:
-                self._unsettled = _Unsettled(gid, evidence=False)
-            raise
-        finally:
-            self._in_flight = None
-        return len(rows)
+        self._open[gid] = _Unsettled(gid, evidence=False)
+        faults.reached("after_prepare")
+        return _Batch(gid, rows, started)
 
-    def _publish_prepared(self, gid: str, rows: Sequence[OutboxRow], started: float) -> None:
+    def _send(self, batch: _Batch) -> None:
+        """Publish the batch's messages without waiting ("some messages published")."""
+        batch.dead, batch.good = self._sort_out(batch.rows)
+        messages = [to_message(r) for r in batch.good]
+        if faults.armed("mid_publish") and len(messages) > 1:
+            half = len(messages) // 2
+            first = self.publisher.send(messages[:half])
+            self.publisher.confirmed(first, self.settings.publish_timeout)
+            faults.reached("mid_publish")
+            batch.sent = [first, self.publisher.send(messages[half:])]
+        elif messages:
+            batch.sent = [self.publisher.send(messages)]
+
+    def _record_evidence(self, batch: _Batch) -> None:
+        """Wait for every confirm, store dead letters, send the ledger record."""
         store = self.store
         assert store is not None
-        dead, good = self._sort_out(rows)
-        deliveries = self._publish(good)
+        gid = batch.gid
+        timeout = self.settings.publish_timeout
+        deliveries = [
+            d for pending in batch.sent for d in self.publisher.confirmed(pending, timeout)
+        ]
         returned = [
             DeadLetter(row, d.reason)
-            for row, d in zip(good, deliveries, strict=False)
+            for row, d in zip(batch.good, deliveries, strict=False)
             if d.outcome is Outcome.RETURNED
         ]
         failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
@@ -369,6 +452,7 @@ class Relay:
                 self._exchanges_seen.clear()
             raise BrokerUnavailable(f"batch {gid} not confirmed: {failed[0].reason}")
         faults.reached("after_publish")
+        dead = batch.dead
         dead.extend(returned)
         if dead:
             store.record_dead_letters(dead, gid)
@@ -381,36 +465,47 @@ class Relay:
                     message_id=letter.row.message_id,
                     reason=letter.reason,
                 )
-        published = len(good) - len(returned)
+        batch.published = len(batch.good) - len(returned)
         if not self._may_commit():
-            self._roll_back(gid, reason="heartbeat too old (partitioned?)", accepted=published)
+            self._roll_back(
+                gid, reason="heartbeat too old (partitioned?)", accepted=batch.published
+            )
             raise DatabaseUnavailable("the relay's heartbeat is stale; backing off")
-        record = ledger.record(gid, rows=len(rows), dead=len(dead), relay_id=self.relay_id)
+        record = ledger.record(gid, rows=len(batch.rows), dead=len(dead), relay_id=self.relay_id)
         record = dataclasses.replace(record, routing_key=self.settings.ledger_queue)
-        [entry] = self.publisher.publish([record], self.settings.publish_timeout)
+        batch.ledger = self.publisher.send([record])
+
+    def _commit(self, batch: _Batch) -> None:
+        """Wait for the ledger confirm (the evidence), then COMMIT PREPARED."""
+        store = self.store
+        assert store is not None and batch.ledger is not None
+        gid = batch.gid
+        [entry] = self.publisher.confirmed(batch.ledger, self.settings.publish_timeout)
         if entry.outcome is not Outcome.ACCEPTED:
             self._ledger_doubtful = True
             self._roll_back(
-                gid, reason=f"ledger record not confirmed: {entry.reason}", accepted=published
+                gid, reason=f"ledger record not confirmed: {entry.reason}", accepted=batch.published
             )
             raise BrokerUnavailable(f"could not record {gid} in the ledger: {entry.reason}")
         faults.reached("after_ledger")
-        self._unsettled = _Unsettled(gid, evidence=True, published=published, dead=len(dead))
+        self._open[gid] = _Unsettled(
+            gid, evidence=True, published=batch.published, dead=len(batch.dead)
+        )
         faults.reached("before_commit_prepared")
         store.finish(gid, commit=True)
-        self._unsettled = self._in_flight = None
+        del self._open[gid]
         self.stats.batches_committed += 1
-        self.stats.messages_published += published
-        self.stats.dead_letters += len(dead)
+        self.stats.messages_published += batch.published
+        self.stats.dead_letters += len(batch.dead)
         emit(
             log,
             "batch.committed",
             logging.DEBUG,
             gid=gid,
-            rows=len(rows),
-            published=published,
-            dead=len(dead),
-            ms=f"{(time.monotonic() - started) * 1000:.1f}",
+            rows=len(batch.rows),
+            published=batch.published,
+            dead=len(batch.dead),
+            ms=f"{(time.monotonic() - batch.started) * 1000:.1f}",
         )
         if self._on_batch:
             self._on_batch(gid, self.stats)
@@ -444,16 +539,6 @@ class Relay:
                 missing.add(name)
         return missing
 
-    def _publish(self, rows: Sequence[OutboxRow]) -> list[Any]:
-        messages = [to_message(r) for r in rows]
-        timeout = self.settings.publish_timeout
-        if faults.armed("mid_publish") and len(messages) > 1:
-            half = len(messages) // 2
-            first = self.publisher.publish(messages[:half], timeout)
-            faults.reached("mid_publish")
-            return first + self.publisher.publish(messages[half:], timeout)
-        return self.publisher.publish(messages, timeout) if messages else []
-
     def _probe_ledger(self) -> None:
         """Prove the ledger takes records again before publishing another batch.
 
@@ -475,9 +560,8 @@ class Relay:
 
     def _roll_back(self, gid: str, *, reason: str, accepted: int) -> None:
         assert self.store is not None
-        self._unsettled = _Unsettled(gid, evidence=False)
         self.store.finish(gid, commit=False)
-        self._unsettled = self._in_flight = None
+        self._open.pop(gid, None)
         self.stats.batches_rolled_back += 1
         self.stats.duplicates_possible += accepted
         emit(
@@ -490,19 +574,20 @@ class Relay:
         )
 
     def _settle(self) -> None:
-        """Finish the batch whose PREPARE/COMMIT/ROLLBACK outcome was cut off."""
-        unsettled = self._unsettled
-        assert unsettled is not None and self.store is not None
-        if self.store.gid_exists(unsettled.gid):
-            self.store.finish(unsettled.gid, commit=unsettled.evidence)
-            outcome = "committed" if unsettled.evidence else "rolled_back"
-        else:
-            outcome = "finished_elsewhere"
-        if unsettled.evidence:
-            self.stats.batches_committed += 1
-            self.stats.messages_published += unsettled.published
-            self.stats.dead_letters += unsettled.dead
-        else:
-            self.stats.batches_rolled_back += 1
-        emit(log, "batch.settled", logging.WARNING, gid=unsettled.gid, outcome=outcome)
-        self._unsettled = None
+        """Finish the batches whose PREPARE/COMMIT/ROLLBACK outcome was cut off."""
+        assert self.store is not None
+        while self._unsettled:
+            unsettled = self._unsettled[0]
+            if self.store.gid_exists(unsettled.gid):
+                self.store.finish(unsettled.gid, commit=unsettled.evidence)
+                outcome = "committed" if unsettled.evidence else "rolled_back"
+            else:
+                outcome = "finished_elsewhere"
+            if unsettled.evidence:
+                self.stats.batches_committed += 1
+                self.stats.messages_published += unsettled.published
+                self.stats.dead_letters += unsettled.dead
+            else:
+                self.stats.batches_rolled_back += 1
+            emit(log, "batch.settled", logging.WARNING, gid=unsettled.gid, outcome=outcome)
+            self._unsettled.pop(0)
