@@ -51,7 +51,10 @@ ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()
 SELECT pg_try_advisory_lock(%(lock_class)s, %(lock_key)s) AS locked
 
 -- heartbeat --
+-- Also the idle relay's fallback poll, so that idling costs one transaction per
+-- heartbeat.  Rows held by an in-doubt batch count too: at worst one empty claim.
 UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
+RETURNING EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
 
 -- unregister_relay --
 DELETE FROM {relays} WHERE relay_id = %(relay_id)s

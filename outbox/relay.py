@@ -292,33 +292,57 @@ class Relay:
 
     def _maintain(self) -> None:
         now = time.monotonic()
-        assert self.control is not None
         if now >= self._next_heartbeat:
-            self.control.heartbeat()
-            self._last_heartbeat_ok = now
-            self._next_heartbeat = now + self.settings.heartbeat_interval
+            self._heartbeat()
         if now >= self._next_resolve:
             self._next_resolve = now + self.settings.resolve_interval
             self._resolve_dead_relays()
 
-    def _resolve_dead_relays(self) -> None:
+    def _heartbeat(self) -> bool:
+        """Write the heartbeat; True if the outbox table has rows (same transaction)."""
+        assert self.control is not None
+        now = time.monotonic()
+        rows_waiting = self.control.heartbeat()
+        self._last_heartbeat_ok = now
+        self._next_heartbeat = now + self.settings.heartbeat_interval
+        return rows_waiting
+
+    def _resolve_dead_relays(self) -> int:
         from resolver.apply import resolve  # the resolver imports outbox, not the reverse
 
         assert self.store is not None
+        finished = 0
         for resolution in resolve(self.store, self.settings):
             if resolution.finished:
-                self.stats.batches_resolved += 1
+                finished += 1
+        self.stats.batches_resolved += finished
+        return finished
 
     def _wait_for_work(self) -> None:
-        """Sleep until a NOTIFY arrives or the poll interval passes (serving AMQP)."""
+        """Sleep until a NOTIFY arrives or the fallback poll finds rows (serving AMQP).
+
+        Idle cost: the poll is folded into the heartbeat (one statement that also
+        says whether the table has rows), so an idle relay runs one transaction per
+        heartbeat plus one per resolve pass, and claims only when there is work.
+        """
         assert self.control is not None
         if self.control.take_notifications():
             return
         deadline = time.monotonic() + self.settings.poll_interval
         while not self.stop:
-            remaining = min(deadline, self._next_heartbeat) - time.monotonic()
+            now = time.monotonic()
+            if now >= self._next_resolve:
+                self._next_resolve = now + self.settings.resolve_interval
+                if self._resolve_dead_relays():
+                    return  # rolled-back rows are claimable again, without a NOTIFY
+            if now >= deadline or now >= self._next_heartbeat:
+                if self._heartbeat() and now >= deadline:
+                    return
+                if now >= deadline:
+                    deadline = now + self.settings.poll_interval
+            remaining = min(deadline, self._next_heartbeat, self._next_resolve) - now
             if remaining <= 0:
-                return
+                continue
             # Wake at least every second so SIGTERM is noticed promptly.
             if self.publisher.wait(min(remaining, 1.0), wake_fd=self.control.fileno()):
                 self.control.take_notifications()

@@ -399,9 +399,13 @@ class ControlSession(_Session):
             )
             return True
 
-    def heartbeat(self) -> None:
+    def heartbeat(self) -> bool:
+        """Write the heartbeat; True if the outbox table has any row (or we cannot tell)."""
         with self._translated("writing the heartbeat"):
-            self.conn.execute(self.queries["heartbeat"], {"relay_id": self.relay_id})
+            row = self.conn.execute(
+                self.queries["heartbeat"], {"relay_id": self.relay_id}
+            ).fetchone()
+            return row is None or bool(row["rows_waiting"])
 
     def unregister(self) -> None:
         with self._translated("unregistering the relay"):

@@ -1,0 +1,54 @@
+"""``outbox bench`` end to end on tiny numbers: structure and delivery, never speed."""
+
+from __future__ import annotations
+
+import json
+
+from tests.fixtures.servers import run_cli
+
+
+def test_bench__json_report_has_every_figure_and_every_row_arrived(
+    pg_server: str, amqp_url: str
+) -> None:
+    result = run_cli(
+        "bench",
+        "--json",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--rows",
+        "300",
+        "--payload",
+        "64",
+        "--repeats",
+        "1",
+        "--relays",
+        "1,2",
+        "--batch-sizes",
+        "50,1000",
+        "--latency-rate",
+        "100",
+        "--latency-seconds",
+        "0.3",
+        "--idle-seconds",
+        "0.5",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["every_row_arrived"] is True
+    throughput = report["throughput"]
+    assert len(throughput["bare_msg_per_s"]) == len(throughput["relay_msg_per_s"]) == 1
+    assert throughput["bare_median"] > 0 and throughput["relay_median"] > 0
+    assert {(s["relays"], s["batch_size"]) for s in report["scaling"]} == {
+        (1, 50),
+        (1, 1000),
+        (2, 50),
+        (2, 1000),
+    }
+    assert all(s["delivered"] == 300 for s in report["scaling"])
+    latency = report["latency"]
+    assert latency["delivered"] == latency["sent"] == 30
+    assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    assert set(report["idle"]) == {"seconds", "cpu_percent_of_a_core", "db_transactions_per_s"}
