@@ -66,7 +66,7 @@ class BenchOptions:
     window: int = 1000
     latency_rate: float = 200.0
     latency_seconds: float = 5.0
-    idle_seconds: float = 15.0
+    idle_seconds: float = 12.0
 
 
 # -- the bare publisher -------------------------------------------------------------
@@ -453,11 +453,13 @@ class Bench:
             ).fetchone()
             return int(row["n"]) if row else 0
 
-        time.sleep(2.0)  # let the last batch's stats be flushed
+        # A busy backend reports its counters at most once a second, and the last
+        # ones up to 10 s after it goes idle (PGSTAT_IDLE_INTERVAL): let the latency
+        # run's tail arrive before the window opens.
+        time.sleep(11.0)
         own = 1 if self.db.stats_dsn == self.db.dsn else 0
         cpu0, tx0, t0 = relays.cpu_seconds(), xacts(), time.perf_counter()
         time.sleep(self.o.idle_seconds)
-        # Idle backends report their counters at most every ~10 s: wait for the tail.
         cpu1, t1 = relays.cpu_seconds(), time.perf_counter()
         time.sleep(1.0)
         tx1 = xacts()

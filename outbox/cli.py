@@ -362,7 +362,7 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 @click.option(
     "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
 )
-@click.option("--idle-seconds", default=15.0, show_default=True, help="Length of the idle run.")
+@click.option("--idle-seconds", default=12.0, show_default=True, help="Length of the idle run.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def bench(

@@ -10,6 +10,14 @@ State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
       │                                                                   ▼
       └──────────── COMMIT PREPARED ◀──── EVIDENCE (gid in the ledger) ◀───┘
 
+With ``pipeline`` (the default) a relay has at most two batches between PREPARE and
+COMMIT PREPARED: batch N+1 is claimed and prepared while the broker persists N,
+and N+1 is published after N's confirms arrived and its ledger record was sent.
+Each batch still walks the machine above in order, and is published only after
+its own PREPARE succeeded; the crash table below holds for each of them, so a
+crash leaves at most two batches to resolve and at most 2 x batch_size duplicates
+(``--no-pipeline``: one batch, at most batch_size).
+
 A batch becomes ``UNSETTLED`` when the database connection drops during PREPARE,
 ROLLBACK PREPARED or COMMIT PREPARED: its outcome is unknown, and the relay looks
 the gid up after reconnecting (present → finish it by the evidence rule; gone →
