@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 import uuid
 from typing import Any
 
@@ -87,4 +88,47 @@ def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
         problem = _header_problem(row.headers, "headers")
         if problem:
             return problem
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """What a broker's channel close says about the rows of the batch it cut off.
+
+    Either an exchange that refuses every publish (internal, or no write
+    permission), or the broker's real ``max_message_size``; the rows it concerns
+    are dead-lettered on the next attempt.
+    """
+
+    reason: str
+    exchange: str | None = None
+    max_message_bytes: int | None = None
+
+
+_TOO_LARGE = re.compile(
+    r"406 PRECONDITION_FAILED - message size (\d+) is larger than (?:configured )?max size (\d+)"
+)
+_REFUSED_EXCHANGE = re.compile(
+    r"403 ACCESS_REFUSED - (?:cannot publish to internal exchange|write access to exchange) "
+    r"'(.*)' in vhost"
+)
+
+
+def refusal_in(reason: str) -> Refusal | None:
+    """The permanent refusal a channel-close reason reports, or None if it is transient.
+
+    RabbitMQ closes the channel (406) on a message over ``max_message_size`` and
+    (403) on a publish to an internal exchange or one the user may not write to.
+    The close names the limit or the exchange, which identifies the bad rows.
+    """
+    if match := _TOO_LARGE.search(reason):
+        size, limit = int(match[1]), int(match[2])
+        return Refusal(
+            f"a message of {size} bytes is over the broker's max_message_size ({limit})",
+            max_message_bytes=limit,
+        )
+    if match := _REFUSED_EXCHANGE.search(reason):
+        return Refusal(
+            f"the broker refuses publishes to exchange {match[1]!r}: {reason}", exchange=match[1]
+        )
     return None

@@ -46,6 +46,7 @@ class Outcome(enum.Enum):
     ACCEPTED = "accepted"  # confirmed (ack) and routed
     RETURNED = "returned"  # unroutable: basic.return before the ack
     NACKED = "nacked"  # the broker could not take it (transient)
+    REJECTED = "rejected"  # pika cannot encode it (e.g. a header value): never publishable
     UNKNOWN = "unknown"  # no confirm: channel or connection lost, or timed out
 
 
@@ -341,8 +342,10 @@ class Publisher:
             try:
                 data = encode_publish(number, message, mandatory=True, body_max=body_max)
             except (pika.exceptions.AMQPError, ValueError, TypeError, struct.error) as exc:
-                # A value AMQP cannot carry: this message fails, the others go on.
-                pending.deliveries[index].reason = _describe(exc)
+                # A value AMQP cannot carry (nothing was sent): this message can never
+                # be published, the others go on.
+                pending.deliveries[index].outcome = Outcome.REJECTED
+                pending.deliveries[index].reason = f"cannot be encoded as AMQP: {_describe(exc)}"
                 continue
             chunk.append(data)
             chunk_indexes.append(index)

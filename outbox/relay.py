@@ -61,10 +61,11 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from outbox import backoff, faults, ledger
 from outbox.config import Settings
+from outbox.durations import Durations
 from outbox.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -74,7 +75,7 @@ from outbox.errors import (
 )
 from outbox.events import emit
 from outbox.gid import Gid, new_relay_id
-from outbox.message import DeadLetter, OutboxRow, problem_with
+from outbox.message import DeadLetter, OutboxRow, problem_with, refusal_in
 from outbox.publisher import Message, Outcome, Pending, Publisher
 from outbox.store import BatchStore, ControlSession
 
@@ -95,6 +96,10 @@ class Stats:
     dead_letters: int = 0
     reconnects: int = 0
     duplicates_possible: int = 0  # messages accepted in batches that were then rolled back
+    batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches
+    # For health checks: when the loop last went round, and why its last pass failed.
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -174,6 +179,9 @@ class Relay:
         self._open: dict[str, _Unsettled] = {}
         self._sent: _Batch | None = None  # pipelined: sent, finished by the next step
         self._exchanges_seen: dict[str, float] = {}
+        # Learnt from channel closes (``message.refusal_in``): exchange → (reason, until).
+        self._exchanges_refused: dict[str, tuple[str, float]] = {}
+        self._max_message_bytes = settings.max_message_bytes
         self._last_heartbeat_ok = 0.0
         self._next_heartbeat = 0.0
         self._next_resolve = 0.0
@@ -268,6 +276,7 @@ class Relay:
             self.start()
         try:
             while not self.stop:
+                self.stats.last_progress = time.monotonic()
                 try:
                     # A reconnect that failed earlier leaves a session missing.
                     self._connect_database()
@@ -277,14 +286,17 @@ class Relay:
                     self._maintain()
                     claimed = self.process_one_batch()
                     self._failures = 0
+                    self.stats.last_error = None
                     if claimed:
                         continue
                     if drain and self._drained():
                         break
                     self._wait_for_work()
                 except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown) as exc:
+                    self.stats.last_error = exc.message
                     self._reconnect(exc)
                 except PreparedSlotsExhausted as exc:
+                    self.stats.last_error = exc.message
                     emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
                     self._reconnect(exc)
             with contextlib.suppress(DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
@@ -472,7 +484,7 @@ class Relay:
         returned = [
             DeadLetter(row, d.reason)
             for row, d in zip(batch.good, deliveries, strict=False)
-            if d.outcome is Outcome.RETURNED
+            if d.outcome in (Outcome.RETURNED, Outcome.REJECTED)
         ]
         failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
         if failed:
@@ -482,6 +494,7 @@ class Relay:
                 raise BrokerUnavailable(f"lost RabbitMQ while publishing {gid}: {failed[0].reason}")
             if any("404" in d.reason for d in failed):
                 self._exchanges_seen.clear()
+            self._learn_refusals(d.reason for d in failed)
             raise BrokerUnavailable(f"batch {gid} not confirmed: {failed[0].reason}")
         faults.reached("after_publish")
         dead = batch.dead
@@ -529,6 +542,7 @@ class Relay:
         self.stats.batches_committed += 1
         self.stats.messages_published += batch.published
         self.stats.dead_letters += len(batch.dead)
+        self.stats.batch_seconds.observe(time.monotonic() - batch.started)
         emit(
             log,
             "batch.committed",
@@ -548,14 +562,40 @@ class Relay:
         good: list[OutboxRow] = []
         missing = self._missing_exchanges({r.exchange for r in rows})
         for row in rows:
-            reason = problem_with(row, self.settings.max_message_bytes)
+            reason = problem_with(row, self._max_message_bytes)
             if reason is None and row.exchange in missing:
                 reason = f"exchange {row.exchange!r} does not exist"
+            refused = self._exchanges_refused.get(row.exchange)
+            if reason is None and refused is not None and refused[1] > time.monotonic():
+                reason = refused[0]
             if reason is None:
                 good.append(row)
             else:
                 dead.append(DeadLetter(row, reason))
         return dead, good
+
+    def _learn_refusals(self, reasons: Iterable[str]) -> None:
+        """Remember what a channel close says can never be published (one rollback, once).
+
+        The batch it cut off is rolled back as in doubt; on the next attempt
+        ``_sort_out`` dead-letters the rows concerned and the others go through.
+        """
+        now = time.monotonic()
+        for exchange, (_reason, until) in list(self._exchanges_refused.items()):
+            if until <= now:
+                del self._exchanges_refused[exchange]
+        for reason in reasons:
+            refusal = refusal_in(reason)
+            if refusal is None:
+                continue
+            if refusal.exchange is not None:
+                self._exchanges_refused[refusal.exchange] = (
+                    refusal.reason,
+                    now + EXCHANGE_CACHE_SECONDS,
+                )
+            if refusal.max_message_bytes is not None:
+                self._max_message_bytes = min(self._max_message_bytes, refusal.max_message_bytes)
+            emit(log, "broker.refusal_learned", logging.WARNING, reason=refusal.reason)
 
     def _missing_exchanges(self, names: set[str]) -> set[str]:
         now = time.monotonic()
