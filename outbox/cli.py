@@ -301,6 +301,115 @@ def status(
         sys.exit(int(ExitCode.FAILURE))
 
 
+@cli.group("dead-letters")
+def dead_letters() -> None:
+    """Rows that can never be published as they are: list, retry after a fix, purge."""
+
+
+def _dead_letter_store(options: dict[str, Any]) -> store.DeadLetterStore:
+    from outbox.deadletters import open_store
+
+    return open_store(_settings(**options))
+
+
+def _message_ids(texts: Sequence[str]) -> list[Any]:
+    from outbox.deadletters import parse_ids
+
+    try:
+        return parse_ids(texts)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@dead_letters.command("list")
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
+@known_errors
+def dead_letters_list(
+    as_json: bool, limit: int, log_level: str, log_format: str, **options: Any
+) -> None:
+    """Dead letters, oldest first: message id, reason, when, and where it was going."""
+    from outbox.deadletters import as_dict, render
+
+    dl_store = _dead_letter_store(options)
+    try:
+        rows = dl_store.entries(limit)
+    finally:
+        dl_store.close()
+    if as_json:
+        click.echo(json.dumps({"dead_letters": [as_dict(r) for r in rows]}, indent=2))
+    else:
+        click.echo(render(rows))
+
+
+@dead_letters.command("retry")
+@server_options
+@click.option("--all", "everything", is_flag=True, help="Retry every dead letter.")
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def dead_letters_retry(
+    everything: bool, message_ids: tuple[str, ...], log_level: str, log_format: str, **options: Any
+) -> None:
+    """Put dead letters back into the outbox (same message_id) once the cause is fixed.
+
+    Exits 1 if a given MESSAGE_ID is not a dead letter.
+    """
+    if everything == bool(message_ids):
+        raise click.UsageError("give either --all or one or more MESSAGE_IDs")
+    ids = None if everything else _message_ids(message_ids)
+    dl_store = _dead_letter_store(options)
+    try:
+        moved = dl_store.retry(ids)
+    finally:
+        dl_store.close()
+    click.echo(f"{len(moved)} dead letters moved back to the outbox")
+    missing = sorted(set(ids or []) - set(moved), key=str)
+    if missing:
+        click.echo("not dead letters: " + " ".join(map(str, missing)), err=True)
+        sys.exit(int(ExitCode.FAILURE))
+
+
+@dead_letters.command("purge")
+@server_options
+@click.option("--all", "everything", is_flag=True, help="Delete every dead letter.")
+@click.option(
+    "--older-than",
+    envvar="OUTBOX_DEAD_LETTERS_MAX_AGE",
+    show_envvar=True,
+    default=None,
+    help="Only those that failed longer ago than this (e.g. 30d, 12h, 900s).",
+)
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def dead_letters_purge(
+    everything: bool,
+    older_than: str | None,
+    message_ids: tuple[str, ...],
+    log_level: str,
+    log_format: str,
+    **options: Any,
+) -> None:
+    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs."""
+    from outbox.deadletters import parse_age
+
+    if everything and message_ids:
+        raise click.UsageError("give --all or MESSAGE_IDs, not both")
+    if not (everything or message_ids or older_than):
+        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
+    try:
+        age = parse_age(older_than) if older_than else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    ids = _message_ids(message_ids) if message_ids else None
+    dl_store = _dead_letter_store(options)
+    try:
+        purged = dl_store.purge(ids, age)
+    finally:
+        dl_store.close()
+    click.echo(f"{purged} dead letters purged")
+
+
 @cli.command()
 @click.option(
     "--dsn",

@@ -107,3 +107,57 @@ FROM {outbox}
 
 -- dead_letter_count --
 SELECT count(*) AS dead_letters FROM {dead_letters}
+
+-- list_dead_letters --
+SELECT message_id, exchange, routing_key, reason, attempts, gid, content_type,
+       octet_length(payload) AS payload_bytes, created_at, failed_at
+FROM {dead_letters}
+ORDER BY failed_at, message_id
+LIMIT %(limit)s
+
+-- dead_letter_summary --
+SELECT count(*) AS dead_letters,
+       coalesce(extract(epoch FROM now() - min(failed_at)), 0)::float8 AS oldest_age_seconds
+FROM {dead_letters}
+
+-- retry_dead_letters --
+-- One statement, so one transaction: a dead letter is either still here or back in
+-- the outbox (same message_id, original created_at), never both and never neither.
+-- The insert fires the wake-up trigger, so idle relays pick the rows up at once.
+WITH moved AS (
+    DELETE FROM {dead_letters}
+    WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[])
+    RETURNING message_id, exchange, routing_key, payload, headers, content_type, created_at
+)
+INSERT INTO {outbox} (message_id, exchange, routing_key, payload, headers, content_type, created_at)
+SELECT message_id, exchange, routing_key, payload, headers, content_type, created_at
+FROM moved
+RETURNING message_id
+
+-- purge_dead_letters --
+DELETE FROM {dead_letters}
+WHERE (%(all)s OR message_id = ANY(%(ids)s::uuid[]))
+  AND (%(older_than)s::float8 IS NULL
+       OR failed_at < now() - make_interval(secs => %(older_than)s::float8))
+RETURNING message_id
+
+-- metrics_snapshot --
+-- Everything the metrics endpoint reads from the database, in one round trip.  The
+-- oldest row is found through the primary key (ids are close to commit order),
+-- not by scanning created_at.
+SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
+       coalesce((SELECT extract(epoch FROM now() - created_at)
+                 FROM {outbox} ORDER BY id LIMIT 1), 0)::float8 AS oldest_row_age_seconds,
+       (SELECT count(*) FROM pg_prepared_xacts
+        WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
+       coalesce((SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts
+                 WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)), 0)::float8
+           AS oldest_prepared_age_seconds,
+       (SELECT count(*) FROM {dead_letters}) AS dead_letters,
+       (SELECT count(*) FROM {relays} r
+        JOIN pg_locks l
+          ON l.locktype = 'advisory' AND l.granted
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+         AND l.classid = %(lock_class)s::int::oid
+         AND l.objid = r.lock_key::oid
+         AND l.objsubid = 2) AS live_relays

@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -368,6 +369,50 @@ class BatchStore(_Session):
         with self._translated("counting dead letters"):
             row = self.conn.execute(self.queries["dead_letter_count"]).fetchone()
             return int(row["dead_letters"]) if row else 0
+
+    def metrics_snapshot(self) -> Row:
+        """Backlog, prepared batches, dead letters and live relays in one round trip."""
+        with self._translated("reading metrics"):
+            row = self.conn.execute(
+                self.queries["metrics_snapshot"],
+                {"gid_prefix": gids.relay_prefix(self.table), "lock_class": gids.LOCK_CLASS},
+            ).fetchone()
+            assert row is not None
+            return row
+
+
+class DeadLetterStore(_Session):
+    """What ``outbox dead-letters`` reads and changes; each call is one transaction."""
+
+    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
+        super().__init__(dsn, table, "outbox-dead-letters", connect_timeout)
+
+    def entries(self, limit: int) -> list[Row]:
+        with self._translated("listing dead letters"):
+            return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
+
+    def summary(self) -> Row:
+        with self._translated("counting dead letters"):
+            row = self.conn.execute(self.queries["dead_letter_summary"]).fetchone()
+            assert row is not None
+            return row
+
+    def retry(self, ids: Sequence[uuid.UUID] | None) -> list[uuid.UUID]:
+        """Move dead letters back into the outbox (``None``: all of them) atomically."""
+        with self._translated("retrying dead letters"):
+            rows = self.conn.execute(
+                self.queries["retry_dead_letters"], {"all": ids is None, "ids": list(ids or [])}
+            ).fetchall()
+        return [r["message_id"] for r in rows]
+
+    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> int:
+        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago."""
+        with self._translated("purging dead letters"):
+            cur = self.conn.execute(
+                self.queries["purge_dead_letters"],
+                {"all": ids is None, "ids": list(ids or []), "older_than": older_than},
+            )
+            return cur.rowcount
 
 
 class ControlSession(_Session):

@@ -1,0 +1,72 @@
+"""``outbox dead-letters``: look at, retry and purge rows that could not be published.
+
+A dead letter keeps everything needed to publish it again (destination, payload,
+headers, the original ``message_id`` and ``created_at``) plus why it failed.
+``retry`` moves rows back into the outbox in one statement, so a row is always in
+exactly one of the two tables; consumers see the original ``message_id``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from outbox.config import Settings
+from outbox.store import DeadLetterStore
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> float:
+    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"12h"``, ``"30d"`` or ``"2w"``."""
+    match = _AGE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not an age: use a number with s, m, h, d or w (e.g. 30d)")
+    return float(match[1]) * _UNIT_SECONDS[match[2].lower()]
+
+
+def parse_ids(texts: Sequence[str]) -> list[uuid.UUID]:
+    ids = []
+    for text in texts:
+        try:
+            ids.append(uuid.UUID(text))
+        except ValueError:
+            raise ValueError(f"{text!r} is not a message id (a UUID)") from None
+    return ids
+
+
+def as_dict(row: dict[str, Any]) -> dict[str, Any]:
+    """A dead letter as JSON-ready data (the payload itself stays in the database)."""
+    return {
+        "message_id": str(row["message_id"]),
+        "exchange": row["exchange"],
+        "routing_key": row["routing_key"],
+        "reason": row["reason"],
+        "attempts": row["attempts"],
+        "failed_at": row["failed_at"].isoformat(),
+        "created_at": row["created_at"].isoformat(),
+        "gid": row["gid"],
+        "content_type": row["content_type"],
+        "payload_bytes": row["payload_bytes"],
+    }
+
+
+def render(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return "no dead letters"
+    lines = []
+    for row in rows:
+        lines.append(
+            f"{row['message_id']}  failed {row['failed_at']:%Y-%m-%d %H:%M:%S%z}  "
+            f"attempts={row['attempts']}  to exchange={row['exchange']!r} "
+            f"routing_key={row['routing_key'][:80]!r}  {row['payload_bytes']} bytes"
+        )
+        lines.append(f"    reason: {row['reason']}")
+    return "\n".join(lines)
+
+
+def open_store(settings: Settings) -> DeadLetterStore:
+    return DeadLetterStore(settings.dsn, settings.table, connect_timeout=settings.connect_timeout)
