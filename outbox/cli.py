@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -19,7 +20,9 @@ import click
 from outbox import migrate, store
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, Settings
 from outbox.errors import ExitCode, OutboxError
-from outbox.events import configure
+from outbox.events import configure, emit
+
+log = logging.getLogger("outbox.cli")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -222,9 +225,30 @@ def init(print_sql: bool, **options: Any) -> None:
 @server_options
 @tuning_options
 @click.option("--drain", is_flag=True, help="Exit 0 once no claimable row is left.")
+@_option(
+    "--metrics-port",
+    "OUTBOX_METRICS_PORT",
+    default=0,
+    type=click.IntRange(0, 65535),
+    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
+)
+@_option(
+    "--metrics-address",
+    "OUTBOX_METRICS_ADDRESS",
+    default="0.0.0.0",
+    help="Address the metrics and health endpoints listen on.",
+)
 @known_errors
-def relay(drain: bool, log_level: str, log_format: str, **options: Any) -> None:
+def relay(
+    drain: bool,
+    metrics_port: int,
+    metrics_address: str,
+    log_level: str,
+    log_format: str,
+    **options: Any,
+) -> None:
     """Publish committed outbox rows to RabbitMQ until SIGTERM/SIGINT."""
+    from outbox.endpoints import Endpoints
     from outbox.relay import Relay, StopFlag
 
     configure(log_level, log_format)
@@ -232,12 +256,28 @@ def relay(drain: bool, log_level: str, log_format: str, **options: Any) -> None:
     stop = StopFlag()
     stop.install_signal_handlers()
     runner = Relay(settings, stop=stop)
-    runner.start()
-    stats = runner.run(drain=drain)
-    click.echo(
-        f"relay stopped: {stats.messages_published} published, "
-        f"{stats.batches_committed} batches committed, {stats.dead_letters} dead letters",
-        err=True,
+    endpoints = None
+    if metrics_port:
+        try:
+            endpoints = Endpoints(runner, port=metrics_port, address=metrics_address).start()
+        except OSError as exc:
+            raise click.UsageError(
+                f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
+            ) from exc
+        emit(log, "relay.endpoints", address=metrics_address, port=endpoints.port)
+    try:
+        runner.start()
+        stats = runner.run(drain=drain)
+    finally:
+        if endpoints is not None:
+            endpoints.close()
+    emit(
+        log,
+        "relay.stopped",
+        published=stats.messages_published,
+        committed=stats.batches_committed,
+        rolled_back=stats.batches_rolled_back,
+        dead_letters=stats.dead_letters,
     )
 
 
