@@ -327,15 +327,26 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     show_default=True,
     help="A prepared batch older than this (s) needs attention (exit 1).",
 )
+@_option(
+    "--max-backlog-age",
+    "OUTBOX_MAX_BACKLOG_AGE",
+    default=300.0,
+    help="An outbox row older than this (s) needs attention (exit 1).",
+)
 @known_errors
 def status(
-    as_json: bool, max_prepared_age: float, log_level: str, log_format: str, **options: Any
+    as_json: bool,
+    max_prepared_age: float,
+    max_backlog_age: float,
+    log_level: str,
+    log_format: str,
+    **options: Any,
 ) -> None:
     """Backlog, prepared batches, live relays and dead letters; exit 1 if attention needed."""
     from outbox.status import collect, render
 
     settings = _settings(**options)
-    report = collect(settings, max_prepared_age=max_prepared_age)
+    report = collect(settings, max_prepared_age=max_prepared_age, max_backlog_age=max_backlog_age)
     click.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
     if report["attention"]:
         sys.exit(int(ExitCode.FAILURE))

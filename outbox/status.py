@@ -10,7 +10,9 @@ from outbox.config import Settings
 from outbox.store import BatchStore
 
 
-def collect(settings: Settings, *, max_prepared_age: float) -> dict[str, Any]:
+def collect(
+    settings: Settings, *, max_prepared_age: float, max_backlog_age: float = 300.0
+) -> dict[str, Any]:
     store = BatchStore(settings.dsn, settings.table, application_name="outbox-status")
     try:
         version = migrate.current_version(store.conn, settings.table)
@@ -55,6 +57,14 @@ def collect(settings: Settings, *, max_prepared_age: float) -> dict[str, Any]:
         )
     if dead_letters:
         problems.append(f"{dead_letters} dead letters: see `outbox dead-letters list`")
+    live = sum(1 for r in relays if r["alive"])
+    if backlog["rows"] and not live:
+        problems.append(f"{backlog['rows']} rows waiting and no live relay: start one")
+    elif backlog["oldest_age_seconds"] > max_backlog_age:
+        problems.append(
+            f"the oldest outbox row is {backlog['oldest_age_seconds']:.0f}s old "
+            f"(> {max_backlog_age:.0f}s): relays are behind or failing, see their logs"
+        )
     return {
         "table": settings.table,
         "schema_version": version,
@@ -64,7 +74,7 @@ def collect(settings: Settings, *, max_prepared_age: float) -> dict[str, Any]:
         "oldest_prepared_age_seconds": round(oldest_prepared, 3),
         "foreign_prepared_transactions": foreign,
         "relays": relays,
-        "live_relays": sum(1 for r in relays if r["alive"]),
+        "live_relays": live,
         "dead_letters": dead_letters,
         "attention": problems,
     }
