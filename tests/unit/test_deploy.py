@@ -1,0 +1,380 @@
+"""deploy/ refers only to things that exist: subcommands, OUTBOX_* options, ports, paths.
+
+Compose file, Kubernetes manifests, systemd units, Dockerfile, server settings and
+alert rules are parsed and cross-checked against the code (the CLI's options and
+commands, the endpoints' paths, the metrics the relay exports).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import kubernetes_validate
+import pytest
+import tomllib
+import yaml
+from click.testing import CliRunner
+
+from outbox.cli import cli
+from outbox.config import Settings
+from outbox.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+SYSTEMD = DEPLOY / "systemd"
+HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+RELAY_IMAGE = f"outbox-relay:{VERSION}"
+# Official images the files may use, with the oldest major.minor that works.
+THIRD_PARTY_IMAGES = {"postgres": (12, 0), "rabbitmq": (3, 9)}  # streams need 3.9
+
+
+# -- what the code offers --------------------------------------------------------
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> Iterator[click.Command]:
+    for name, command in group.commands.items():
+        yield command
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*prefix, name))
+
+
+def cli_envvars() -> set[str]:
+    return {
+        param.envvar
+        for command in _commands(cli)
+        for param in command.params
+        if isinstance(param.envvar, str)
+    }
+
+
+def assert_real_invocation(args: list[str]) -> None:
+    """``outbox <args>`` names a real subcommand with real options."""
+    result = CliRunner().invoke(cli, [*args, "--help"])
+    assert result.exit_code == 0, (
+        f"`outbox {' '.join(args)}` is not a valid command:\n{result.output}"
+    )
+
+
+# -- the files ---------------------------------------------------------------------
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())  # type: ignore[no-any-return]
+
+
+def manifests() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [d for d in manifests() if d["kind"] == kind]
+
+
+def pod_specs() -> Iterator[dict[str, Any]]:
+    for doc in manifests():
+        spec = doc.get("spec", {})
+        if doc["kind"] == "CronJob":
+            spec = spec["jobTemplate"]["spec"]
+        if "template" in spec:
+            yield spec["template"]["spec"]
+
+
+def configmap_data() -> dict[str, str]:
+    [configmap] = by_kind("ConfigMap")
+    return configmap["data"]  # type: ignore[no-any-return]
+
+
+def systemd_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Sections of a unit file as (key, value) lists (keys may repeat)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), [])
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and current is not None, f"{path.name}: cannot parse {raw!r}"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def env_file(path: Path) -> dict[str, str]:
+    pairs = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key] = value
+    return pairs
+
+
+def settings_file(path: Path) -> dict[str, str]:
+    """``key = value`` lines of postgresql.conf / rabbitmq.conf."""
+    pairs = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def every_deploy_file() -> list[Path]:
+    return [p for p in DEPLOY.rglob("*") if p.is_file()]
+
+
+# -- commands and options ------------------------------------------------------------
+def test_deploy__every_outbox_variable_is_a_real_cli_option() -> None:
+    known = cli_envvars()
+    for path in every_deploy_file():
+        used = set(re.findall(r"\bOUTBOX_[A-Z0-9_]+", path.read_text()))
+        unknown = used - known
+        assert not unknown, f"{path.relative_to(ROOT)} uses unknown settings {sorted(unknown)}"
+
+
+def test_deploy__settings_fields_are_all_reachable_by_variable() -> None:
+    """The other direction: deploy files can set anything a relay can be given."""
+    fields = {f"OUTBOX_{name.upper()}" for name in Settings.__dataclass_fields__}
+    assert fields <= cli_envvars()
+
+
+def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> None:
+    invocations = [
+        svc["command"]
+        for svc in compose()["services"].values()
+        if "image" in svc and svc["image"] == RELAY_IMAGE
+    ]
+    for spec in pod_specs():
+        invocations += [c["args"] for c in spec["containers"] if c["image"] == RELAY_IMAGE]
+    for unit in SYSTEMD.glob("*.service"):
+        for key, value in systemd_unit(unit)["Service"]:
+            if key in ("ExecStart", "ExecStartPre"):
+                executable, *args = shlex.split(value)
+                assert executable == "/opt/outbox/bin/outbox"
+                invocations.append(args)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    invocations.append(yaml.safe_load(re.search(r"^CMD (.*)$", dockerfile, re.M)[1]))  # type: ignore[index]
+    assert len(invocations) >= 8
+    for args in invocations:
+        assert_real_invocation(args)
+
+
+# -- ports and probes ------------------------------------------------------------------
+def test_deploy__compose_relays_publish_their_metrics_port_and_probe_a_health_path() -> None:
+    services = compose()["services"]
+    relays = {n: s for n, s in services.items() if s.get("command") == ["relay"]}
+    assert len(relays) == 2, "the compose file runs two relays"
+    host_ports = set()
+    for service in relays.values():
+        port = service["environment"]["OUTBOX_METRICS_PORT"]
+        [mapping] = service["ports"]
+        host, container = mapping.split(":")
+        assert container == port
+        host_ports.add(host)
+        [url] = [a for a in service["healthcheck"]["test"][-1].split("'") if a.startswith("http")]
+        assert url.startswith(f"http://127.0.0.1:{port}/")
+        assert "/" + url.split("/", 3)[3] in HEALTH_PATHS
+    assert len(host_ports) == 2
+
+
+def test_deploy__compose_services_files_and_order() -> None:
+    doc = compose()
+    services = doc["services"]
+    for name, service in services.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            assert condition["condition"] in (
+                "service_healthy",
+                "service_completed_successfully",
+            )
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency]
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in doc["volumes"]
+        build = service.get("build")
+        if build:
+            assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (
+                DEPLOY / "Dockerfile"
+            )
+    assert services["outbox-init"]["command"] == ["init"]
+    for name, service in services.items():
+        if service.get("command") == ["relay"]:
+            assert service["depends_on"]["outbox-init"]["condition"] == (
+                "service_completed_successfully"
+            ), name
+
+
+def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
+    port = int(configmap_data()["OUTBOX_METRICS_PORT"])
+    [deployment] = by_kind("Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [metrics_port] = container["ports"]
+    assert metrics_port["containerPort"] == port
+    assert container["livenessProbe"]["httpGet"]["path"] == LIVENESS_PATH
+    assert container["readinessProbe"]["httpGet"]["path"] == READINESS_PATH
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == metrics_port["name"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == METRICS_PATH
+    [service] = by_kind("Service")
+    assert service["spec"]["ports"][0]["targetPort"] == metrics_port["name"]
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_deploy__kubernetes_containers_take_settings_from_the_configmap_and_secret() -> None:
+    [configmap] = by_kind("ConfigMap")
+    [secret] = by_kind("Secret")
+    assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL"} <= set(secret["stringData"])
+    for spec in pod_specs():
+        for container in spec["containers"]:
+            sources = container["envFrom"]
+            names = {s.get("configMapRef", s.get("secretRef"))["name"] for s in sources}
+            assert names == {configmap["metadata"]["name"], secret["metadata"]["name"]}
+
+
+def test_deploy__kubernetes_manifests_are_valid_resources() -> None:
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    assert listed == {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
+    for name in sorted(listed):
+        for doc in yaml.safe_load_all((KUBERNETES / name).read_text()):
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def test_deploy__dockerfile_exposes_the_metrics_port_and_copies_existing_sources() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    port = re.search(r"OUTBOX_METRICS_PORT=(\d+)", text)[1]  # type: ignore[index]
+    assert re.search(rf"^EXPOSE {port}$", text, re.M)
+    for url in re.findall(r"http://127\.0\.0\.1:(\d+)(/\w+)", text):
+        assert url[0] == port and url[1] in HEALTH_PATHS
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    for line in re.findall(r"^COPY (.*)$", text, re.M):
+        *sources, _target = line.split()
+        for source in sources:
+            # The readme is required by pyproject.toml itself, so a checkout has it.
+            assert (ROOT / source).exists() or source == readme, f"COPY of missing {source}"
+
+
+def test_deploy__images_are_the_relay_image_or_pinned_official_ones() -> None:
+    images = [s["image"] for s in compose()["services"].values()]
+    for spec in pod_specs():
+        images += [c["image"] for c in spec["containers"]]
+    assert RELAY_IMAGE in images
+    for image in images:
+        if image == RELAY_IMAGE:
+            continue
+        name, _, tag = image.partition(":")
+        assert name in THIRD_PARTY_IMAGES, f"unexpected image {image}"
+        version = tuple(int(x) for x in re.findall(r"\d+", tag)[:2])
+        assert version >= THIRD_PARTY_IMAGES[name], f"{image} is too old"
+
+
+# -- server settings ---------------------------------------------------------------------
+def test_deploy__postgresql_settings_enable_prepared_transactions_and_compose_uses_them() -> None:
+    snippet = settings_file(DEPLOY / "postgresql.conf")
+    assert int(snippet["max_prepared_transactions"]) >= 2
+    command = compose()["services"]["postgres"]["command"]
+    flags = dict(arg.split("=", 1) for arg in command if "=" in arg)
+    assert flags == snippet
+
+
+def test_deploy__broker_max_message_size_matches_the_relays_limit() -> None:
+    limit = settings_file(DEPLOY / "rabbitmq.conf")["max_message_size"]
+    assert int(limit) == Settings().max_message_bytes
+    assert configmap_data()["OUTBOX_MAX_MESSAGE_BYTES"] == limit
+    assert env_file(SYSTEMD / "outbox.env")["OUTBOX_MAX_MESSAGE_BYTES"] == limit
+    for service in compose()["services"].values():
+        env = service.get("environment", {})
+        if "OUTBOX_MAX_MESSAGE_BYTES" in env:
+            assert env["OUTBOX_MAX_MESSAGE_BYTES"] == limit
+
+
+# -- systemd -------------------------------------------------------------------------------
+def test_deploy__systemd_units_read_the_env_file_and_the_timer_has_its_service() -> None:
+    env = env_file(SYSTEMD / "outbox.env")
+    assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL", "OUTBOX_METRICS_PORT"} <= set(env)
+    for unit in SYSTEMD.glob("*.service"):
+        service = dict(systemd_unit(unit)["Service"])
+        assert service["EnvironmentFile"].lstrip("-").startswith("/etc/outbox/")
+        assert "/etc/outbox/outbox.env" in [
+            v for k, v in systemd_unit(unit)["Service"] if k == "EnvironmentFile"
+        ]
+    for timer in SYSTEMD.glob("*.timer"):
+        assert (SYSTEMD / timer.name.replace(".timer", ".service")).exists()
+        assert systemd_unit(timer)["Timer"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_deploy__systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    outbox = sys.executable  # any executable that exists
+    units = []
+    for unit in sorted(SYSTEMD.glob("*.service")) + sorted(SYSTEMD.glob("*.timer")):
+        # Only the install location differs: the check wants an executable that exists.
+        copy = tmp_path / unit.name
+        copy.write_text(unit.read_text().replace("/opt/outbox/bin/outbox", outbox))
+        units.append(str(copy))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", *units], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+# -- alerts -----------------------------------------------------------------------------------
+def exported_metric_names() -> set[str]:
+    """Sample names the relay's /metrics would show, with every figure present."""
+    from outbox.metrics import DatabaseFigures, RelayCollector
+    from outbox.relay import Relay
+
+    relay = Relay(Settings())
+    database = DatabaseFigures("", "outbox", connect_timeout=1, ttl=3600)
+    database._expires = float("inf")  # never query: the figures below are the answer
+    database.figures = dict.fromkeys(
+        (
+            "backlog_rows",
+            "oldest_row_age_seconds",
+            "prepared_batches",
+            "oldest_prepared_age_seconds",
+            "dead_letters",
+            "live_relays",
+        ),
+        0,
+    )
+    return {
+        sample.name
+        for family in RelayCollector(relay, database).collect()
+        for sample in family.samples
+    }
+
+
+def test_deploy__alert_rules_use_only_exported_metrics() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    exported = exported_metric_names()
+    alerts = [rule for group in rules["groups"] for rule in group["rules"]]
+    assert {a["alert"] for a in alerts} >= {
+        "OutboxPreparedTransactionStuck",
+        "OutboxBacklogStale",
+        "OutboxDeadLetters",
+        "OutboxNoLiveRelay",
+    }
+    for alert in alerts:
+        used = set(re.findall(r"\boutbox_[a-z_]+", alert["expr"]))
+        assert used and used <= exported, f"{alert['alert']}: unknown {used - exported}"
