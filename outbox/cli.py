@@ -271,14 +271,21 @@ def relay(
     finally:
         if endpoints is not None:
             endpoints.close()
-    emit(
-        log,
-        "relay.stopped",
-        published=stats.messages_published,
-        committed=stats.batches_committed,
-        rolled_back=stats.batches_rolled_back,
-        dead_letters=stats.dead_letters,
-    )
+    if log_format == "json":  # log shippers want every stderr line to be JSON
+        emit(
+            log,
+            "relay.stopped",
+            published=stats.messages_published,
+            committed=stats.batches_committed,
+            rolled_back=stats.batches_rolled_back,
+            dead_letters=stats.dead_letters,
+        )
+    else:
+        click.echo(
+            f"relay stopped: {stats.messages_published} published, "
+            f"{stats.batches_committed} batches committed, {stats.dead_letters} dead letters",
+            err=True,
+        )
 
 
 @cli.command()

@@ -115,11 +115,6 @@ FROM {dead_letters}
 ORDER BY failed_at, message_id
 LIMIT %(limit)s
 
--- dead_letter_summary --
-SELECT count(*) AS dead_letters,
-       coalesce(extract(epoch FROM now() - min(failed_at)), 0)::float8 AS oldest_age_seconds
-FROM {dead_letters}
-
 -- retry_dead_letters --
 -- One statement, so one transaction: a dead letter is either still here or back in
 -- the outbox (same message_id, original created_at), never both and never neither.

@@ -391,12 +391,6 @@ class DeadLetterStore(_Session):
         with self._translated("listing dead letters"):
             return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
 
-    def summary(self) -> Row:
-        with self._translated("counting dead letters"):
-            row = self.conn.execute(self.queries["dead_letter_summary"]).fetchone()
-            assert row is not None
-            return row
-
     def retry(self, ids: Sequence[uuid.UUID] | None) -> list[uuid.UUID]:
         """Move dead letters back into the outbox (``None``: all of them) atomically."""
         with self._translated("retrying dead letters"):

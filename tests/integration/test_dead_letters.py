@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 import outbox
 from outbox.config import Settings
 from outbox.relay import Relay
+from tests.fixtures.faults import RabbitNode
 from tests.fixtures.servers import Topology
 from tests.integration.test_relay import prepared_left, relay_drain, remaining_rows
 
@@ -203,3 +204,32 @@ def test_dead_letters__row_enqueued_through_the_api_with_a_float_header(
     relay_drain(settings)
     assert topology.messages() == []
     assert "floating-point" in dead_letters(settings.dsn)[str(message_id)]["reason"]
+
+
+def test_dead_letters__payload_over_the_brokers_real_limit_costs_one_rollback_not_a_loop(
+    settings: Settings, rabbit_node: RabbitNode, node_topology: Topology
+) -> None:
+    """--max-message-bytes above the broker's max_message_size: the 406 names the limit.
+
+    Runs on a private node whose limit is lowered (never the shared broker).
+    """
+    rabbit_node.ctl("eval", "application:set_env(rabbit, max_message_size, 4096).")
+    on_node = dataclasses.replace(
+        settings, amqp_url=node_topology.amqp_url, ledger_queue=node_topology.ledger
+    )
+    ex = node_topology.exchange
+    # The oversized row first: the broker discards what follows it on the closed
+    # channel, so the one rollback duplicates nothing.
+    too_big = insert(on_node.dsn, ex, "big", b"b" * 5000)
+    good = [insert(on_node.dsn, ex, f"good.{i}", b"g" * 4000) for i in range(3)]
+
+    relay = relay_drain(on_node)
+
+    assert Counter(p.message_id for _, p, _ in node_topology.messages()) == Counter(good)
+    letters = dead_letters(on_node.dsn)
+    assert set(letters) == {too_big}
+    assert "payload is 5000 bytes" in letters[too_big]["reason"]
+    assert "4096" in letters[too_big]["reason"]
+    assert relay.stats.batches_rolled_back == 1, "one rollback teaches the relay the limit"
+    assert remaining_rows(on_node.dsn) == 0
+    assert prepared_left(on_node.dsn) == []
