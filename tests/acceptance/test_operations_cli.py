@@ -113,7 +113,15 @@ def test_status__json_reports_dead_letters_old_prepared_batch_and_stale_backlog(
     stuck.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(GONE_GID)))
     time.sleep(1.1)
 
-    result = run_cli("status", "--json", "--max-prepared-age", "1", env=settings_env(settings))
+    result = run_cli(
+        "status",
+        "--json",
+        "--max-prepared-age",
+        "1",
+        "--max-backlog-age",
+        "1",
+        env=settings_env(settings),
+    )
 
     assert result.returncode == 1
     report = json.loads(result.stdout)
@@ -125,7 +133,7 @@ def test_status__json_reports_dead_letters_old_prepared_batch_and_stale_backlog(
     problems = " | ".join(report["attention"])
     assert "prepared batch" in problems
     assert "dead letters" in problems
-    assert "no live relay" in problems
+    assert "no relay is running" in problems
     text = run_cli("status", "--max-prepared-age", "1", env=settings_env(settings))
     assert text.returncode == 1 and "needs attention" in text.stdout
     stuck.close()
