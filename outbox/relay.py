@@ -351,6 +351,7 @@ class Relay:
         deadline = time.monotonic() + self.settings.poll_interval
         while not self.stop:
             now = time.monotonic()
+            self.stats.last_progress = now  # idle is progress too (liveness)
             if now >= self._next_resolve:
                 self._next_resolve = now + self.settings.resolve_interval
                 if self._resolve_dead_relays():
