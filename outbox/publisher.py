@@ -633,7 +633,9 @@ def read_stream(
             if body == probe:
                 break
             yield body
-        channel.cancel()
+        # No channel.cancel(): it rejects the records already buffered after the probe
+        # (another reader's probe, a relay's new record), and a stream queue answers a
+        # reject by closing the channel (540).  Closing the connection drops them.
     except pika.exceptions.UnroutableError as exc:
         raise OutboxError(
             f"the ledger stream {queue!r} does not exist",
