@@ -193,7 +193,11 @@ def test_relay__wakes_on_notify_without_waiting_for_the_poll(
     import dataclasses
     import time
 
-    slow_poll = dataclasses.replace(settings, poll_interval=30.0)
+    # The fallback poll rides on the heartbeat: make both slower than the deadline
+    # below, so only the NOTIFY from the application's commit can wake the relay.
+    slow_poll = dataclasses.replace(
+        settings, poll_interval=30.0, heartbeat_interval=30.0, relay_timeout=90.0
+    )
     relay = Relay(slow_poll)
     relay.start()
     thread = threading.Thread(target=relay.run)
