@@ -382,6 +382,10 @@ class Publisher:
                 delivery.reason = "not sent: the channel closed"
         return pending.deliveries
 
+    def wait_for_confirms(self, timeout: float) -> bool:
+        """Serve the connection until nothing sent is unconfirmed (or ``timeout``)."""
+        return self._run_until(lambda: not self._unconfirmed or self._failure is not None, timeout)
+
     def _write(
         self,
         channel: Any,

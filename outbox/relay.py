@@ -122,6 +122,21 @@ class _Batch:
     sent: list[Pending] = dataclasses.field(default_factory=list)
     ledger: Pending | None = None
     published: int = 0
+    interrupted: bool = False  # a failure cut the step that was to finish it
+
+
+def survives_failure(error: OutboxError) -> bool:
+    """Whether a batch already published is still finished by its relay after ``error``.
+
+    Its PREPARE succeeded, so the batch is durable and any session of the relay may
+    finish it; while the broker connection lives, its confirms still arrive.  A
+    database failure (lost work connection, PREPARE of the next batch cut off or
+    refused for want of slots) therefore need not cost a batch of duplicates: the
+    batch is finished after reconnecting, provided the control session (and with
+    it the relay id that keeps resolvers away) survived.  A broker failure puts
+    its confirms in doubt: it is rolled back.
+    """
+    return not isinstance(error, BrokerUnavailable)
 
 
 class StopFlag:
@@ -211,6 +226,9 @@ class Relay:
         if self.control is None or self.control.broken:
             if self.control is not None:
                 self.control.close()
+                # Our relay id dies with the session, and resolvers may now finish
+                # its batches: settle them by what we know, keep none in flight.
+                self._give_up_open_batches()
             self.control = None
             # A new control session gets a new relay id: the old session may still
             # hold the old lock on the server until it notices it is dead.
@@ -300,7 +318,12 @@ class Relay:
                     emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
                     self._reconnect(exc)
             with contextlib.suppress(DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
-                self._finish_sent()  # stopping: finish the batch in flight, claim no more
+                try:
+                    self._finish_sent()  # stopping: finish the batch in flight, claim no more
+                finally:
+                    self._give_up_open_batches()
+                    if self._unsettled:
+                        self._settle()
         finally:
             self.close()
         return self.stats
@@ -394,13 +417,18 @@ class Relay:
         crash table) and duplicates ≤ 2 x batch_size.
         """
         try:
-            batch = self._claim_and_prepare()
             if not self.settings.pipeline:
+                batch = self._claim_and_prepare()
                 if batch is not None:
                     self._send(batch)
                     self._record_evidence(batch)
                     self._commit(batch)
                 return len(batch.rows) if batch else 0
+            if self._sent is not None and self._sent.interrupted:
+                # Published before a database failure that it survived: finish it
+                # before preparing another (which may be what failed, e.g. no slot).
+                self._finish_sent()
+            batch = self._claim_and_prepare()
             previous, self._sent = self._sent, None
             if previous is not None:
                 self._record_evidence(previous)
@@ -410,28 +438,34 @@ class Relay:
             if previous is not None:
                 self._commit(previous)
             return len(batch.rows) if batch else 0
-        except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown, PreparedSlotsExhausted):
-            self._give_up_open_batches()
+        except (
+            DatabaseUnavailable,
+            BrokerUnavailable,
+            OutcomeUnknown,
+            PreparedSlotsExhausted,
+        ) as exc:
+            self._give_up_open_batches(keep=self._sent if survives_failure(exc) else None)
             raise
 
     def _finish_sent(self) -> None:
-        """Record and commit the batch already sent (on stop), claiming nothing new."""
+        """Record and commit the batch already sent, claiming nothing new."""
         previous, self._sent = self._sent, None
-        if previous is None:
-            return
-        try:
+        if previous is not None:
             self._record_evidence(previous)
             self._commit(previous)
-        except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
-            self._give_up_open_batches()
-            raise
 
-    def _give_up_open_batches(self) -> None:
-        """After a failure, every batch we prepared and did not finish is settled later."""
-        self._sent = None
+    def _give_up_open_batches(self, *, keep: _Batch | None = None) -> None:
+        """After a failure, every batch we prepared and did not finish is settled later
+        (by the evidence we have), except ``keep``, which stays in flight."""
+        self._sent = keep
         known = {u.gid for u in self._unsettled}
-        self._unsettled.extend(u for gid, u in self._open.items() if gid not in known)
-        self._open.clear()
+        for gid, unsettled in list(self._open.items()):
+            if keep is not None and gid == keep.gid:
+                keep.interrupted = True
+                continue
+            if gid not in known:
+                self._unsettled.append(unsettled)
+            del self._open[gid]
 
     def _claim_and_prepare(self) -> _Batch | None:
         """Claim rows and PREPARE them (crash table: "claim", "PREPARE")."""
@@ -448,7 +482,7 @@ class Relay:
         if not rows:
             store.abandon_claim()
             return None
-        faults.reached("after_claim")
+        self._crash_point("after_claim")
         gid = self._next_gid()
         try:
             store.prepare(gid)
@@ -457,7 +491,7 @@ class Relay:
             raise
         # From here on the batch is durable and undecided until finished.
         self._open[gid] = _Unsettled(gid, evidence=False)
-        faults.reached("after_prepare")
+        self._crash_point("after_prepare")
         return _Batch(gid, rows, started)
 
     def _send(self, batch: _Batch) -> None:
@@ -468,9 +502,11 @@ class Relay:
             half = len(messages) // 2
             first = self.publisher.send(messages[:half])
             self.publisher.confirmed(first, self.settings.publish_timeout)
-            faults.reached("mid_publish")
+            self._crash_point("mid_publish")
             batch.sent = [first, self.publisher.send(messages[half:])]
         elif messages:
+            if len(messages) > 1:
+                faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
             batch.sent = [self.publisher.send(messages)]
 
     def _record_evidence(self, batch: _Batch) -> None:
@@ -497,7 +533,7 @@ class Relay:
                 self._exchanges_seen.clear()
             self._learn_refusals(d.reason for d in failed)
             raise BrokerUnavailable(f"batch {gid} not confirmed: {failed[0].reason}")
-        faults.reached("after_publish")
+        self._crash_point("after_publish")
         dead = batch.dead
         dead.extend(returned)
         if dead:
@@ -533,11 +569,11 @@ class Relay:
                 gid, reason=f"ledger record not confirmed: {entry.reason}", accepted=batch.published
             )
             raise BrokerUnavailable(f"could not record {gid} in the ledger: {entry.reason}")
-        faults.reached("after_ledger")
+        self._crash_point("after_ledger")
         self._open[gid] = _Unsettled(
             gid, evidence=True, published=batch.published, dead=len(batch.dead)
         )
-        faults.reached("before_commit_prepared")
+        self._crash_point("before_commit_prepared")
         store.finish(gid, commit=True)
         del self._open[gid]
         self.stats.batches_committed += 1
@@ -556,6 +592,14 @@ class Relay:
         )
         if self._on_batch:
             self._on_batch(gid, self.stats)
+
+    def _crash_point(self, point: str) -> None:
+        """``OUTBOX_CRASH_AT``: when this point is armed, let the broker confirm what
+        is in flight first (the other batch, when pipelined), so that the crash
+        leaves an exact number of messages on the broker (tests only)."""
+        if faults.armed(point):
+            self.publisher.wait_for_confirms(self.settings.publish_timeout)
+        faults.reached(point)
 
     def _sort_out(self, rows: Sequence[OutboxRow]) -> tuple[list[DeadLetter], list[OutboxRow]]:
         """Split rows into those that can never be published and the rest."""
