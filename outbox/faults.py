@@ -3,7 +3,10 @@
 Set ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's environment and the relay
 kills itself with SIGKILL the n-th time (default the first) it reaches that
 point.  The points are the step boundaries of ``relay.py``; when the variable is
-unset, ``reached`` is one dictionary lookup.
+unset, ``reached`` is one dictionary lookup.  Pipelined, the n-th occurrence
+counts across batches: ``after_prepare:2`` is batch 2's PREPARE while batch 1
+awaits its confirms.  Before an armed crash the relay lets the broker confirm
+whatever is in flight, so each crash leaves an exact number of duplicates.
 """
 
 from __future__ import annotations

@@ -10,19 +10,25 @@ State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
       │                                                                   ▼
       └──────────── COMMIT PREPARED ◀──── EVIDENCE (gid in the ledger) ◀───┘
 
-With ``pipeline`` (the default) a relay has at most two batches between PREPARE and
-COMMIT PREPARED: batch N+1 is claimed and prepared while the broker persists N,
-and N+1 is published after N's confirms arrived and its ledger record was sent.
-Each batch still walks the machine above in order, and is published only after
-its own PREPARE succeeded; the crash table below holds for each of them, so a
-crash leaves at most two batches to resolve and at most 2 x batch_size duplicates
-(``--no-pipeline``: one batch, at most batch_size).
+With ``pipeline`` a relay has at most two batches between PREPARE and COMMIT
+PREPARED.  One step of the loop then is: claim and PREPARE batch N+1 while the
+broker persists N; wait for N's confirms, record its dead letters, send N's
+ledger record; publish N+1 (its own PREPARE succeeded); wait for N's ledger
+confirm and COMMIT PREPARED N.  Each batch still walks the machine above in
+order; N+1 is published only after its PREPARE succeeded and after N's messages
+were all confirmed.  ``--no-pipeline``: claim, PREPARE, publish, record, commit
+one batch at a time.
 
 A batch becomes ``UNSETTLED`` when the database connection drops during PREPARE,
 ROLLBACK PREPARED or COMMIT PREPARED: its outcome is unknown, and the relay looks
 the gid up after reconnecting (present → finish it by the evidence rule; gone →
 someone finished it).  Nothing is published for a batch whose PREPARE is not known
-to have succeeded.
+to have succeeded.  Pipelined, a batch already published when a database failure
+hits (the next PREPARE cut off or out of slots, COMMIT PREPARED of the previous
+cut off) stays in flight and is finished after the reconnect, as long as the
+control session, and with it the relay id, survived (``survives_failure``);
+otherwise, and after any broker failure, every open batch is settled by its
+evidence (no ledger confirm → ROLLBACK).
 
 What a crash (kill -9) leaves at each step, and who cleans up:
 
@@ -40,6 +46,17 @@ all messages confirmed         every message on the broker      no evidence → 
 ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
 COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
 =============================  ===============================  ==================================
+
+Pipelined, the crash also finds the other batch in flight at its own step of the
+table (N+1 is at most "PREPARE" while N is before "ledger record confirmed", and
+at most "all messages confirmed" while N is after it), so a crash leaves at most
+two batches to resolve.  Duplicates per crash: ≤ batch_size serially, ≤ 2 x
+batch_size pipelined.  Both batches are duplicated only if N's ledger record is
+lost with the relay (or the broker connection) after N+1 was published; at each
+crash point of ``outbox/faults.py`` a kill costs at most one batch, as
+``tests/integration/test_faults_crash.py`` pins down.  A database outage costs
+at most one batch in either mode, and none pipelined while the control session
+survives.
 
 "resolver" is any relay's periodic pass (``resolver.resolve``) or ``outbox
 resolve``; it acts only once the owner's control session (advisory lock) is gone,
@@ -403,7 +420,7 @@ class Relay:
         """One step of the loop; returns the rows claimed.
 
         Without ``pipeline``: claim, PREPARE, publish, record, COMMIT PREPARED one
-        batch.  With it (the default) two batches overlap, and a step is:
+        batch.  With it two batches overlap, and a step is:
 
         1. claim and PREPARE batch N+1, while the broker persists batch N;
         2. wait for N's confirms, record its dead letters, send N's ledger record;
