@@ -29,9 +29,10 @@ class Settings:
     # Most rows claimed, prepared and published as one batch.
     batch_size: int = 1000
     # Claim and PREPARE the next batch while the broker confirms the current one
-    # (two batches in flight): more throughput, but a crash can leave two batches
-    # (2 x batch_size duplicates).  Off by default until the fault suite covers it.
-    pipeline: bool = False
+    # (two batches in flight): more throughput; a crash can leave two batches to
+    # resolve and at most 2 x batch_size duplicates (``--no-pipeline``: one, and
+    # batch_size).  The fault suite runs in both modes.
+    pipeline: bool = True
     # How long a batch may wait for publisher confirms before it is rolled back.
     publish_timeout: float = 30.0
     # Fallback poll when no NOTIFY arrives (seconds); wake-ups normally come from commits.
