@@ -52,7 +52,7 @@ def running_relay(node_settings: Settings) -> Iterator[Relay]:
 
 
 @both_modes
-@pytest.mark.parametrize("outage", ["stop_app"])
+@pytest.mark.parametrize("outage", ["stop_app", pytest.param("kill-9", marks=pytest.mark.slow)])
 def test_broker_restart__relay_reconnects_and_loses_nothing(
     outage: str,
     rabbit_node: RabbitNode,
