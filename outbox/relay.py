@@ -268,6 +268,10 @@ class Relay:
         if not self.publisher.connected:
             self.publisher.connect()
             self._exchanges_seen.clear()
+            # A restarted broker accepts connections before its streams take records
+            # (about 0.5 s later after a kill -9): a batch sent in that gap would be
+            # rolled back and sent again.  Probe the ledger before the first batch.
+            self._ledger_doubtful = True
             self.publisher.declare_stream(self.settings.ledger_queue, self.settings.ledger_max_age)
             emit(log, "broker.connected")
 
