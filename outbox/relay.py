@@ -282,7 +282,10 @@ class Relay:
             self._failures, initial=self.settings.backoff_initial, maximum=self.settings.backoff_max
         )
         self._failures += 1
-        emit(log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s")
+        hint = {"hint": error.hint} if error.hint else {}
+        emit(
+            log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s", **hint
+        )
         deadline = time.monotonic() + pause
         while not self.stop and time.monotonic() < deadline:
             step = min(0.2, max(0.0, deadline - time.monotonic()))
@@ -687,7 +690,9 @@ class Relay:
         [entry] = self.publisher.publish([probe], self.settings.publish_timeout)
         if entry.outcome is not Outcome.ACCEPTED:
             raise BrokerUnavailable(
-                f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}"
+                f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}",
+                "nothing is committed until it does; if the stream stays down after a broker "
+                "crash, see README, 'Known limitations'",
             )
         self._ledger_doubtful = False
 
