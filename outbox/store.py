@@ -188,7 +188,7 @@ class BatchStore(_Session):
             if not slots or slots["slots"] <= 0:
                 raise PreparedTransactionsDisabled(
                     "PostgreSQL has prepared transactions disabled (max_prepared_transactions = 0)",
-                    "set max_prepared_transactions to at least the number of relays "
+                    "set max_prepared_transactions to at least twice the number of relays "
                     "(e.g. 64) in postgresql.conf and restart PostgreSQL",
                 )
             version = migrate.current_version(self.conn, self.table)
