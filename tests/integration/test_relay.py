@@ -16,6 +16,7 @@ import outbox
 from outbox import ledger
 from outbox.config import Settings
 from outbox.relay import Relay
+from tests.fixtures.faults import prepared_left
 from tests.fixtures.servers import Topology, insert_numbered_rows
 
 
@@ -29,16 +30,6 @@ def relay_drain(settings: Settings) -> Relay:
 def remaining_rows(dsn: str) -> int:
     with psycopg.connect(dsn) as conn:
         return conn.execute("SELECT count(*) FROM outbox").fetchone()[0]  # type: ignore[index]
-
-
-def prepared_left(dsn: str) -> list[str]:
-    with psycopg.connect(dsn) as conn:
-        return [
-            r[0]
-            for r in conn.execute(
-                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-            ).fetchall()
-        ]
 
 
 def test_relay__plain_sql_row_arrives_once_with_its_properties(
