@@ -7,7 +7,8 @@ Measures, against the same PostgreSQL and RabbitMQ:
    ``payload`` bytes; then relays drain the same number of such rows from the
    outbox table.  Runs alternate (bare, relay, bare, relay, …) so both see the
    same background load; the ratio is taken from the medians.  Then relays x batch
-   sizes for scaling.
+   sizes for scaling, each cell ``repeats`` times (medians), with how busy the
+   machine's CPUs were during each run.
 2. **Latency.**  One idle relay; the bench commits single-row transactions at a
    fixed rate and a consumer timestamps each message: commit returned → message
    received (same clock, same process).
@@ -313,6 +314,14 @@ def _wait_registered(conn: store.Conn, table: str, count: int, relays: RelayProc
 
 
 # -- the runs ---------------------------------------------------------------------
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far (``/proc/stat``)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 @dataclasses.dataclass
 class Run:
     kind: str  # bare | relay
@@ -321,6 +330,8 @@ class Run:
     rows: int
     seconds: float
     delivered: int
+    machine_busy: float = 0.0  # share of all CPUs busy during the run (0..1)
+    relay_cpu_seconds: float = 0.0  # user + system CPU of the relay processes
 
     @property
     def rate(self) -> float:
@@ -369,6 +380,8 @@ class Bench:
             with self.conn.transaction():
                 _fill(self.conn, self.db.table, self.broker.exchange, self.o.rows, self.o.payload)
             started = time.perf_counter()
+            busy0, total0 = _machine_ticks()
+            cpu0 = relays.cpu_seconds()
             deadline = time.monotonic() + 300
             while True:
                 row = self.conn.execute(f'SELECT count(*) AS n FROM "{self.db.table}"').fetchone()
@@ -379,12 +392,17 @@ class Bench:
                 relays.check_alive()
                 time.sleep(0.005)
             seconds = time.perf_counter() - started
+            busy1, total1 = _machine_ticks()
+            relay_cpu = relays.cpu_seconds() - cpu0
         finally:
             relays.stop()
         self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
         delivered = self.broker.depth()
         self.broker.purge()
-        return Run("relay", count, settings.batch_size, self.o.rows, seconds, delivered)
+        busy = (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
+        return Run(
+            "relay", count, settings.batch_size, self.o.rows, seconds, delivered, busy, relay_cpu
+        )
 
     def latency(self) -> dict[str, Any]:
         self.broker.purge()
@@ -508,27 +526,44 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         echo(f"  1 relay         run {i + 1}: {relay_runs[-1].rate:,.0f} msg/s")
     bare_rate = statistics.median(r.rate for r in bare_runs)
     relay_rate = statistics.median(r.rate for r in relay_runs)
-    scaling = []
+    # The scaling grid: every cell ``repeats`` times, in rounds (each round visits
+    # every cell once), so slow drifts of the machine hit every cell alike; the
+    # figure of a cell is its median.  The 1-relay default cell reuses the runs above.
     default_batch = Settings().batch_size
-    for count in o.relays:
-        for batch_size in o.batch_sizes:
-            if count == 1 and batch_size == default_batch:
-                run_rate = relay_rate
-                delivered = min(r.delivered for r in relay_runs)
-            else:
-                run = bench.relay(count, batch_size)
-                run_rate, delivered = run.rate, run.delivered
-                relay_runs.append(run)
-            scaling.append(
-                {
-                    "relays": count,
-                    "batch_size": batch_size,
-                    "msg_per_s": round(run_rate),
-                    "ratio_to_bare": round(run_rate / bare_rate, 3),
-                    "delivered": delivered,
-                }
+    cells = [(count, batch) for count in o.relays for batch in o.batch_sizes]
+    grid: dict[tuple[int, int], list[Run]] = {
+        cell: list(relay_runs) if cell == (1, default_batch) else [] for cell in cells
+    }
+    for i in range(o.repeats):
+        for cell in cells:
+            if len(grid[cell]) > i:
+                continue
+            run = bench.relay(*cell)
+            grid[cell].append(run)
+            relay_runs.append(run)
+            echo(
+                f"  {cell[0]} relay(s), batch {cell[1]} run {i + 1}: {run.rate:,.0f} msg/s, "
+                f"machine {100 * run.machine_busy:.0f}% busy"
             )
-            echo(f"  {count} relay(s), batch {batch_size}: {run_rate:,.0f} msg/s")
+    scaling = []
+    for count, batch_size in cells:
+        runs = grid[(count, batch_size)]
+        run_rate = statistics.median(r.rate for r in runs)
+        scaling.append(
+            {
+                "relays": count,
+                "batch_size": batch_size,
+                "msg_per_s": round(run_rate),
+                "runs_msg_per_s": [round(r.rate) for r in runs],
+                "ratio_to_bare": round(run_rate / bare_rate, 3),
+                "machine_busy_percent": round(
+                    100 * statistics.median(r.machine_busy for r in runs), 1
+                ),
+                "relay_cpu_seconds": round(statistics.median(r.relay_cpu_seconds for r in runs), 2),
+                "delivered": min(r.delivered for r in runs),
+            }
+        )
+        echo(f"  {count} relay(s), batch {batch_size}: median {run_rate:,.0f} msg/s")
     echo("  latency and idle run ...")
     latency = bench.latency()
     every_row = (
@@ -567,11 +602,18 @@ def render(report: dict[str, Any]) -> str:
         "|---|---:|---:|",
         f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 |",
         f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} |",
+        "",
+        f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
+        "",
+        "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s |",
+        "|---:|---:|---:|---:|---|---:|---:|",
     ]
     for s in report["scaling"]:
+        runs = " / ".join(f"{r:,}" for r in s["runs_msg_per_s"])
         lines.append(
-            f"| {s['relays']} relay(s), batch {s['batch_size']} | {s['msg_per_s']:,} | "
-            f"{s['ratio_to_bare']:.2f} |"
+            f"| {s['relays']} | {s['batch_size']} | {s['msg_per_s']:,} | "
+            f"{s['ratio_to_bare']:.2f} | {runs} | {s['machine_busy_percent']:.0f}% | "
+            f"{s['relay_cpu_seconds']:.1f} |"
         )
     lines += [
         "",

@@ -512,7 +512,12 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 )
 @click.option("--rows", default=20_000, show_default=True, help="Messages per throughput run.")
 @click.option("--payload", default=1024, show_default=True, help="Payload bytes per message.")
-@click.option("--repeats", default=3, show_default=True, help="Bare/relay pairs (medians).")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    help="Runs per figure (bare/relay pairs, each scaling cell): medians.",
+)
 @click.option(
     "--relays", default="1,2,4", show_default=True, help="Relay counts for the scaling runs."
 )
