@@ -468,22 +468,27 @@ def dead_letters_purge(
     click.echo(f"{purged} dead letters purged")
 
 
+def own_servers_options(func: F) -> F:
+    """``--dsn`` (optional: a private PostgreSQL is started without it) and ``--amqp-url``."""
+    func = click.option(
+        "--amqp-url",
+        envvar="OUTBOX_AMQP_URL",
+        show_envvar=True,
+        default=DEFAULT_AMQP_URL,
+        show_default=True,
+    )(func)
+    return click.option(
+        "--dsn",
+        envvar="OUTBOX_DSN",
+        show_envvar=True,
+        default=None,
+        help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
+        "instead of starting a private one (fsync on).",
+    )(func)
+
+
 @cli.command()
-@click.option(
-    "--dsn",
-    envvar="OUTBOX_DSN",
-    show_envvar=True,
-    default=None,
-    help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
-    "instead of starting a private one.",
-)
-@click.option(
-    "--amqp-url",
-    envvar="OUTBOX_AMQP_URL",
-    show_envvar=True,
-    default=DEFAULT_AMQP_URL,
-    show_default=True,
-)
+@own_servers_options
 @click.option("--rows", default=1000, show_default=True, help="Messages to send.")
 @known_errors
 def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
@@ -495,21 +500,7 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 
 
 @cli.command()
-@click.option(
-    "--dsn",
-    envvar="OUTBOX_DSN",
-    show_envvar=True,
-    default=None,
-    help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
-    "instead of starting a private one (fsync on).",
-)
-@click.option(
-    "--amqp-url",
-    envvar="OUTBOX_AMQP_URL",
-    show_envvar=True,
-    default=DEFAULT_AMQP_URL,
-    show_default=True,
-)
+@own_servers_options
 @click.option("--rows", default=20_000, show_default=True, help="Messages per throughput run.")
 @click.option("--payload", default=1024, show_default=True, help="Payload bytes per message.")
 @click.option(
