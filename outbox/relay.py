@@ -66,8 +66,9 @@ back instead, so a resolver and the relay never disagree about a batch.
 
 Transient failures (broker down or blocked, nack, confirm timeout, database
 restart) roll the batch back when possible and retry with backoff; they never
-dead-letter a row.  Rows that can never be published (``message.problem_with``,
-missing exchange, unroutable) become dead letters in the same pass.
+dead-letter a row.  Rows that can never be published (``triage.Triage``: bad
+names, sizes or headers, a missing exchange, a refusal learnt from the broker; and
+unroutable returns) become dead letters in the same pass.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from outbox import backoff, faults, ledger
 from outbox.config import Settings
@@ -92,14 +93,12 @@ from outbox.errors import (
 )
 from outbox.events import emit
 from outbox.gid import Gid, new_relay_id
-from outbox.message import DeadLetter, OutboxRow, problem_with, refusal_in
+from outbox.message import DeadLetter, OutboxRow
 from outbox.publisher import Message, Outcome, Pending, Publisher
 from outbox.store import BatchStore, ControlSession
+from outbox.triage import Triage
 
 log = logging.getLogger("outbox.relay")
-
-# How long a verified exchange is trusted before it is checked again.
-EXCHANGE_CACHE_SECONDS = 60.0
 
 
 @dataclasses.dataclass
@@ -210,10 +209,7 @@ class Relay:
         # Prepared by us and not yet finished, by gid (evidence: ledger record confirmed).
         self._open: dict[str, _Unsettled] = {}
         self._sent: _Batch | None = None  # pipelined: sent, finished by the next step
-        self._exchanges_seen: dict[str, float] = {}
-        # Learnt from channel closes (``message.refusal_in``): exchange → (reason, until).
-        self._exchanges_refused: dict[str, tuple[str, float]] = {}
-        self._max_message_bytes = settings.max_message_bytes
+        self.triage = Triage(settings.max_message_bytes, self.publisher.exchange_exists)
         self._last_heartbeat_ok = 0.0
         self._next_heartbeat = 0.0
         self._next_resolve = 0.0
@@ -267,7 +263,7 @@ class Relay:
     def _connect_broker(self) -> None:
         if not self.publisher.connected:
             self.publisher.connect()
-            self._exchanges_seen.clear()
+            self.triage.forget_exchanges()
             # A restarted broker accepts connections before its streams take records
             # (about 0.5 s later after a kill -9): a batch sent in that gap would be
             # rolled back and sent again.  Probe the ledger before the first batch.
@@ -520,7 +516,7 @@ class Relay:
 
     def _send(self, batch: _Batch) -> None:
         """Publish the batch's messages without waiting ("some messages published")."""
-        batch.dead, batch.good = self._sort_out(batch.rows)
+        batch.dead, batch.good = self.triage.sort_out(batch.rows)
         messages = [to_message(r) for r in batch.good]
         if faults.armed("mid_publish") and len(messages) > 1:
             half = len(messages) // 2
@@ -554,8 +550,8 @@ class Relay:
             if not self.publisher.connected:
                 raise BrokerUnavailable(f"lost RabbitMQ while publishing {gid}: {failed[0].reason}")
             if any("404" in d.reason for d in failed):
-                self._exchanges_seen.clear()
-            self._learn_refusals(d.reason for d in failed)
+                self.triage.forget_exchanges()
+            self.triage.learn(d.reason for d in failed)
             raise BrokerUnavailable(f"batch {gid} not confirmed: {failed[0].reason}")
         self._crash_point("after_publish")
         dead = batch.dead
@@ -624,61 +620,6 @@ class Relay:
         if faults.armed(point):
             self.publisher.wait_for_confirms(self.settings.publish_timeout)
         faults.reached(point)
-
-    def _sort_out(self, rows: Sequence[OutboxRow]) -> tuple[list[DeadLetter], list[OutboxRow]]:
-        """Split rows into those that can never be published and the rest."""
-        dead: list[DeadLetter] = []
-        good: list[OutboxRow] = []
-        missing = self._missing_exchanges({r.exchange for r in rows})
-        for row in rows:
-            reason = problem_with(row, self._max_message_bytes)
-            if reason is None and row.exchange in missing:
-                reason = f"exchange {row.exchange!r} does not exist"
-            refused = self._exchanges_refused.get(row.exchange)
-            if reason is None and refused is not None and refused[1] > time.monotonic():
-                reason = refused[0]
-            if reason is None:
-                good.append(row)
-            else:
-                dead.append(DeadLetter(row, reason))
-        return dead, good
-
-    def _learn_refusals(self, reasons: Iterable[str]) -> None:
-        """Remember what a channel close says can never be published (one rollback, once).
-
-        The batch it cut off is rolled back as in doubt; on the next attempt
-        ``_sort_out`` dead-letters the rows concerned and the others go through.
-        """
-        now = time.monotonic()
-        for exchange, (_reason, until) in list(self._exchanges_refused.items()):
-            if until <= now:
-                del self._exchanges_refused[exchange]
-        for reason in reasons:
-            refusal = refusal_in(reason)
-            if refusal is None:
-                continue
-            if refusal.exchange is not None:
-                self._exchanges_refused[refusal.exchange] = (
-                    refusal.reason,
-                    now + EXCHANGE_CACHE_SECONDS,
-                )
-            if refusal.max_message_bytes is not None:
-                self._max_message_bytes = min(self._max_message_bytes, refusal.max_message_bytes)
-            emit(log, "broker.refusal_learned", logging.WARNING, reason=refusal.reason)
-
-    def _missing_exchanges(self, names: set[str]) -> set[str]:
-        now = time.monotonic()
-        missing = set()
-        for name in names:
-            if name == "" or len(name.encode()) > 255:
-                continue
-            if self._exchanges_seen.get(name, 0.0) > now:
-                continue
-            if self.publisher.exchange_exists(name):
-                self._exchanges_seen[name] = now + EXCHANGE_CACHE_SECONDS
-            else:
-                missing.add(name)
-        return missing
 
     def _probe_ledger(self) -> None:
         """Prove the ledger takes records again before publishing another batch.

@@ -180,7 +180,7 @@ def test_dead_letters__pika_encoding_failure_is_dead_lettered_not_retried(
     settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Defence in depth: if the static check misses a value pika cannot encode."""
-    monkeypatch.setattr("outbox.relay.problem_with", lambda row, limit: None)
+    monkeypatch.setattr("outbox.triage.problem_with", lambda row, limit: None)
     good = insert(settings.dsn, topology.exchange, "good")
     bad = insert(settings.dsn, topology.exchange, "bad", headers={"price": 2.5})
     huge = insert(settings.dsn, topology.exchange, "huge", headers={"n": -(2**70)})

@@ -1,0 +1,97 @@
+"""Which claimed rows can never be published: the relay's bad-row triage.
+
+Three sources of proof, none of them a transient failure:
+
+- the row itself (``message.problem_with``: names too long, payload too large,
+  headers AMQP cannot carry);
+- the broker's topology: the row's exchange does not exist (a passive declare,
+  trusted for ``EXCHANGE_CACHE_SECONDS``);
+- what a channel close taught us (``message.refusal_in``): an exchange that
+  refuses publishes (403), or the broker's real maximum message size (406).  The
+  batch that hit the close is rolled back once as in doubt; from the next attempt
+  on, the rows concerned are dead-lettered and the others go through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from outbox.events import emit
+from outbox.message import DeadLetter, OutboxRow, problem_with, refusal_in
+
+log = logging.getLogger("outbox.relay")
+
+# How long a verified exchange (or a learnt refusal) is trusted before it is checked again.
+EXCHANGE_CACHE_SECONDS = 60.0
+
+
+class Triage:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        exchange_exists: Callable[[str], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._exchange_exists = exchange_exists
+        self._clock = clock
+        self._exchanges_seen: dict[str, float] = {}  # exchange → trusted until
+        self._exchanges_refused: dict[str, tuple[str, float]] = {}  # → (reason, until)
+
+    def forget_exchanges(self) -> None:
+        """Check every exchange again (a new connection, or one was deleted: 404)."""
+        self._exchanges_seen.clear()
+
+    def sort_out(self, rows: Sequence[OutboxRow]) -> tuple[list[DeadLetter], list[OutboxRow]]:
+        """Split rows into those that can never be published and the rest."""
+        dead: list[DeadLetter] = []
+        good: list[OutboxRow] = []
+        missing = self._missing_exchanges({r.exchange for r in rows})
+        now = self._clock()
+        for row in rows:
+            reason = problem_with(row, self.max_message_bytes)
+            if reason is None and row.exchange in missing:
+                reason = f"exchange {row.exchange!r} does not exist"
+            refused = self._exchanges_refused.get(row.exchange)
+            if reason is None and refused is not None and refused[1] > now:
+                reason = refused[0]
+            if reason is None:
+                good.append(row)
+            else:
+                dead.append(DeadLetter(row, reason))
+        return dead, good
+
+    def learn(self, reasons: Iterable[str]) -> None:
+        """Remember what channel-close reasons say can never be published."""
+        now = self._clock()
+        for exchange, (_reason, until) in list(self._exchanges_refused.items()):
+            if until <= now:
+                del self._exchanges_refused[exchange]
+        for reason in reasons:
+            refusal = refusal_in(reason)
+            if refusal is None:
+                continue
+            if refusal.exchange is not None:
+                self._exchanges_refused[refusal.exchange] = (
+                    refusal.reason,
+                    now + EXCHANGE_CACHE_SECONDS,
+                )
+            if refusal.max_message_bytes is not None:
+                self.max_message_bytes = min(self.max_message_bytes, refusal.max_message_bytes)
+            emit(log, "broker.refusal_learned", logging.WARNING, reason=refusal.reason)
+
+    def _missing_exchanges(self, names: set[str]) -> set[str]:
+        now = self._clock()
+        missing = set()
+        for name in names:
+            if name == "" or len(name.encode()) > 255:
+                continue  # the default exchange always exists; long names fail statically
+            if self._exchanges_seen.get(name, 0.0) > now:
+                continue
+            if self._exchange_exists(name):
+                self._exchanges_seen[name] = now + EXCHANGE_CACHE_SECONDS
+            else:
+                missing.add(name)
+        return missing

@@ -1,0 +1,91 @@
+"""Bad-row triage with an in-memory broker (which exchanges exist) and a fake clock."""
+
+import datetime
+import uuid
+
+from outbox.message import OutboxRow
+from outbox.triage import EXCHANGE_CACHE_SECONDS, Triage
+
+
+class FakeBroker:
+    def __init__(self, exchanges: set[str]) -> None:
+        self.exchanges = exchanges
+        self.checks: list[str] = []
+
+    def exchange_exists(self, name: str) -> bool:
+        self.checks.append(name)
+        return name in self.exchanges
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def row(exchange: str, payload: bytes = b"x") -> OutboxRow:
+    return OutboxRow(
+        id=1,
+        message_id=uuid.uuid4(),
+        exchange=exchange,
+        routing_key="k",
+        payload=payload,
+        headers=None,
+        content_type=None,
+        created_at=datetime.datetime.now(datetime.timezone.utc),
+    )
+
+
+def test_triage__missing_exchange_is_dead_and_others_pass() -> None:
+    triage = Triage(1024, FakeBroker({"orders"}).exchange_exists)
+    dead, good = triage.sort_out([row("orders"), row("nope"), row("")])
+    assert [r.exchange for r in good] == ["orders", ""]
+    assert [(d.row.exchange, d.reason) for d in dead] == [
+        ("nope", "exchange 'nope' does not exist")
+    ]
+
+
+def test_triage__trusts_a_verified_exchange_until_the_cache_expires() -> None:
+    broker, clock = FakeBroker({"orders"}), Clock()
+    triage = Triage(1024, broker.exchange_exists, clock)
+    triage.sort_out([row("orders")])
+    triage.sort_out([row("orders")])
+    assert broker.checks == ["orders"]
+    clock.now += EXCHANGE_CACHE_SECONDS + 1
+    triage.sort_out([row("orders")])
+    assert broker.checks == ["orders", "orders"]
+    triage.forget_exchanges()
+    triage.sort_out([row("orders")])
+    assert len(broker.checks) == 3
+
+
+def test_triage__a_learnt_refusal_dead_letters_that_exchange_for_a_while() -> None:
+    clock = Clock()
+    triage = Triage(1024, FakeBroker({"audit.x", "orders"}).exchange_exists, clock)
+    triage.learn(
+        [
+            "channel closed: 403 ACCESS_REFUSED - cannot publish to internal "
+            "exchange 'audit.x' in vhost '/'"
+        ]
+    )
+    dead, good = triage.sort_out([row("audit.x"), row("orders")])
+    assert [d.row.exchange for d in dead] == ["audit.x"] and len(good) == 1
+    clock.now += EXCHANGE_CACHE_SECONDS + 1
+    dead, good = triage.sort_out([row("audit.x")])
+    assert dead == [] and len(good) == 1
+
+
+def test_triage__learns_the_brokers_real_message_size_limit() -> None:
+    triage = Triage(10_000, FakeBroker(set()).exchange_exists)
+    triage.learn(
+        [
+            "channel closed: 406 PRECONDITION_FAILED - message size 5000 is larger "
+            "than configured max size 4096",
+            "connection lost: timed out",
+        ]
+    )
+    assert triage.max_message_bytes == 4096
+    dead, good = triage.sort_out([row("", b"x" * 5000), row("", b"x" * 10)])
+    assert len(dead) == 1 and "5000 bytes" in dead[0].reason and len(good) == 1
