@@ -120,11 +120,13 @@ def test_amqp_cut__mid_batch_rolls_back_and_republishes(
     if not settings.pipeline:
         assert relay.stats.batches_rolled_back == 1
     else:
-        # Batch 2 is cut before the broker saw any of it.  Batch 1 was confirmed and
-        # its ledger record sent just before: committed if that confirm made it back
-        # before the cut, else rolled back (no evidence) and all of it again.
+        # Batch 2 is cut before the broker saw any of it.  The second batch in flight
+        # is either batch 1 (confirmed, its ledger record sent just before the cut:
+        # committed if that confirm made it back, else rolled back and all of it
+        # sent again) or batch 3 (prepared, nothing published: rolled back free).
         assert relay.stats.batches_rolled_back in (1, 2)
-        assert report.duplicates == BATCH * (relay.stats.batches_rolled_back - 1)
+        assert report.duplicates in (0, BATCH)
+        assert report.duplicates <= BATCH * (relay.stats.batches_rolled_back - 1)
 
 
 @both_modes
