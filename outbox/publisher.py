@@ -464,9 +464,6 @@ class Publisher:
         """Passive declare on a throwaway channel (a 404 closes only that channel)."""
         return self._passive(lambda ch, cb: ch.exchange_declare(name, passive=True, callback=cb))
 
-    def queue_exists(self, name: str) -> bool:
-        return self._passive(lambda ch, cb: ch.queue_declare(name, passive=True, callback=cb))
-
     def _passive(self, declare: Callable[[Any, Callable[[Any], None]], None]) -> bool:
         state = self._on_throwaway_channel(declare)
         if "ok" in state:

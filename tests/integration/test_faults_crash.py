@@ -25,6 +25,7 @@ from tests.fixtures.faults import (
     RelayProcess,
     both_modes,
     check_delivery,
+    drain,
     insert_rows,
     prepared_left,
     relay_sessions,
@@ -91,14 +92,6 @@ def crash_relay(settings: Settings, point: str) -> None:
         relay.close()
     # The killed relay's sessions (and its advisory lock) go away within moments.
     wait_for(lambda: relay_sessions(settings.dsn) == 0, 10, "the dead relay's sessions to end")
-
-
-def drain(settings: Settings) -> None:
-    relay = RelayProcess(settings, drain=True)
-    try:
-        assert relay.wait() == 0, relay.output()
-    finally:
-        relay.close()
 
 
 def by_seq_batches(batches: list[dict[str, object]]) -> list[dict[str, object]]:

@@ -23,9 +23,9 @@ from outbox.publisher import Message, Outcome, Publisher
 from outbox.relay import Relay
 from outbox.store import BatchStore, ControlSession
 from tests.fixtures.faults import (
-    RelayProcess,
     both_modes,
     check_delivery,
+    drain,
     in_flight,
     insert_rows,
     prepared_left,
@@ -61,14 +61,6 @@ def resolve_json(settings: Settings, *extra: str) -> list[dict[str, object]]:
     assert result.returncode == 0, result.stderr
     batches: list[dict[str, object]] = json.loads(result.stdout)["batches"]
     return batches
-
-
-def drain(settings: Settings) -> None:
-    relay = RelayProcess(settings, drain=True)
-    try:
-        assert relay.wait() == 0, relay.output()
-    finally:
-        relay.close()
 
 
 def lock_gone(dsn: str, relay_id: str) -> bool:
