@@ -158,6 +158,13 @@ def tuning_options(func: F) -> F:
                 help="Seconds to wait when connecting to either server.",
             ),
             _option(
+                "--statement-timeout",
+                "OUTBOX_STATEMENT_TIMEOUT",
+                default=defaults.statement_timeout,
+                type=float,
+                help="Bound (s) on every statement of the relay; a cancelled one is retried.",
+            ),
+            _option(
                 "--max-message-bytes",
                 "OUTBOX_MAX_MESSAGE_BYTES",
                 default=defaults.max_message_bytes,
@@ -279,6 +286,9 @@ def relay(
             committed=stats.batches_committed,
             rolled_back=stats.batches_rolled_back,
             dead_letters=stats.dead_letters,
+            duplicates_possible=stats.duplicates_possible,
+            slowest_claim_ms=round(stats.slowest_claim * 1000, 1),
+            largest_claim=stats.largest_claim,
         )
     else:
         click.echo(

@@ -54,6 +54,9 @@ class Settings:
     backoff_max: float = 30.0
     # Seconds to wait for a TCP connection to either server.
     connect_timeout: float = 10.0
+    # Bound on every statement the relay runs (PostgreSQL statement_timeout and
+    # lock_timeout); a statement cancelled by it is logged and retried.
+    statement_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not _TABLE_NAME.match(self.table):
@@ -63,5 +66,7 @@ class Settings:
             )
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if self.statement_timeout <= 0:
+            raise ValueError("statement_timeout must be more than 0 seconds")
         if self.relay_timeout <= 2 * self.heartbeat_interval:
             raise ValueError("relay_timeout must be more than twice heartbeat_interval")

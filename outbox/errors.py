@@ -66,3 +66,7 @@ class PreparedSlotsExhausted(OutboxError):
 
 class OutcomeUnknown(OutboxError):
     """A PREPARE or COMMIT PREPARED was cut off: its result must be looked up."""
+
+
+class StatementTimedOut(DatabaseUnavailable):
+    """PostgreSQL cancelled a statement (``statement_timeout``/``lock_timeout``); retried."""

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from outbox.durations import Durations
 from outbox.errors import OutboxError
 from outbox.events import emit
 from outbox.store import BatchStore
@@ -122,15 +123,15 @@ class RelayCollector(Collector):
             "Messages accepted by the broker in batches that were then rolled back.",
             value=stats.duplicates_possible,
         )
-        durations = stats.batch_seconds.snapshot()
-        yield HistogramMetricFamily(
+        yield _histogram(
             "outbox_batch_duration_seconds",
             "Claim to COMMIT PREPARED of committed batches.",
-            buckets=[
-                ("+Inf" if bound == float("inf") else repr(bound), count)
-                for bound, count in durations.buckets
-            ],
-            sum_value=durations.total,
+            stats.batch_seconds,
+        )
+        yield _histogram(
+            "outbox_claim_duration_seconds",
+            "The claim statement (SELECT ... FOR UPDATE SKIP LOCKED and DELETE), every claim.",
+            stats.claim_seconds,
         )
         self.database.refresh()
         figures = self.database.figures
@@ -167,6 +168,19 @@ class RelayCollector(Collector):
             ("outbox_live_relays", "live_relays", "Relays whose control session is alive."),
         ):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))
+
+
+def _histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:
+    snapshot = durations.snapshot()
+    return HistogramMetricFamily(
+        name,
+        documentation,
+        buckets=[
+            ("+Inf" if bound == float("inf") else repr(bound), count)
+            for bound, count in snapshot.buckets
+        ],
+        sum_value=snapshot.total,
+    )
 
 
 def registry_for(relay: Relay, database: DatabaseFigures) -> CollectorRegistry:

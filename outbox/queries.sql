@@ -5,13 +5,20 @@
 -- claim_batch --
 -- Lock and delete up to `limit` committed rows nobody else holds.  The delete only
 -- becomes final with COMMIT PREPARED; ROLLBACK PREPARED puts every row back.
+-- The locking sub-select is an ARRAY(…) InitPlan: PostgreSQL evaluates it exactly
+-- once, whatever the statistics say.  Written as `id IN (SELECT … SKIP LOCKED)` it
+-- becomes a semi-join, and on a table whose statistics say "nearly empty" (the
+-- normal state of an outbox, analyzed between bursts) the planner may put it on the
+-- inner side of a nested loop: rescanned once per outer row, each rescan locking
+-- other rows, so one claim took 50 s and deleted 19,994 rows under LIMIT 1000.
+-- tests/integration/test_claim_plan.py pins this plan.
 DELETE FROM {outbox}
-WHERE id IN (
+WHERE id = ANY (ARRAY (
     SELECT id FROM {outbox}
     ORDER BY id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-)
+))
 RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
 
 -- has_claimable_rows --
@@ -51,10 +58,12 @@ ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()
 SELECT pg_try_advisory_lock(%(lock_class)s, %(lock_key)s) AS locked
 
 -- heartbeat --
--- Also the idle relay's fallback poll, so that idling costs one transaction per
--- heartbeat.  Rows held by an in-doubt batch count too: at worst one empty claim.
 UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
-RETURNING EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
+
+-- rows_waiting --
+-- The idle relay's fallback poll (a NOTIFY normally wakes it first).  Rows held by
+-- an in-doubt batch count too: at worst one empty claim.
+SELECT EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
 
 -- unregister_relay --
 DELETE FROM {relays} WHERE relay_id = %(relay_id)s

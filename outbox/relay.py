@@ -92,13 +92,18 @@ from outbox.errors import (
     PreparedSlotsExhausted,
 )
 from outbox.events import emit
-from outbox.gid import Gid, new_relay_id
+from outbox.gid import Gid
+from outbox.liveness import Liveness
 from outbox.message import DeadLetter, OutboxRow
 from outbox.publisher import Message, Outcome, Pending, Publisher
-from outbox.store import BatchStore, ControlSession
+from outbox.store import BatchStore, WakeupListener
 from outbox.triage import Triage
 
 log = logging.getLogger("outbox.relay")
+
+# A claim is an index scan of at most batch_size rows: milliseconds.  Slower means a
+# bad plan, a bloated table or an overloaded server: say so in the log.
+SLOW_CLAIM_SECONDS = 1.0
 
 
 @dataclasses.dataclass
@@ -113,6 +118,9 @@ class Stats:
     reconnects: int = 0
     duplicates_possible: int = 0  # messages accepted in batches that were then rolled back
     batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches
+    claim_seconds: Durations = dataclasses.field(default_factory=Durations)  # every claim
+    slowest_claim: float = 0.0  # seconds
+    largest_claim: int = 0  # rows; never more than batch_size
     # For health checks: when the loop last went round, and why its last pass failed.
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str | None = None
@@ -197,7 +205,8 @@ class Relay:
         self.stats = Stats()
         self._on_batch = on_batch
         self.store: BatchStore | None = None
-        self.control: ControlSession | None = None
+        self.liveness: Liveness | None = None
+        self.wakeups: WakeupListener | None = None
         self.publisher = Publisher(
             settings.amqp_url,
             connect_timeout=settings.connect_timeout,
@@ -210,8 +219,6 @@ class Relay:
         self._open: dict[str, _Unsettled] = {}
         self._sent: _Batch | None = None  # pipelined: sent, finished by the next step
         self.triage = Triage(settings.max_message_bytes, self.publisher.exchange_exists)
-        self._last_heartbeat_ok = 0.0
-        self._next_heartbeat = 0.0
         self._next_resolve = 0.0
         self._failures = 0
         self._ledger_doubtful = False  # the last ledger write failed
@@ -223,11 +230,19 @@ class Relay:
         Called once before ``run``: a bad configuration fails fast with a clear
         message; outages after this point are retried forever.
         """
-        s = self.settings
-        self.store = BatchStore(s.dsn, s.table, connect_timeout=s.connect_timeout)
+        self.store = self._open_store()
         self.store.check_ready()
         self._connect_broker()
         self._connect_database()
+
+    def _open_store(self) -> BatchStore:
+        s = self.settings
+        return BatchStore(
+            s.dsn,
+            s.table,
+            connect_timeout=s.connect_timeout,
+            statement_timeout=s.statement_timeout,
+        )
 
     def _connect_database(self) -> None:
         s = self.settings
@@ -235,30 +250,33 @@ class Relay:
             if self.store is not None:
                 self.store.close()
             self.store = None
-            self.store = BatchStore(s.dsn, s.table, connect_timeout=s.connect_timeout)
-        if self.control is None or self.control.broken:
-            if self.control is not None:
-                self.control.close()
+            self.store = self._open_store()
+        if self.wakeups is None or self.wakeups.broken:
+            if self.wakeups is not None:
+                self.wakeups.close()
+            self.wakeups = None
+            self.wakeups = WakeupListener(s.dsn, s.table, connect_timeout=s.connect_timeout)
+        if self.liveness is None or self.liveness.lost:
+            if self.liveness is not None:
+                self.liveness.stop(unregister=False)
                 # Our relay id dies with the session, and resolvers may now finish
                 # its batches: settle them by what we know, keep none in flight.
                 self._give_up_open_batches()
-            self.control = None
+            self.liveness = None
             # A new control session gets a new relay id: the old session may still
             # hold the old lock on the server until it notices it is dead.
-            while True:
-                relay_id = new_relay_id()
-                control = ControlSession(
-                    s.dsn, s.table, relay_id, connect_timeout=s.connect_timeout
-                )
-                if control.acquire():
-                    break
-                control.close()
-            control.listen()
-            self.control, self.relay_id = control, relay_id
-            self._last_heartbeat_ok = time.monotonic()
-            self._next_heartbeat = self._last_heartbeat_ok + s.heartbeat_interval
+            self.liveness = Liveness.start(
+                s.dsn,
+                s.table,
+                interval=s.heartbeat_interval,
+                connect_timeout=s.connect_timeout,
+                # A heartbeat that cannot commit in a fraction of relay_timeout is
+                # as good as none; bound it so the thread tries again.
+                statement_timeout=min(s.statement_timeout, s.relay_timeout / 4),
+            )
+            self.relay_id = self.liveness.relay_id
             self._next_resolve = 0.0  # resolve dead relays' batches right away
-            emit(log, "relay.registered", relay=relay_id)
+            emit(log, "relay.registered", relay=self.relay_id)
 
     def _connect_broker(self) -> None:
         if not self.publisher.connected:
@@ -298,14 +316,16 @@ class Relay:
             emit(log, "relay.reconnect_failed", logging.WARNING, error=exc.message)
 
     def close(self) -> None:
-        if self.control is not None:
-            with contextlib.suppress(OutboxError):
-                self.control.unregister()
-            self.control.close()
+        if self.liveness is not None:
+            self.liveness.stop(unregister=True)
+        if self.wakeups is not None:
+            self.wakeups.close()
         if self.store is not None:
             self.store.close()
         self.publisher.close()
-        self.control = self.store = None
+        self.liveness = None
+        self.wakeups = None
+        self.store = None
 
     # -- the loop --------------------------------------------------------------
     def run(self, *, drain: bool = False) -> Stats:
@@ -355,20 +375,9 @@ class Relay:
 
     def _maintain(self) -> None:
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._heartbeat()
         if now >= self._next_resolve:
             self._next_resolve = now + self.settings.resolve_interval
             self._resolve_dead_relays()
-
-    def _heartbeat(self) -> bool:
-        """Write the heartbeat; True if the outbox table has rows (same transaction)."""
-        assert self.control is not None
-        now = time.monotonic()
-        rows_waiting = self.control.heartbeat()
-        self._last_heartbeat_ok = now
-        self._next_heartbeat = now + self.settings.heartbeat_interval
-        return rows_waiting
 
     def _resolve_dead_relays(self) -> int:
         from resolver.apply import resolve  # the resolver imports outbox, not the reverse
@@ -384,32 +393,34 @@ class Relay:
     def _wait_for_work(self) -> None:
         """Sleep until a NOTIFY arrives or the fallback poll finds rows (serving AMQP).
 
-        Idle cost: the poll is folded into the heartbeat (one statement that also
-        says whether the table has rows), so an idle relay runs one transaction per
-        heartbeat plus one per resolve pass, and claims only when there is work.
+        Idle cost: one poll per ``poll_interval`` on the wake-up session, one
+        heartbeat per ``heartbeat_interval`` (its own thread) and one resolve pass
+        per ``resolve_interval``; claims only when there is work.
         """
-        assert self.control is not None
-        if self.control.take_notifications():
+        wakeups = self.wakeups
+        assert wakeups is not None
+        if wakeups.take_notifications():
             return
         deadline = time.monotonic() + self.settings.poll_interval
         while not self.stop:
             now = time.monotonic()
             self.stats.last_progress = now  # idle is progress too (liveness)
+            if self.liveness is None or self.liveness.lost:
+                raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:
                 self._next_resolve = now + self.settings.resolve_interval
                 if self._resolve_dead_relays():
                     return  # rolled-back rows are claimable again, without a NOTIFY
-            if now >= deadline or now >= self._next_heartbeat:
-                if self._heartbeat() and now >= deadline:
+            if now >= deadline:
+                if wakeups.rows_waiting():
                     return
-                if now >= deadline:
-                    deadline = now + self.settings.poll_interval
-            remaining = min(deadline, self._next_heartbeat, self._next_resolve) - now
+                deadline = now + self.settings.poll_interval
+            remaining = min(deadline, self._next_resolve) - now
             if remaining <= 0:
                 continue
             # Wake at least every second so SIGTERM is noticed promptly.
-            if self.publisher.wait(min(remaining, 1.0), wake_fd=self.control.fileno()):
-                self.control.take_notifications()
+            if self.publisher.wait(min(remaining, 1.0), wake_fd=wakeups.fileno()):
+                wakeups.take_notifications()
                 return
             if not self.publisher.connected:
                 raise BrokerUnavailable("lost the RabbitMQ connection while idle")
@@ -498,7 +509,9 @@ class Relay:
             raise BrokerUnavailable("RabbitMQ is blocking publishers (resource alarm)")
         if self._ledger_doubtful:
             self._probe_ledger()
+        claim_started = time.monotonic()
         rows = store.claim_batch(self.settings.batch_size)
+        self._observe_claim(time.monotonic() - claim_started, len(rows))
         if not rows:
             store.abandon_claim()
             return None
@@ -513,6 +526,14 @@ class Relay:
         self._open[gid] = _Unsettled(gid, evidence=False)
         self._crash_point("after_prepare")
         return _Batch(gid, rows, started)
+
+    def _observe_claim(self, seconds: float, rows: int) -> None:
+        stats = self.stats
+        stats.claim_seconds.observe(seconds)
+        stats.slowest_claim = max(stats.slowest_claim, seconds)
+        stats.largest_claim = max(stats.largest_claim, rows)
+        if seconds >= SLOW_CLAIM_SECONDS:
+            emit(log, "claim.slow", logging.WARNING, ms=f"{seconds * 1000:.0f}", rows=rows)
 
     def _send(self, batch: _Batch) -> None:
         """Publish the batch's messages without waiting ("some messages published")."""
@@ -638,9 +659,15 @@ class Relay:
         self._ledger_doubtful = False
 
     def _may_commit(self) -> bool:
-        """False once our heartbeat is so old a resolver may presume us dead."""
-        age = time.monotonic() - self._last_heartbeat_ok
-        return age < self.settings.relay_timeout - self.settings.heartbeat_interval
+        """False once our heartbeat is so old a resolver may presume us dead.
+
+        The heartbeat has its own thread and session (``outbox.liveness``), so only
+        a control session that cannot reach the server makes it old, never a slow
+        statement of this loop.
+        """
+        if self.liveness is None or self.liveness.lost:
+            return False
+        return self.liveness.age < self.settings.relay_timeout - self.settings.heartbeat_interval
 
     def _roll_back(self, gid: str, *, reason: str, accepted: int) -> None:
         assert self.store is not None

@@ -42,6 +42,7 @@ from outbox.errors import (
     PreparedSlotsExhausted,
     PreparedTransactionsDisabled,
     SchemaNotReady,
+    StatementTimedOut,
 )
 from outbox.message import DeadLetter, OutboxRow
 from outbox.queries import Queries
@@ -50,10 +51,23 @@ Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
 
 
-def connect(dsn: str, *, application_name: str, connect_timeout: float = 10.0) -> Conn:
-    """An autocommit connection, or ``DatabaseUnavailable`` saying what to check."""
+def connect(
+    dsn: str,
+    *,
+    application_name: str,
+    connect_timeout: float = 10.0,
+    statement_timeout: float | None = None,
+) -> Conn:
+    """An autocommit connection, or ``DatabaseUnavailable`` saying what to check.
+
+    With ``statement_timeout`` every statement of the session is bounded
+    (``statement_timeout`` and ``lock_timeout``), and the server checks every
+    ``CLIENT_CHECK_INTERVAL`` during a statement that the client is still there
+    (``client_connection_check_interval``, PostgreSQL ≥ 14): a relay killed during
+    a claim no longer leaves its backend running the claim, holding rows and CPU.
+    """
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             dsn,
             autocommit=True,
             row_factory=dict_row,
@@ -70,6 +84,30 @@ def connect(dsn: str, *, application_name: str, connect_timeout: float = 10.0) -
             f"cannot connect to PostgreSQL: {_first_line(exc)}",
             "check --dsn / OUTBOX_DSN and that the server is running",
         ) from exc
+    if statement_timeout is not None:
+        try:
+            _bound_statements(conn, statement_timeout)
+        except psycopg.Error as exc:
+            conn.close()
+            raise DatabaseUnavailable(
+                f"cannot configure the PostgreSQL session: {_first_line(exc)}"
+            ) from exc
+    return conn
+
+
+# How often a backend running one of our statements checks that we are still there.
+CLIENT_CHECK_INTERVAL = "2s"
+
+
+def _bound_statements(conn: Conn, statement_timeout: float) -> None:
+    millis = str(max(1, round(statement_timeout * 1000)))
+    conn.execute("SELECT set_config('statement_timeout', %s, false)", [millis])
+    conn.execute("SELECT set_config('lock_timeout', %s, false)", [millis])
+    if conn.info.server_version >= 140000:
+        conn.execute(
+            "SELECT set_config('client_connection_check_interval', %s, false)",
+            [CLIENT_CHECK_INTERVAL],
+        )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -130,10 +168,23 @@ class RelayLiveness:
 
 
 class _Session:
-    def __init__(self, dsn: str, table: str, application_name: str, connect_timeout: float):
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        application_name: str,
+        connect_timeout: float,
+        statement_timeout: float | None = None,
+    ):
         self.table = table
         self.queries = Queries(table)
-        self.conn = connect(dsn, application_name=application_name, connect_timeout=connect_timeout)
+        self.statement_timeout = statement_timeout
+        self.conn = connect(
+            dsn,
+            application_name=application_name,
+            connect_timeout=connect_timeout,
+            statement_timeout=statement_timeout,
+        )
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
@@ -152,6 +203,13 @@ class _Session:
                 # end any open claim so the retry starts clean.
                 with contextlib.suppress(psycopg.Error):
                     self.conn.execute("ROLLBACK")
+                if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
+                    raise StatementTimedOut(
+                        f"PostgreSQL cancelled the statement {what} after "
+                        f"{self.statement_timeout or 0:g} s ({_first_line(exc)})",
+                        "the relay retries with backoff; if this repeats, look for what "
+                        "slows the server (pg_stat_activity) or raise --statement-timeout",
+                    ) from exc
                 raise DatabaseUnavailable(
                     f"PostgreSQL failed while {what}: {_first_line(exc)}",
                     "the relay retries with backoff; check the server if this repeats",
@@ -177,8 +235,9 @@ class BatchStore(_Session):
         *,
         application_name: str = "outbox-relay",
         connect_timeout: float = 10.0,
+        statement_timeout: float | None = None,
     ) -> None:
-        super().__init__(dsn, table, application_name, connect_timeout)
+        super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
@@ -238,8 +297,9 @@ class BatchStore(_Session):
                 "set max_prepared_transactions > 0 and restart PostgreSQL",
             ) from exc
         except psycopg.Error as exc:
-            if _lost(self.conn, exc):
-                raise OutcomeUnknown(f"connection lost during PREPARE of {gid}") from exc
+            if _lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
+                self._rollback_quietly()  # a failed PREPARE has ended the transaction
+                raise OutcomeUnknown(f"PREPARE of {gid} was cut off: {_first_line(exc)}") from exc
             self._rollback_quietly()
             if "maximum number of prepared transactions" in str(exc):
                 raise PreparedSlotsExhausted(
@@ -267,8 +327,10 @@ class BatchStore(_Session):
         except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
             return False
         except psycopg.Error as exc:
-            if _lost(self.conn, exc):
-                raise OutcomeUnknown(f"connection lost during {verb} of {gid}") from exc
+            # A statement timeout (or an operator's pg_cancel_backend) may strike
+            # before or after the server finished: look the gid up, like a cut.
+            if _lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
+                raise OutcomeUnknown(f"{verb} of {gid} was cut off: {_first_line(exc)}") from exc
             raise
         return True
 
@@ -410,12 +472,28 @@ class DeadLetterStore(_Session):
 
 
 class ControlSession(_Session):
-    """The relay's proof of life, heartbeat and wake-up channel."""
+    """The relay's proof of life: its advisory lock and its heartbeat.
+
+    Used by one thread only (``outbox.liveness.Liveness``), so that no statement of
+    the batch loop, however slow, can delay a heartbeat.
+    """
 
     def __init__(
-        self, dsn: str, table: str, relay_id: str, *, connect_timeout: float = 10.0
+        self,
+        dsn: str,
+        table: str,
+        relay_id: str,
+        *,
+        connect_timeout: float = 10.0,
+        statement_timeout: float | None = None,
     ) -> None:
-        super().__init__(dsn, table, f"outbox-relay-control:{relay_id[:12]}", connect_timeout)
+        super().__init__(
+            dsn,
+            table,
+            f"outbox-relay-control:{relay_id[:12]}",
+            connect_timeout,
+            statement_timeout,
+        )
         self.relay_id = relay_id
 
     def acquire(self) -> bool:
@@ -438,19 +516,24 @@ class ControlSession(_Session):
             )
             return True
 
-    def heartbeat(self) -> bool:
-        """Write the heartbeat; True if the outbox table has any row (or we cannot tell)."""
+    def heartbeat(self) -> None:
         with self._translated("writing the heartbeat"):
-            row = self.conn.execute(
-                self.queries["heartbeat"], {"relay_id": self.relay_id}
-            ).fetchone()
-            return row is None or bool(row["rows_waiting"])
+            self.conn.execute(self.queries["heartbeat"], {"relay_id": self.relay_id})
 
     def unregister(self) -> None:
         with self._translated("unregistering the relay"):
             self.conn.execute(self.queries["unregister_relay"], {"relay_id": self.relay_id})
 
-    def listen(self) -> None:
+
+class WakeupListener(_Session):
+    """LISTENs for the outbox trigger's NOTIFY; the idle relay waits on its socket.
+
+    A session of its own: a transaction that ran LISTEN cannot be prepared, and the
+    control session belongs to the heartbeat thread.
+    """
+
+    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
+        super().__init__(dsn, table, "outbox-relay-wakeup", connect_timeout)
         with self._translated("subscribing to wake-ups"):
             self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.table)))
 
@@ -461,3 +544,9 @@ class ControlSession(_Session):
         """How many wake-ups arrived since the last call (never blocks)."""
         with self._translated("reading wake-ups"):
             return sum(1 for _ in self.conn.notifies(timeout=0))
+
+    def rows_waiting(self) -> bool:
+        """The fallback poll: True if the outbox table has any row."""
+        with self._translated("polling for rows"):
+            row = self.conn.execute(self.queries["rows_waiting"]).fetchone()
+            return row is None or bool(row["rows_waiting"])

@@ -131,13 +131,26 @@ def test_relay__with_stale_heartbeat_rolls_back_instead_of_committing(
     relay = Relay(settings)
     relay.start()
     try:
-        # As if the control session had been cut off for relay_timeout.
-        relay._last_heartbeat_ok -= settings.relay_timeout
-        with pytest.raises(DatabaseUnavailable, match="heartbeat is stale"):
-            # Pipelined, the first step only publishes; the second records evidence.
-            for _ in range(in_flight(settings)):
-                relay.process_one_batch()
-        gid = str(Gid("outbox", relay.relay_id, relay._seq))
+        # The control session cannot write its heartbeat (another session holds the
+        # registry row), as when it is cut off: the heartbeat ages past the limit.
+        with psycopg.connect(settings.dsn) as blocker:
+            blocker.execute(
+                "SELECT 1 FROM outbox_relays WHERE relay_id = %s FOR UPDATE", [relay.relay_id]
+            )
+            assert relay.liveness is not None
+            wait_for(
+                lambda: (
+                    relay.liveness is not None
+                    and relay.liveness.age > settings.relay_timeout - settings.heartbeat_interval
+                ),
+                3 * settings.relay_timeout,
+                "the heartbeat to go stale",
+            )
+            with pytest.raises(DatabaseUnavailable, match="heartbeat is stale"):
+                # Pipelined, the first step only publishes; the second records evidence.
+                for _ in range(in_flight(settings)):
+                    relay.process_one_batch()
+            gid = str(Gid("outbox", relay.relay_id, relay._seq))
     finally:
         relay.close()
 
