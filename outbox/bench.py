@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import statistics
@@ -48,6 +49,7 @@ import pika
 from pika.adapters.select_connection import SelectConnection
 
 from outbox import migrate, store
+from outbox.bench_load import BurstShape, measure_bursts, render_bursts
 from outbox.config import Settings
 from outbox.devservers import PostgresCluster
 from outbox.errors import OutboxError
@@ -68,6 +70,11 @@ class BenchOptions:
     latency_rate: float = 200.0
     latency_seconds: float = 5.0
     idle_seconds: float = 12.0
+    burst_writers: int = 8
+    burst_rows: int = 250
+    burst_pause: float = 1.5
+    scaling: bool = True  # the relays x batch sizes grid
+    bursts: bool = True  # the bursty-writers load shape
 
 
 # -- the bare publisher -------------------------------------------------------------
@@ -209,11 +216,19 @@ class Receiver(threading.Thread):
 class RelayProcesses:
     """``count`` relay processes with the given settings (SIGTERM on exit)."""
 
-    def __init__(self, settings: Settings, count: int) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        count: int,
+        *,
+        log_level: str = "warning",
+        log_format: str = "text",
+    ) -> None:
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
             env[f"OUTBOX_{field.name.upper()}"] = str(getattr(settings, field.name))
-        env["OUTBOX_LOG_LEVEL"] = "warning"
+        env["OUTBOX_LOG_LEVEL"] = log_level
+        env["OUTBOX_LOG_FORMAT"] = log_format
         self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
@@ -242,7 +257,8 @@ class RelayProcesses:
             total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / ticks
 
-    def stop(self) -> None:
+    def stop(self) -> list[dict[str, Any]]:
+        """SIGTERM every relay; returns their ``relay.stopped`` events (JSON logs only)."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -252,8 +268,16 @@ class RelayProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        events = []
         for log in self._logs:
+            log.seek(0)
+            for line in log.read().decode(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if isinstance(entry, dict) and entry.get("event") == "relay.stopped":
+                        events.append(entry)
             log.close()
+        return events
 
 
 # -- the database ------------------------------------------------------------------
@@ -372,8 +396,8 @@ class Bench:
     def relay(self, count: int, batch_size: int | None = None) -> Run:
         settings = self.settings(batch_size)
         self.broker.purge()
-        self.conn.execute(f'TRUNCATE "{self.db.table}"')
-        self.conn.execute(f'VACUUM ANALYZE "{self.db.table}"')
+        # The table is left as the previous runs churned it (dead tuples, statistics
+        # from whenever autovacuum last looked), as in production: no VACUUM here.
         relays = RelayProcesses(settings, count)
         try:
             _wait_registered(self.conn, self.db.table, count, relays)
@@ -530,7 +554,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
     # every cell once), so slow drifts of the machine hit every cell alike; the
     # figure of a cell is its median.  The 1-relay default cell reuses the runs above.
     default_batch = Settings().batch_size
-    cells = [(count, batch) for count in o.relays for batch in o.batch_sizes]
+    cells = [(count, batch) for count in o.relays for batch in o.batch_sizes] if o.scaling else []
     grid: dict[tuple[int, int], list[Run]] = {
         cell: list(relay_runs) if cell == (1, default_batch) else [] for cell in cells
     }
@@ -564,10 +588,15 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
             }
         )
         echo(f"  {count} relay(s), batch {batch_size}: median {run_rate:,.0f} msg/s")
+    bursts: list[dict[str, Any]] = []
+    shape = BurstShape(o.burst_writers, o.burst_rows, o.burst_pause)
+    if o.bursts:
+        bursts = measure_bursts(bench, o.relays, o.repeats, shape, echo)
     echo("  latency and idle run ...")
     latency = bench.latency()
     every_row = (
         all(r.delivered == r.rows for r in bare_runs + relay_runs)
+        and all(b["delivered_min"] >= b["rows"] for b in bursts)
         and latency["delivered"] == latency["sent"]
     )
     return {
@@ -585,6 +614,8 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
             "window": o.window,
         },
         "scaling": scaling,
+        "bursts": bursts,
+        "burst_shape": dataclasses.asdict(shape),
         "latency": {k: v for k, v in latency.items() if k != "idle"},
         "idle": latency["idle"],
         "every_row_arrived": every_row,
@@ -615,6 +646,8 @@ def render(report: dict[str, Any]) -> str:
             f"{s['ratio_to_bare']:.2f} | {runs} | {s['machine_busy_percent']:.0f}% | "
             f"{s['relay_cpu_seconds']:.1f} |"
         )
+    if report["bursts"]:
+        lines += render_bursts(report["bursts"], report["burst_shape"], report["repeats"])
     lines += [
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "

@@ -536,6 +536,20 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
 )
 @click.option("--idle-seconds", default=12.0, show_default=True, help="Length of the idle run.")
+@click.option("--burst-writers", default=8, show_default=True, help="Bursty load: writer threads.")
+@click.option("--burst-rows", default=250, show_default=True, help="Bursty load: rows per commit.")
+@click.option(
+    "--burst-pause",
+    default=1.5,
+    show_default=True,
+    help="Bursty load: seconds between one writer's commits (jittered).",
+)
+@click.option(
+    "--scaling/--no-scaling", default=True, show_default=True, help="Run the scaling grid."
+)
+@click.option(
+    "--bursts/--no-bursts", default=True, show_default=True, help="Run the bursty-writers load."
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def bench(

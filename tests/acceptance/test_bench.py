@@ -33,7 +33,13 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
         "0.3",
         "--idle-seconds",
         "0.5",
-        timeout=180,
+        "--burst-writers",
+        "3",
+        "--burst-rows",
+        "50",
+        "--burst-pause",
+        "0.05",
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -51,4 +57,9 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     latency = report["latency"]
     assert latency["delivered"] == latency["sent"] == 30
     assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    # The bursty load: 3 writers x 2 commits x 50 rows, per relay count; no fault is
+    # injected, so no duplicate and no rollback.
+    assert [(b["relays"], b["rows"]) for b in report["bursts"]] == [(1, 300), (2, 300)]
+    assert all(b["duplicates"] == 0 and b["rolled_back"] == 0 for b in report["bursts"])
+    assert all(b["delivered_min"] == 300 for b in report["bursts"])
     assert set(report["idle"]) == {"seconds", "cpu_percent_of_a_core", "db_transactions_per_s"}
