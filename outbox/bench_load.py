@@ -98,7 +98,9 @@ class _Writers:
             self.errors.append(exc)
             return
         try:
-            for pause in pauses:
+            for i, pause in enumerate(pauses):
+                if i:
+                    time.sleep(pause)
                 with conn.transaction():
                     conn.execute(
                         f'INSERT INTO "{db.table}" (exchange, routing_key, payload) '
@@ -110,7 +112,6 @@ class _Writers:
                 now = time.perf_counter()
                 with self._lock:
                     self.last_commit = max(self.last_commit, now)
-                time.sleep(pause)
         except BaseException as exc:
             self.errors.append(exc)
         finally:

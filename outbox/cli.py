@@ -83,6 +83,13 @@ def tuning_options(func: F) -> F:
                 help="Most rows per batch (one prepared transaction).",
             ),
             _option(
+                "--batch-max-bytes",
+                "OUTBOX_BATCH_MAX_BYTES",
+                default=defaults.batch_max_bytes,
+                type=int,
+                help="Most payload bytes per batch (a larger row goes alone).",
+            ),
+            _option(
                 "--pipeline/--no-pipeline",
                 "OUTBOX_PIPELINE",
                 default=defaults.pipeline,

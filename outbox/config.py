@@ -28,6 +28,9 @@ class Settings:
     ledger_max_age: str = "7D"
     # Most rows claimed, prepared and published as one batch.
     batch_size: int = 1000
+    # Most payload bytes in one batch (a larger row goes alone): bounds the relay's
+    # memory, which holds at most two batches (pipelined) and their encoded frames.
+    batch_max_bytes: int = 16 * 1024 * 1024
     # Claim and PREPARE the next batch while the broker confirms the current one
     # (two batches in flight): more throughput; a crash can leave two batches to
     # resolve and at most 2 x batch_size duplicates (``--no-pipeline``: one, and
@@ -66,6 +69,8 @@ class Settings:
             )
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if self.batch_max_bytes < 1:
+            raise ValueError("batch_max_bytes must be at least 1")
         if self.statement_timeout <= 0:
             raise ValueError("statement_timeout must be more than 0 seconds")
         if self.relay_timeout <= 2 * self.heartbeat_interval:

@@ -12,12 +12,23 @@
 -- inner side of a nested loop: rescanned once per outer row, each rescan locking
 -- other rows, so one claim took 50 s and deleted 19,994 rows under LIMIT 1000.
 -- tests/integration/test_claim_plan.py pins this plan.
+--
+-- The batch also stops at `max_bytes` of payload (the first row always goes, however
+-- large), so the relay's memory does not grow with the payloads; octet_length()
+-- reads a TOASTed value's size without fetching it.  Rows locked beyond the budget
+-- stay locked until this batch is finished, then the next claim takes them.
 DELETE FROM {outbox}
 WHERE id = ANY (ARRAY (
-    SELECT id FROM {outbox}
-    ORDER BY id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    SELECT id FROM (
+        SELECT id, sum(size) OVER (ORDER BY id) - size AS before
+        FROM (
+            SELECT id, octet_length(payload) AS size FROM {outbox}
+            ORDER BY id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ) AS locked
+    ) AS sized
+    WHERE before < %(max_bytes)s
 ))
 RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
 

@@ -62,7 +62,15 @@ survives.
 resolve``; it acts only once the owner's control session (advisory lock) is gone,
 or its heartbeat is older than ``relay_timeout`` (partition).  A relay whose own
 heartbeat is that stale no longer writes evidence for its batch: it rolls it
-back instead, so a resolver and the relay never disagree about a batch.
+back instead, so a resolver and the relay never disagree about a batch.  The
+heartbeat is written by a thread of its own on the control session
+(``outbox.liveness``), never from this loop: a slow claim cannot make the relay
+look partitioned.
+
+Sessions: the work connection (claims, 2PC, resolver passes; every statement
+bounded by ``statement_timeout``, and the server checks every 2 s that we are
+still there), the control session (lock and heartbeat, its thread only) and the
+wake-up session (LISTEN and the fallback poll).
 
 Transient failures (broker down or blocked, nack, confirm timeout, database
 restart) roll the batch back when possible and retry with backoff; they never
@@ -510,7 +518,7 @@ class Relay:
         if self._ledger_doubtful:
             self._probe_ledger()
         claim_started = time.monotonic()
-        rows = store.claim_batch(self.settings.batch_size)
+        rows = store.claim_batch(self.settings.batch_size, self.settings.batch_max_bytes)
         self._observe_claim(time.monotonic() - claim_started, len(rows))
         if not rows:
             store.abandon_claim()

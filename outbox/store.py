@@ -264,16 +264,21 @@ class BatchStore(_Session):
             )
 
     # -- the batch ---------------------------------------------------------
-    def claim_batch(self, limit: int) -> list[OutboxRow]:
-        """Open a transaction and claim up to ``limit`` rows (deleted, locked).
+    def claim_batch(self, limit: int, max_bytes: int = 2**62) -> list[OutboxRow]:
+        """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
+        once ``max_bytes`` of payload are in (the first row always comes).
+
+        Binary results: a payload arrives as its bytes, not as hex text of twice
+        its size in the driver's buffer.
 
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
         with self._translated("claiming a batch"):
             self.conn.execute("BEGIN")
-            cur = self.conn.execute(self.queries["claim_batch"], {"limit": limit})
-            return [_row(r) for r in cur.fetchall()]
+            with self.conn.cursor(binary=True) as cur:
+                cur.execute(self.queries["claim_batch"], {"limit": limit, "max_bytes": max_bytes})
+                return [_row(r) for r in cur.fetchall()]
 
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""

@@ -130,7 +130,10 @@ def test_claim_plan__locks_once_and_claims_at_most_limit(
     with psycopg.connect(dsn, autocommit=True) as conn:
         STATISTICS[statistics](conn)
         plan = explain(
-            conn, Queries("outbox")["claim_batch"], {"limit": LIMIT}, adversarial=adversarial
+            conn,
+            Queries("outbox")["claim_batch"],
+            {"limit": LIMIT, "max_bytes": 2**40},
+            adversarial=adversarial,
         )
         assert locking_problems(plan) == []
         assert plan["Node Type"] == "ModifyTable"
@@ -180,6 +183,48 @@ def test_claim_plan__claims_of_two_sessions_never_overlap(dsn: str) -> None:
         assert not a & b
     finally:
         first.abandon_claim()
+        second.abandon_claim()
+        first.close()
+        second.close()
+
+
+def _payload_sizes(dsn: str, sizes: list[int]) -> None:
+    with psycopg.connect(dsn) as conn:
+        for size in sizes:
+            conn.execute(
+                "INSERT INTO outbox (exchange, routing_key, payload) "
+                "VALUES ('x', 'k', convert_to(repeat('p', %s), 'UTF8'))",
+                [size],
+            )
+
+
+@pytest.mark.parametrize(
+    ("sizes", "max_bytes", "claimed"),
+    [
+        ([1000] * 10, 2500, 3),  # 0, 1000, 2000 bytes before each: under the budget
+        ([1000] * 10, 3000, 3),  # the row that would start at 3000 waits
+        ([10_000, 10, 10], 100, 1),  # a row larger than the budget goes alone
+        ([10, 10, 10_000, 10], 100, 3),  # …or closes a batch it starts within
+        ([0] * 20, 1, 5),  # empty payloads: the row count still limits
+    ],
+)
+def test_claim__stops_at_the_byte_budget(
+    dsn: str, sizes: list[int], max_bytes: int, claimed: int
+) -> None:
+    _payload_sizes(dsn, sizes)
+    first = BatchStore(dsn, "outbox", statement_timeout=30)
+    second = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        rows = first.claim_batch(5, max_bytes)
+        assert len(rows) == claimed
+        assert [len(r.payload) for r in rows] == sizes[:claimed]
+        # Rows locked beyond the budget are skipped by others until the batch ends…
+        assert len(second.claim_batch(100)) == len(sizes) - min(5, len(sizes))
+        second.abandon_claim()
+        first.abandon_claim()
+        # …and then nothing was lost: every row is claimable again.
+        assert len(second.claim_batch(100)) == len(sizes)
+    finally:
         second.abandon_claim()
         first.close()
         second.close()
