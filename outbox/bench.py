@@ -633,12 +633,15 @@ def render(report: dict[str, Any]) -> str:
         "|---|---:|---:|",
         f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 |",
         f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} |",
-        "",
-        f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
-        "",
-        "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s |",
-        "|---:|---:|---:|---:|---|---:|---:|",
     ]
+    if report["scaling"]:
+        lines += [
+            "",
+            f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
+            "",
+            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s |",
+            "|---:|---:|---:|---:|---|---:|---:|",
+        ]
     for s in report["scaling"]:
         runs = " / ".join(f"{r:,}" for r in s["runs_msg_per_s"])
         lines.append(
