@@ -177,6 +177,21 @@ def test_django__row_is_identical_to_plain_sql_and_outbox_enqueue(
         assert published[str(message_id)] == ("k", HEADERS, "text/x", PAYLOAD)
 
 
+def test_django__enqueue_stores_the_active_spans_traceparent(django_db: str) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from outbox.integrations import django as outbox_django
+    from tests.fixtures.tracing import recorded_spans, tracer
+
+    recorded_spans()
+    with tracer().start_as_current_span("POST /orders") as span, transaction.atomic():
+        outbox_django.enqueue(exchange="", routing_key="k", payload=b"1", headers={"a": 1})
+    with psycopg.connect(django_db) as conn:
+        [(headers,)] = conn.execute("SELECT headers FROM outbox").fetchall()
+    ctx = span.get_span_context()
+    assert headers["a"] == 1
+    assert headers["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+
+
 # -- the schema: manage.py migrate and manage.py outbox_init, as users run them ----------
 def django_admin(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {

@@ -221,6 +221,10 @@ async def _async_flow(engine: AsyncEngine, exchange: str) -> list[uuid.UUID]:
         await session.execute(sa.text("INSERT INTO orders VALUES (11)"))
         await outbox_sa.enqueue_async(session, exchange=exchange, routing_key="x", payload=b"2")
         await session.rollback()
+    async with AsyncSession(engine) as session, session.begin():
+        begun = await outbox_sa.enqueue_async(
+            session, exchange=exchange, routing_key="e", payload=b"5"
+        )
     async with engine.connect() as conn:
         many = await outbox_sa.enqueue_many_async(
             conn,
@@ -231,7 +235,7 @@ async def _async_flow(engine: AsyncEngine, exchange: str) -> list[uuid.UUID]:
         )
         await conn.commit()
     await engine.dispose()
-    return [kept, kept_json, *many]
+    return [kept, kept_json, begun, *many]
 
 
 def test_sqlalchemy__async_session_commit_publishes_rollback_never_does(
@@ -241,7 +245,7 @@ def test_sqlalchemy__async_session_commit_publishes_rollback_never_does(
     kept = asyncio.run(_async_flow(async_engine, topology.exchange))
     drain(settings)
     got = {props.message_id: method.routing_key for method, props, _ in topology.messages()}
-    assert got == dict(zip(map(str, kept), ["a", "b", "c", "d"], strict=True))
+    assert got == dict(zip(map(str, kept), ["a", "b", "e", "c", "d"], strict=True))
     assert orders(settings.dsn) == [10]
 
 
@@ -262,3 +266,20 @@ def test_sqlalchemy__other_drivers_are_refused_with_a_hint() -> None:
     with Session(engine) as session, pytest.raises(OutboxError, match="sqlite") as caught:
         outbox_sa.enqueue(session, exchange="", routing_key="k", payload=b"1")
     assert "postgresql+psycopg://" in caught.value.hint
+
+
+def test_sqlalchemy__enqueue_stores_the_active_spans_traceparent(
+    engine: sa.Engine, settings: Settings
+) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.fixtures.tracing import recorded_spans, tracer
+
+    recorded_spans()
+    with tracer().start_as_current_span("POST /orders") as span, Session(engine) as session:
+        outbox_sa.enqueue(session, exchange="", routing_key="k", payload=b"1", headers={"a": 1})
+        session.commit()
+    with psycopg.connect(settings.dsn) as conn:
+        [(headers,)] = conn.execute("SELECT headers FROM outbox").fetchall()
+    ctx = span.get_span_context()
+    assert headers["a"] == 1
+    assert headers["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
