@@ -192,6 +192,21 @@ def test_django__enqueue_stores_the_active_spans_traceparent(django_db: str) -> 
     assert headers["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
 
 
+def test_django__the_insert_goes_through_djangos_cursor(django_db: str) -> None:
+    """Query logging (and instrumentation hooked on Django's cursor) sees the statement."""
+    from outbox.integrations import django as outbox_django
+
+    connection = connections["default"]
+    connection.force_debug_cursor = True  # log queries as with DEBUG = True
+    try:
+        with transaction.atomic():
+            outbox_django.enqueue(exchange="", routing_key="k", payload=b"1", headers={"a": 1})
+        logged = [q["sql"] for q in connection.queries]
+    finally:
+        connection.force_debug_cursor = False
+    assert any(sql.startswith('INSERT INTO "outbox"') and "'k'" in sql for sql in logged), logged
+
+
 # -- the schema: manage.py migrate and manage.py outbox_init, as users run them ----------
 def django_admin(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {

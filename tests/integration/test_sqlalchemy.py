@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox.config import Settings
+from outbox.enqueue import insert_sql
 from outbox.errors import OutboxError
 from outbox.integrations import sqlalchemy as outbox_sa
 from outbox.relay import Relay
@@ -283,3 +284,16 @@ def test_sqlalchemy__enqueue_stores_the_active_spans_traceparent(
     ctx = span.get_span_context()
     assert headers["a"] == 1
     assert headers["traceparent"].startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+
+
+def test_sqlalchemy__the_insert_goes_through_sqlalchemys_execution_events(
+    engine: sa.Engine,
+) -> None:
+    """Logging and instrumentation hooked on SQLAlchemy's events see the statement."""
+    seen: list[str] = []
+    sa.event.listen(
+        engine, "before_cursor_execute", lambda conn, cursor, statement, *_: seen.append(statement)
+    )
+    with Session(engine) as session, session.begin():
+        outbox_sa.enqueue(session, exchange="", routing_key="k", payload=b"1")
+    assert [s for s in seen if "outbox" in s] == [insert_sql("outbox")]
