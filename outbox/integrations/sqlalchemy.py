@@ -7,8 +7,9 @@ functions never commit. The statement and its parameters are those of
 byte whichever way it was written, and SQLAlchemy's events, logging and
 instrumentation see the statement like any other.
 
-Requires the psycopg 3 driver (``postgresql+psycopg://…``), whose values the
-parameters are, and SQLAlchemy ≥ 2.0 (``pip install 'outbox-relay[sqlalchemy]'``)::
+Requires SQLAlchemy ≥ 2.0 (``pip install 'outbox-relay[sqlalchemy]'``) and the
+psycopg 3 driver (``postgresql+psycopg://…``), since the parameters are psycopg
+values (``Jsonb``)::
 
     from outbox.integrations import sqlalchemy as outbox_sa
 
