@@ -3,7 +3,8 @@
 ``enqueue`` writes one row on the caller's psycopg connection; it never commits,
 so the message is published if and only if the caller's transaction commits.
 The statement-level trigger installed by ``outbox init`` wakes idle relays when
-that transaction commits.
+that transaction commits. When the application has an active OpenTelemetry span,
+its W3C ``traceparent`` goes into the row's headers (``outbox.tracing``).
 
     with conn.transaction():
         conn.execute("INSERT INTO orders ...")
@@ -14,6 +15,7 @@ that transaction commits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import uuid
 from collections.abc import Iterable, Mapping
@@ -24,6 +26,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox.queries import table_identifiers
+from outbox.tracing import with_trace_context
 
 _COLUMNS = ("message_id", "exchange", "routing_key", "payload", "headers", "content_type")
 
@@ -41,17 +44,20 @@ class OutgoingMessage:
 
 
 def _params(message: OutgoingMessage) -> tuple[Any, ...]:
+    """The INSERT's parameters; every way of enqueueing (psycopg, SQLAlchemy, Django) uses
+    these, so a row is the same byte for byte whichever wrote it."""
     if not isinstance(message.payload, bytes | bytearray | memoryview):
         raise TypeError(
             f"payload must be bytes, not {type(message.payload).__name__}; "
             "use enqueue_json for objects"
         )
+    headers = with_trace_context(message.headers)
     return (
         message.message_id or uuid.uuid4(),
         message.exchange,
         message.routing_key,
         bytes(message.payload),
-        Jsonb(dict(message.headers)) if message.headers is not None else None,
+        Jsonb(dict(headers)) if headers is not None else None,
         message.content_type,
     )
 
@@ -63,6 +69,18 @@ def _insert(table: str, returning: bool) -> sql.Composed:
         sql.SQL(", ").join(sql.Placeholder() * len(_COLUMNS)),
     )
     return query + sql.SQL(" RETURNING message_id") if returning else query
+
+
+def json_payload(body: Any) -> bytes:
+    """The compact JSON every ``enqueue_json`` writes."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+@functools.cache
+def insert_sql(table: str) -> str:
+    """``_insert`` as text with ``%s`` placeholders, for a cursor that psycopg does not
+    compose for: SQLAlchemy's ``exec_driver_sql`` and Django's cursor wrapper."""
+    return _insert(table, returning=False).as_string(None)
 
 
 def enqueue(
@@ -109,7 +127,7 @@ def enqueue_json(
         conn,
         exchange=exchange,
         routing_key=routing_key,
-        payload=json.dumps(body, separators=(",", ":")).encode(),
+        payload=json_payload(body),
         headers=headers,
         content_type="application/json",
         message_id=message_id,
@@ -162,7 +180,7 @@ async def enqueue_json_async(
         conn,
         exchange=exchange,
         routing_key=routing_key,
-        payload=json.dumps(body, separators=(",", ":")).encode(),
+        payload=json_payload(body),
         headers=headers,
         content_type="application/json",
         message_id=message_id,

@@ -7,6 +7,7 @@ commands, the endpoints' paths, the metrics the relay exports).
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -378,3 +379,115 @@ def test_deploy__alert_rules_use_only_exported_metrics() -> None:
     for alert in alerts:
         used = set(re.findall(r"\boutbox_[a-z_]+", alert["expr"]))
         assert used and used <= exported, f"{alert['alert']}: unknown {used - exported}"
+
+
+# -- Grafana dashboard --------------------------------------------------------------------
+DASHBOARD = DEPLOY / "grafana" / "outbox-dashboard.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# What Grafana substitutes before a query reaches Prometheus, with a value of each kind.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "30s", "$job": ".*"}
+# The figures the dashboard exists to show (issue 14); every one needs a panel.
+DASHBOARD_FIGURES = {
+    "outbox_backlog_rows",
+    "outbox_backlog_oldest_age_seconds",
+    "outbox_messages_published_total",
+    "outbox_batch_duration_seconds_bucket",
+    "outbox_prepared_batches",
+    "outbox_prepared_oldest_age_seconds",
+    "outbox_batches_total",
+    "outbox_duplicates_possible_total",
+    "outbox_dead_letters",
+    "outbox_live_relays",
+}
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())  # type: ignore[no-any-return]
+
+
+def dashboard_queries() -> Iterator[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every query variable."""
+    board = dashboard()
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            yield f"panel {panel['title']!r} {target['refId']}", target["expr"]
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query":
+            query = variable["query"]["query"]
+            inner = re.fullmatch(r"label_values\((.+), *\w+\)", query)
+            assert inner, f"variable {variable['name']}: unexpected query {query!r}"
+            yield f"variable {variable['name']!r}", inner.group(1)
+
+
+def selectors(where: str, expr: str) -> list[Any]:
+    """Parse one query as Prometheus would after Grafana's substitutions."""
+    promql_parser = pytest.importorskip("promql_parser")
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, f"{where}: a Grafana variable this test does not know: {expr}"
+    try:
+        parsed = promql_parser.parse(expr)
+    except ValueError as exc:
+        raise AssertionError(f"{where}: invalid PromQL {expr!r}: {exc}") from exc
+    found: list[Any] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            found.append(node)
+
+    promql_parser.walk(parsed, visit)
+    return found
+
+
+def test_deploy__dashboard_queries_are_valid_promql_on_exported_metrics_only() -> None:
+    exported = exported_metric_names()
+    used = set()
+    for where, expr in dashboard_queries():
+        found = selectors(where, expr)
+        names = {selector.name for selector in found}
+        assert found and names <= exported, f"{where}: unknown metrics {names - exported}"
+        used |= names
+    assert used >= DASHBOARD_FIGURES, f"no panel shows {DASHBOARD_FIGURES - used}"
+
+
+def test_deploy__dashboard_panels_filter_by_the_job_variable() -> None:
+    """One Prometheus may scrape several outboxes: every panel shows the chosen job(s)."""
+    for where, expr in dashboard_queries():
+        if where.startswith("variable"):
+            continue
+        for selector in selectors(where, expr):
+            jobs = [m for m in selector.matchers.matchers if m.name == "job"]
+            assert [m.value for m in jobs] == [".*"], f"{where}: {expr} ignores $job"
+
+
+def test_deploy__dashboard_loads_as_a_grafana_dashboard() -> None:
+    board = dashboard()
+    assert board["title"] and re.fullmatch(r"[a-z0-9-]{1,40}", board["uid"])
+    assert isinstance(board["schemaVersion"], int) and board["schemaVersion"] >= 36
+    assert "id" not in board or board["id"] is None  # Grafana assigns ids on import
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["job"]["datasource"] == DATASOURCE
+
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    occupied: dict[tuple[int, int], str] = {}
+    for panel in board["panels"]:
+        assert panel["type"] in {"row", "stat", "timeseries"}, panel["type"]
+        grid = panel["gridPos"]
+        assert {"x", "y", "w", "h"} <= grid.keys()
+        assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in occupied, f"{panel['title']} overlaps {occupied[x, y]}"
+                occupied[x, y] = panel["title"]
+        if panel["type"] == "row":
+            assert (grid["w"], grid["h"], panel["panels"]) == (24, 1, [])
+            continue
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        refs = [target["refId"] for target in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == DATASOURCE, panel["title"]

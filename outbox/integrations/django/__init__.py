@@ -1,0 +1,152 @@
+"""Enqueue from Django (psycopg 3 backend), and the outbox schema as a Django app.
+
+Add ``"outbox.integrations.django"`` to ``INSTALLED_APPS``: ``manage.py migrate``
+then creates the outbox schema (the migration runs what ``outbox init`` runs), and
+``manage.py outbox_init`` does the same on demand (``--print-sql`` prints it).
+``settings.OUTBOX_TABLE`` names the table (default ``outbox``).
+
+Enqueue inside ``transaction.atomic()``: the row is published if and only if that
+transaction commits. Outside one, Django commits every statement on its own, so
+these functions refuse to write rather than commit the message apart from the
+data it describes::
+
+    from django.db import transaction
+    from outbox.integrations import django as outbox_django
+
+    with transaction.atomic():
+        order = Order.objects.create(...)
+        outbox_django.enqueue_json(exchange="orders", routing_key="order.created",
+                                   body={"id": order.id})
+
+The statement and parameters are those of ``outbox.enqueue``, run through Django's
+cursor (so query logging and instrumentation see it), which makes the row the same
+byte for byte as one written by psycopg or plain SQL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+try:
+    from django.conf import settings
+    from django.db import DEFAULT_DB_ALIAS, connections
+    from django.db.backends.base.base import BaseDatabaseWrapper
+except ImportError as exc:
+    raise ImportError(
+        "outbox.integrations.django needs Django: pip install 'outbox-relay[django]'"
+    ) from exc
+
+import psycopg
+
+from outbox import migrate
+from outbox.enqueue import OutgoingMessage, _params, insert_sql, json_payload
+from outbox.errors import OutboxError
+
+__all__ = ["enqueue", "enqueue_json", "enqueue_many", "migrate_schema", "outbox_table"]
+
+DEFAULT_TABLE = "outbox"
+
+
+def outbox_table() -> str:
+    """``settings.OUTBOX_TABLE``, or ``outbox``."""
+    return str(getattr(settings, "OUTBOX_TABLE", DEFAULT_TABLE))
+
+
+def _psycopg_connection(connection: BaseDatabaseWrapper) -> psycopg.Connection[Any]:
+    """The psycopg 3 connection under a Django database, or a clear error."""
+    if connection.vendor != "postgresql":
+        raise OutboxError(
+            f"database {connection.alias!r} is {connection.vendor}; the outbox needs PostgreSQL",
+            hint="use a database whose ENGINE is django.db.backends.postgresql",
+        )
+    connection.ensure_connection()
+    raw = connection.connection
+    if not isinstance(raw, psycopg.Connection):
+        raise OutboxError(
+            f"database {connection.alias!r} runs on {type(raw).__module__}; "
+            "the outbox needs psycopg 3",
+            hint="pip install 'psycopg[binary]' (Django prefers psycopg 3 when both are there)",
+        )
+    return raw
+
+
+def _in_transaction(using: str) -> BaseDatabaseWrapper:
+    connection = connections[using]
+    _psycopg_connection(connection)
+    if connection.get_autocommit():
+        raise OutboxError(
+            "outbox enqueue ran outside a transaction: Django would commit the message "
+            "on its own, apart from the application's data",
+            hint="write the data and enqueue inside `with transaction.atomic():`",
+        )
+    return connection
+
+
+def enqueue(
+    *,
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None = None,
+    content_type: str | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> uuid.UUID:
+    """Write one message in the current ``atomic()`` block of ``using``; returns its id."""
+    params = _params(
+        OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    )
+    with _in_transaction(using).cursor() as cursor:
+        cursor.execute(insert_sql(table or outbox_table()), params)
+    return params[0]  # type: ignore[no-any-return]
+
+
+def enqueue_many(
+    messages: Iterable[OutgoingMessage],
+    *,
+    table: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[uuid.UUID]:
+    """Write several messages in the current ``atomic()`` block (one executemany)."""
+    params = [_params(m) for m in messages]
+    if params:
+        with _in_transaction(using).cursor() as cursor:
+            cursor.executemany(insert_sql(table or outbox_table()), params)
+    return [p[0] for p in params]
+
+
+def enqueue_json(
+    *,
+    exchange: str,
+    routing_key: str,
+    body: Any,
+    headers: Mapping[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> uuid.UUID:
+    """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
+    return enqueue(
+        exchange=exchange,
+        routing_key=routing_key,
+        payload=json_payload(body),
+        headers=headers,
+        content_type="application/json",
+        message_id=message_id,
+        table=table,
+        using=using,
+    )
+
+
+def migrate_schema(
+    connection: BaseDatabaseWrapper, table: str | None = None
+) -> tuple[int | None, int]:
+    """``outbox init`` on a Django database: (version before, version after).
+
+    Inside a Django migration this runs in the migration's transaction (psycopg makes
+    its own a savepoint), so the schema and Django's record of it commit together.
+    """
+    return migrate.migrate(_psycopg_connection(connection), table or outbox_table())

@@ -1,0 +1,194 @@
+"""Enqueue on a SQLAlchemy 2 ``Session`` / ``Connection`` (or their asyncio versions).
+
+The row is written in the session's current transaction (SQLAlchemy begins one if
+none is open) and is published if and only if the application commits it; these
+functions never commit. The statement and its parameters are those of
+``outbox.enqueue``, executed with ``exec_driver_sql``, so a row is the same byte for
+byte whichever way it was written, and SQLAlchemy's events, logging and
+instrumentation see the statement like any other.
+
+Requires SQLAlchemy ≥ 2.0 (``pip install 'outbox-relay[sqlalchemy]'``) and the
+psycopg 3 driver (``postgresql+psycopg://…``), since the parameters are psycopg
+values (``Jsonb``)::
+
+    from outbox.integrations import sqlalchemy as outbox_sa
+
+    with Session(engine) as session, session.begin():
+        session.add(Order(id=1))
+        outbox_sa.enqueue(session, exchange="orders", routing_key="order.created",
+                          payload=b'{"id": 1}')
+
+A session bound to several engines writes on the one ``Session.connection()``
+returns; pass ``session.connection(bind_arguments=…)`` to choose another.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+try:
+    from sqlalchemy.engine import Connection, Dialect
+    from sqlalchemy.orm import Session
+except ImportError as exc:
+    raise ImportError(
+        "outbox.integrations.sqlalchemy needs SQLAlchemy 2: pip install 'outbox-relay[sqlalchemy]'"
+    ) from exc
+
+from outbox.enqueue import OutgoingMessage, _params, insert_sql, json_payload
+from outbox.errors import OutboxError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+__all__ = [
+    "enqueue",
+    "enqueue_async",
+    "enqueue_json",
+    "enqueue_json_async",
+    "enqueue_many",
+    "enqueue_many_async",
+]
+
+
+def _check(dialect: Dialect, driver_connection: Any) -> None:
+    """Refuse what would silently break the outbox's promise, before writing anything."""
+    if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        raise OutboxError(
+            f"the outbox needs PostgreSQL through psycopg 3; this engine uses "
+            f"{dialect.name}+{dialect.driver}",
+            hint="create the engine with a postgresql+psycopg:// URL",
+        )
+    if driver_connection.autocommit:
+        raise OutboxError(
+            "this connection is in AUTOCOMMIT mode: the message would be committed "
+            "on its own, apart from the application's data",
+            hint="enqueue on a connection or session without isolation_level='AUTOCOMMIT'",
+        )
+
+
+def _connection(target: Session | Connection) -> Connection:
+    conn = target.connection() if isinstance(target, Session) else target
+    _check(conn.dialect, conn.connection.driver_connection)
+    return conn
+
+
+async def _async_connection(target: AsyncSession | AsyncConnection) -> AsyncConnection:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    conn = await target.connection() if isinstance(target, AsyncSession) else target
+    _check(conn.dialect, (await conn.get_raw_connection()).driver_connection)
+    return conn
+
+
+def _message(
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None,
+    content_type: str | None,
+    message_id: uuid.UUID | None,
+) -> OutgoingMessage:
+    return OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+
+
+def enqueue(
+    target: Session | Connection,
+    *,
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None = None,
+    content_type: str | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """Write one message in ``target``'s transaction; returns its ``message_id``."""
+    params = _params(_message(exchange, routing_key, payload, headers, content_type, message_id))
+    _connection(target).exec_driver_sql(insert_sql(table), params)
+    return params[0]  # type: ignore[no-any-return]
+
+
+def enqueue_many(
+    target: Session | Connection, messages: Iterable[OutgoingMessage], *, table: str = "outbox"
+) -> list[uuid.UUID]:
+    """Write several messages in ``target``'s transaction (one executemany)."""
+    params = [_params(m) for m in messages]
+    if params:
+        _connection(target).exec_driver_sql(insert_sql(table), params)
+    return [p[0] for p in params]
+
+
+def enqueue_json(
+    target: Session | Connection,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: Any,
+    headers: Mapping[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
+    return enqueue(
+        target,
+        exchange=exchange,
+        routing_key=routing_key,
+        payload=json_payload(body),
+        headers=headers,
+        content_type="application/json",
+        message_id=message_id,
+        table=table,
+    )
+
+
+async def enqueue_async(
+    target: AsyncSession | AsyncConnection,
+    *,
+    exchange: str,
+    routing_key: str,
+    payload: bytes,
+    headers: Mapping[str, Any] | None = None,
+    content_type: str | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    """``enqueue`` for an ``AsyncSession`` or ``AsyncConnection``."""
+    params = _params(_message(exchange, routing_key, payload, headers, content_type, message_id))
+    await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
+    return params[0]  # type: ignore[no-any-return]
+
+
+async def enqueue_many_async(
+    target: AsyncSession | AsyncConnection,
+    messages: Iterable[OutgoingMessage],
+    *,
+    table: str = "outbox",
+) -> list[uuid.UUID]:
+    params = [_params(m) for m in messages]
+    if params:
+        await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
+    return [p[0] for p in params]
+
+
+async def enqueue_json_async(
+    target: AsyncSession | AsyncConnection,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: Any,
+    headers: Mapping[str, Any] | None = None,
+    message_id: uuid.UUID | None = None,
+    table: str = "outbox",
+) -> uuid.UUID:
+    return await enqueue_async(
+        target,
+        exchange=exchange,
+        routing_key=routing_key,
+        payload=json_payload(body),
+        headers=headers,
+        content_type="application/json",
+        message_id=message_id,
+        table=table,
+    )
