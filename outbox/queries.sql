@@ -57,6 +57,14 @@ SELECT gid, prepared, owner, database = current_database() AS local,
 FROM pg_prepared_xacts
 ORDER BY prepared
 
+-- replication --
+-- Standbys this server streams to, and how many of them are synchronous.  Without
+-- pg_monitor a role sees the rows but not their state (NULL).
+SELECT count(*) AS standbys,
+       count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')) AS synchronous,
+       count(*) FILTER (WHERE sync_state IS NULL) AS hidden
+FROM pg_stat_replication
+
 -- max_prepared_transactions --
 SELECT current_setting('max_prepared_transactions')::int AS slots
 

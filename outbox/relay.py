@@ -89,7 +89,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from outbox import backoff, faults, ledger
+from outbox import backoff, faults, ledger, replication
 from outbox.config import Settings
 from outbox.durations import Durations
 from outbox.errors import (
@@ -240,6 +240,9 @@ class Relay:
         """
         self.store = self._open_store()
         self.store.check_ready()
+        unsafe = replication.warning(self.store.replication())
+        if unsafe:
+            emit(log, "database.replication_unsafe", logging.WARNING, warning=unsafe)
         self._connect_broker()
         self._connect_database()
 

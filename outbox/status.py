@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from outbox import gid as gids
-from outbox import migrate
+from outbox import migrate, replication
 from outbox.config import Settings
 from outbox.store import BatchStore
 
@@ -46,6 +46,7 @@ def collect(
             for r in store.live_relays()
         ]
         dead_letters = store.dead_letter_count()
+        unsafe = replication.warning(store.replication())
     finally:
         store.close()
     oldest_prepared = max((float(b["age_seconds"]) for b in ours), default=0.0)
@@ -77,6 +78,8 @@ def collect(
         "live_relays": live,
         "dead_letters": dead_letters,
         "attention": problems,
+        # Worth knowing, not a failure of the relay: does not change the exit code.
+        "warnings": [unsafe] if unsafe else [],
     }
 
 
@@ -99,6 +102,7 @@ def render(report: dict[str, Any]) -> str:
         )
     for batch in report["prepared_batches"]:
         lines.append(f"  batch {batch['gid']} prepared {batch['age_seconds']:.1f}s ago")
+    lines.extend(f"warning: {warning}" for warning in report["warnings"])
     if report["attention"]:
         lines.append("needs attention:")
         lines.extend(f"  - {problem}" for problem in report["attention"])

@@ -46,6 +46,7 @@ from outbox.errors import (
 )
 from outbox.message import DeadLetter, OutboxRow
 from outbox.queries import Queries
+from outbox.replication import Replication
 
 Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
@@ -373,6 +374,12 @@ class BatchStore(_Session):
         with self._translated("looking for claimable rows"), self.conn.transaction():
             row = self.conn.execute(self.queries["has_claimable_rows"]).fetchone()
             return bool(row and row["claimable"])
+
+    def replication(self) -> Replication:
+        with self._translated("reading pg_stat_replication"):
+            row = self.conn.execute(self.queries["replication"]).fetchone()
+        assert row is not None
+        return Replication(row["standbys"], row["synchronous"], row["hidden"])
 
     # -- what resolvers and status read ---------------------------------------
     def prepared_batches(self) -> list[PreparedBatch]:
