@@ -41,7 +41,6 @@ from outbox.errors import (
     OutcomeUnknown,
     PreparedSlotsExhausted,
     PreparedTransactionsDisabled,
-    SchemaNotReady,
 )
 from outbox.message import DeadLetter, OutboxRow
 from outbox.queries import Queries
@@ -182,7 +181,8 @@ class BatchStore(_Session):
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
-        """Raise if prepared transactions are disabled or the schema is not current."""
+        """Raise if prepared transactions are disabled or the schema is not current
+        (missing, older, or newer than this code)."""
         with self._translated("checking the database"):
             slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
             if not slots or slots["slots"] <= 0:
@@ -192,17 +192,7 @@ class BatchStore(_Session):
                     "(e.g. 64) in postgresql.conf and restart PostgreSQL",
                 )
             version = migrate.current_version(self.conn, self.table)
-        if version is None:
-            raise SchemaNotReady(
-                f"the outbox table {self.table!r} has not been created in this database",
-                "run `outbox init` (or apply `outbox init --print-sql`)",
-            )
-        if version < migrate.LATEST_VERSION:
-            raise SchemaNotReady(
-                f"the outbox schema is at version {version}, this relay needs "
-                f"{migrate.LATEST_VERSION}",
-                "run `outbox init` to upgrade it",
-            )
+        migrate.require_current(version, self.table)
 
     # -- the batch ---------------------------------------------------------
     def claim_batch(self, limit: int) -> list[OutboxRow]:
@@ -399,14 +389,15 @@ class DeadLetterStore(_Session):
             ).fetchall()
         return [r["message_id"] for r in rows]
 
-    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> int:
-        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago."""
+    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> list[uuid.UUID]:
+        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago;
+        returns the message ids deleted."""
         with self._translated("purging dead letters"):
-            cur = self.conn.execute(
+            rows = self.conn.execute(
                 self.queries["purge_dead_letters"],
                 {"all": ids is None, "ids": list(ids or []), "older_than": older_than},
-            )
-            return cur.rowcount
+            ).fetchall()
+        return [r["message_id"] for r in rows]
 
 
 class ControlSession(_Session):
