@@ -250,8 +250,7 @@ class Publisher:
             reason = self._failure or "timed out"
             self.close()
             raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ at {self._address}: {reason}",
-                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+                f"cannot connect to RabbitMQ at {self._address}: {reason}", _connect_hint(reason)
             )
         self._conn.add_on_connection_blocked_callback(lambda *_: self._set_blocked(True))
         self._conn.add_on_connection_unblocked_callback(lambda *_: self._set_blocked(False))
@@ -591,6 +590,15 @@ class Publisher:
         return bool(woken)
 
 
+def _connect_hint(reason: str) -> str:
+    if "CERTIFICATE" in reason or "certificate" in reason:
+        return (
+            "the broker's certificate must be signed by the CA in --amqp-ca-file / "
+            "OUTBOX_AMQP_CA_FILE (default: the system's CAs) and name the URL's host"
+        )
+    return "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running"
+
+
 def _describe(error: object) -> str:
     if isinstance(
         error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker
@@ -631,9 +639,10 @@ def read_stream(
     try:
         conn = pika.BlockingConnection(params)
     except pika.exceptions.AMQPError as exc:
+        reason = _describe(exc)
         raise BrokerUnavailable(
-            f"cannot connect to RabbitMQ at {address} to read the ledger: {_describe(exc)}",
-            "check --amqp-url / OUTBOX_AMQP_URL",
+            f"cannot connect to RabbitMQ at {address} to read the ledger: {reason}",
+            _connect_hint(reason),
         ) from exc
     try:
         channel = conn.channel()

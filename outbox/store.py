@@ -65,9 +65,13 @@ def connect(dsn: str, *, application_name: str, connect_timeout: float = 10.0) -
             keepalives_count=3,
         )
     except psycopg.OperationalError as exc:
+        reason = _first_line(exc)
         raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL: {_first_line(exc)}",
-            "check --dsn / OUTBOX_DSN and that the server is running",
+            f"cannot connect to PostgreSQL: {reason}",
+            "the server's certificate must be signed by the CA in sslrootcert= and name "
+            "the DSN's host (sslmode=verify-full)"
+            if "certificate" in reason
+            else "check --dsn / OUTBOX_DSN and that the server is running",
         ) from exc
 
 
