@@ -28,6 +28,7 @@ import click
 
 from outbox import migrate, redaction, store, urls
 from outbox.config import (
+    DAY,
     DEFAULT_AMQP_URL,
     DEFAULT_DSN,
     LEDGER_MAX_AGE,
@@ -675,12 +676,25 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 
 @cli.command()
 @own_servers_options
-@click.option("--rows", default=20_000, show_default=True, help="Messages per throughput run.")
-@click.option("--payload", default=1024, show_default=True, help="Payload bytes per message.")
+@click.option(
+    "--rows",
+    default=20_000,
+    show_default=True,
+    type=click.IntRange(1, 10_000_000),
+    help="Messages per throughput run.",
+)
+@click.option(
+    "--payload",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1, 64 * 1024 * 1024),
+    help="Payload bytes per message.",
+)
 @click.option(
     "--repeats",
     default=3,
     show_default=True,
+    type=click.IntRange(1, 100),
     help="Runs per figure (bare/relay pairs, each scaling cell): medians.",
 )
 @click.option(
@@ -692,14 +706,34 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     show_default=True,
     help="Batch sizes for the scaling runs.",
 )
-@click.option("--window", default=1000, show_default=True, help="Bare publisher confirm window.")
 @click.option(
-    "--latency-rate", default=200.0, show_default=True, help="Single-row commits per second."
+    "--window",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Bare publisher confirm window.",
 )
 @click.option(
-    "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
+    "--latency-rate",
+    default=200.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 100_000, min_open=True),
+    help="Single-row commits per second.",
 )
-@click.option("--idle-seconds", default=12.0, show_default=True, help="Length of the idle run.")
+@click.option(
+    "--latency-seconds",
+    default=5.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the latency run.",
+)
+@click.option(
+    "--idle-seconds",
+    default=12.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the idle run.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def bench(
@@ -713,20 +747,20 @@ def bench(
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost."""
     from outbox.bench import BenchOptions, render, run_bench
 
-    def numbers(text: str) -> tuple[int, ...]:
+    def numbers(text: str, option: str, most: int) -> tuple[int, ...]:
         try:
             values = tuple(int(v) for v in text.split(",") if v.strip())
         except ValueError as exc:
-            raise click.UsageError(f"not a list of numbers: {text!r}") from exc
-        if not values or min(values) < 1:
-            raise click.UsageError(f"not a list of positive numbers: {text!r}")
+            raise click.UsageError(f"{option}: not a list of numbers: {text!r}") from exc
+        if not values or min(values) < 1 or max(values) > most:
+            raise click.UsageError(f"{option}: not a list of numbers from 1 to {most}: {text!r}")
         return values
 
     bench_options = BenchOptions(
         amqp_url=amqp_url,
         dsn=dsn,
-        relays=numbers(relays),
-        batch_sizes=numbers(batch_sizes),
+        relays=numbers(relays, "--relays", 64),
+        batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),
         **options,
     )
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
