@@ -757,7 +757,8 @@ def bench(
         return values
 
     bench_options = BenchOptions(
-        amqp_url=amqp_url,
+        # The bare publisher is plain pika: it takes one URL, so all take the first.
+        amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
         dsn=dsn,
         relays=numbers(relays, "--relays", 64),
         batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),

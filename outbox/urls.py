@@ -127,7 +127,10 @@ def _split_authority(rest: str) -> tuple[str | None, str, str, str]:
     """(user-info or None, host[:port], path, query) of what follows ``scheme://``."""
     end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     authority, tail = rest[:end], rest[end:]
-    if "@" in tail:
+    # An '@' after the host means a raw '/' or '#' cut the password short.  (A query
+    # may hold an '@', e.g. libpq's ?user=me@server; a raw '?' in a password leaves
+    # a port or a query that fails the checks below.)
+    if "@" in tail.partition("?")[0]:
         raise InvalidUrl(
             f"the user or password seems to hold an unencoded '/', '?' or '#'; {_ENCODE_HINT}"
         )
