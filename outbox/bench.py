@@ -212,7 +212,10 @@ class RelayProcesses:
     def __init__(self, settings: Settings, count: int) -> None:
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
-            env[f"OUTBOX_{field.name.upper()}"] = str(getattr(settings, field.name))
+            value = getattr(settings, field.name)
+            env.pop(f"OUTBOX_{field.name.upper()}", None)
+            if value is not None:  # None is the option's default, "None" a file name
+                env[f"OUTBOX_{field.name.upper()}"] = str(value)
         env["OUTBOX_LOG_LEVEL"] = "warning"
         self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
         self.procs = [
