@@ -17,27 +17,27 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from outbox import migrate, redaction, store, urls
-from outbox.config import (
-    DAY,
-    DEFAULT_AMQP_URL,
-    DEFAULT_DSN,
-    LEDGER_MAX_AGE,
-    LIMITS,
-    Settings,
-    queue_name_problem,
-)
+from outbox.config import DAY, DEFAULT_AMQP_URL, DEFAULT_DSN, LIMITS, Settings
 from outbox.errors import ExitCode, OutboxError
 from outbox.events import configure, emit, json_line
+from outbox.options import (
+    Age,
+    AmqpUrlType,
+    DsnType,
+    FiniteFloatRange,
+    LedgerMaxAge,
+    QueueName,
+    limited,
+)
 
 log = logging.getLogger("outbox.cli")
 
@@ -46,99 +46,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
-
-
-# -- option types: a bad value is a usage error (exit 2) before anything connects ------
-if TYPE_CHECKING:
-    _TextType = click.ParamType[str]
-else:  # click < 8.3 has no generic ParamType
-    _TextType = click.ParamType
-
-
-class FiniteFloatRange(click.FloatRange):
-    """``click.FloatRange`` that also refuses ``nan`` (which passes every comparison)."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
-def _limited(field: str) -> click.ParamType[Any]:
-    """The option type of a ``Settings`` number: its range from ``config.LIMITS``."""
-    limit = LIMITS[field]
-    if isinstance(getattr(Settings(), field), int):
-        return click.IntRange(int(limit.low), int(limit.high))
-    return FiniteFloatRange(limit.low, limit.high, min_open=limit.above)
-
-
-class DsnType(_TextType):
-    name = "dsn"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        text = str(value)
-        redaction.remember(text)  # before anything can print it
-        try:
-            urls.check_dsn(text)
-        except urls.InvalidUrl as exc:
-            self.fail(str(exc), param, ctx)
-        return text
-
-
-class AmqpUrlType(_TextType):
-    name = "url[;url…]"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        text = str(value)
-        redaction.remember(text)  # before anything can print it
-        try:
-            urls.parse_amqp_urls(text)
-        except urls.InvalidUrl as exc:
-            self.fail(str(exc), param, ctx)
-        return text
-
-
-class LedgerMaxAge(_TextType):
-    name = "age"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if not LEDGER_MAX_AGE.match(str(value)):
-            self.fail(
-                f"{value!r} is not a RabbitMQ x-max-age: a whole number and one unit of "
-                "Y, M, D, h, m, s (e.g. 7D, 12h)",
-                param,
-                ctx,
-            )
-        return value
-
-
-class QueueName(_TextType):
-    name = "queue"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        problem = queue_name_problem(value)
-        if problem:
-            self.fail(f"the queue name {problem}", param, ctx)
-        return value
-
-
-class Age(_TextType):
-    """``30d``, ``12h``, ``900s``: seconds, at most ``MAX_AGE`` (SQL intervals overflow)."""
-
-    name = "age"
-    MAX_AGE = 100 * 365 * 86400.0
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from outbox.deadletters import parse_age
-
-        try:
-            seconds = parse_age(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-        if seconds > self.MAX_AGE:
-            self.fail(f"{value!r} is more than 100 years", param, ctx)
-        return value
 
 
 def _wants_json(ctx: click.Context | None, args: Sequence[str] = ()) -> bool:
@@ -228,7 +135,7 @@ def tuning_options(func: F) -> F:
                 "--batch-size",
                 "OUTBOX_BATCH_SIZE",
                 default=defaults.batch_size,
-                type=_limited("batch_size"),
+                type=limited("batch_size"),
                 help="Most rows per batch (one prepared transaction).",
             ),
             _option(
@@ -241,35 +148,35 @@ def tuning_options(func: F) -> F:
                 "--publish-timeout",
                 "OUTBOX_PUBLISH_TIMEOUT",
                 default=defaults.publish_timeout,
-                type=_limited("publish_timeout"),
+                type=limited("publish_timeout"),
                 help="Seconds to wait for publisher confirms before rolling back.",
             ),
             _option(
                 "--poll-interval",
                 "OUTBOX_POLL_INTERVAL",
                 default=defaults.poll_interval,
-                type=_limited("poll_interval"),
+                type=limited("poll_interval"),
                 help="Fallback poll (s) when no NOTIFY wakes the relay.",
             ),
             _option(
                 "--heartbeat-interval",
                 "OUTBOX_HEARTBEAT_INTERVAL",
                 default=defaults.heartbeat_interval,
-                type=_limited("heartbeat_interval"),
+                type=limited("heartbeat_interval"),
                 help="Seconds between heartbeats of the relay's registry row.",
             ),
             _option(
                 "--relay-timeout",
                 "OUTBOX_RELAY_TIMEOUT",
                 default=defaults.relay_timeout,
-                type=_limited("relay_timeout"),
+                type=limited("relay_timeout"),
                 help="Heartbeat age after which a relay is presumed partitioned.",
             ),
             _option(
                 "--resolve-interval",
                 "OUTBOX_RESOLVE_INTERVAL",
                 default=defaults.resolve_interval,
-                type=_limited("resolve_interval"),
+                type=limited("resolve_interval"),
                 help="Seconds between passes that resolve dead relays' batches.",
             ),
             _option(
@@ -283,35 +190,35 @@ def tuning_options(func: F) -> F:
                 "--ledger-clock-skew",
                 "OUTBOX_LEDGER_CLOCK_SKEW",
                 default=defaults.ledger_clock_skew,
-                type=_limited("ledger_clock_skew"),
+                type=limited("ledger_clock_skew"),
                 help="Seconds before a batch's PREPARE the resolver starts reading the ledger.",
             ),
             _option(
                 "--backoff-initial",
                 "OUTBOX_BACKOFF_INITIAL",
                 default=defaults.backoff_initial,
-                type=_limited("backoff_initial"),
+                type=limited("backoff_initial"),
                 help="First retry delay (s) after an outage; doubles up to --backoff-max.",
             ),
             _option(
                 "--backoff-max",
                 "OUTBOX_BACKOFF_MAX",
                 default=defaults.backoff_max,
-                type=_limited("backoff_max"),
+                type=limited("backoff_max"),
                 help="Longest retry delay (s).",
             ),
             _option(
                 "--connect-timeout",
                 "OUTBOX_CONNECT_TIMEOUT",
                 default=defaults.connect_timeout,
-                type=_limited("connect_timeout"),
+                type=limited("connect_timeout"),
                 help="Seconds to wait when connecting to either server.",
             ),
             _option(
                 "--max-message-bytes",
                 "OUTBOX_MAX_MESSAGE_BYTES",
                 default=defaults.max_message_bytes,
-                type=_limited("max_message_bytes"),
+                type=limited("max_message_bytes"),
                 help="Largest payload the broker accepts (max_message_size).",
             ),
         ]

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from outbox.cli import _limited
 from outbox.config import LIMITS, Settings
+from outbox.options import limited
 
 
 def out_of_range(field: str) -> list[float]:
@@ -30,7 +30,7 @@ def test_settings__refuses_every_number_outside_its_range(field: str) -> None:
 def test_settings__the_cli_option_refuses_exactly_what_settings_refuses(field: str) -> None:
     import click
 
-    option_type = _limited(field)
+    option_type = limited(field)
     for value in out_of_range(field):
         with pytest.raises(click.BadParameter):
             option_type.convert(str(value), None, None)
