@@ -148,10 +148,12 @@ class Settings:
         try:
             urls.check_dsn(self.dsn)
         except urls.InvalidUrl as exc:
+            redaction.remember(self.dsn, refused=True)
             raise ValueError(f"dsn: {exc}") from None
         try:
             brokers = urls.parse_amqp_urls(self.amqp_url)
         except urls.InvalidUrl as exc:
+            redaction.remember(self.amqp_url, refused=True)
             raise ValueError(f"amqp_url: {exc}") from None
         if self.amqp_ca_file is not None:
             if not any(b.scheme == "amqps" for b in brokers):

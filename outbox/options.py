@@ -51,6 +51,7 @@ class DsnType(_TextType):
         try:
             urls.check_dsn(text)
         except urls.InvalidUrl as exc:
+            redaction.remember(text, refused=True)
             self.fail(str(exc), param, ctx)
         return text
 
@@ -64,6 +65,7 @@ class AmqpUrlType(_TextType):
         try:
             urls.parse_amqp_urls(text)
         except urls.InvalidUrl as exc:
+            redaction.remember(text, refused=True)
             self.fail(str(exc), param, ctx)
         return text
 

@@ -9,7 +9,8 @@ lines, tracebacks and the health endpoints' bodies.  It masks two ways:
   are masked whole) and the value of libpq's ``password=…`` (quoted or not, also
   ``sslpassword`` and the like);
 - by value: every password of the connection settings this process was given
-  (``remember``, called by ``Settings`` and the CLI's option types) is masked
+  (``remember``, called by ``Settings`` and the CLI's option types, which also
+  remember the pieces of a setting they refuse) is masked
   wherever it shows up: as written, percent-decoded or -encoded, or escaped by
   ``repr`` or JSON.  Drivers
   quote a password without its URL around it (``invalid percent-encoded token:
@@ -54,11 +55,12 @@ def _mask_dict(match: re.Match[str]) -> str:
     return f"{match.group('key')}{match.group('q')}{MASK}{match.group('q')}"
 
 
-def secrets_in(setting: str) -> set[str]:
+def secrets_in(setting: str, *, refused: bool = False) -> set[str]:
     """Every string a DSN or (list of) AMQP URL(s) may hold as a password.
 
     Over-generous on purpose: for ``u:S3cr@tPG@h`` both libpq's reading
-    (``S3cr``) and ours (``S3cr@tPG``) count.
+    (``S3cr``) and ours (``S3cr@tPG``) count.  For a ``refused`` setting, the
+    pieces between its raw '@', '/', '?' and '#' count too.
     """
     found: set[str] = set()
     for piece in {setting, *setting.split(";")}:
@@ -69,11 +71,12 @@ def secrets_in(setting: str) -> set[str]:
                 user, colon, password = rest[:at].partition(":")
                 if colon and password and password != user:
                     found.add(password)
-                    # A raw '@', '/', '?' or '#' makes drivers quote pieces of it
-                    # (urllib reads ``u:S3cr/etMQ@h`` as host ``u``, port ``S3cr``).
-                    # Such a setting is refused at once, so masking the pieces
-                    # cannot spoil a long-running relay's logs.
-                    found.update(re.split(r"[@/?#]", password))
+                    if refused:
+                        # Drivers quote pieces of such a password (urllib reads
+                        # ``u:S3cr/etMQ@h`` as host ``u``, port ``S3cr``).  Only for a
+                        # refused setting: the process ends, so masking short pieces
+                        # everywhere cannot spoil a running relay's logs.
+                        found.update(re.split(r"[@/?#]", password))
     for match in re.finditer(_KEY + r"\s*=\s*('(?:[^'\\]|\\.)*'|[^\s&]+)", setting):
         value = match.group(1)
         if value.startswith("'"):
@@ -95,9 +98,9 @@ class Redactor:
         self._secrets: tuple[str, ...] = ()
         self._lock = threading.Lock()
 
-    def remember(self, *settings: str) -> None:
+    def remember(self, *settings: str, refused: bool = False) -> None:
         """Mask the passwords of these connection settings from now on, everywhere."""
-        new = set().union(*(secrets_in(s) for s in settings))
+        new = set().union(*(secrets_in(s, refused=refused) for s in settings))
         with self._lock:
             merged = set(self._secrets) | new
             # Longest first, so a password is masked before any shorter one inside it.
@@ -116,8 +119,8 @@ class Redactor:
 _default = Redactor()
 
 
-def remember(*settings: str) -> None:
-    _default.remember(*settings)
+def remember(*settings: str, refused: bool = False) -> None:
+    _default.remember(*settings, refused=refused)
 
 
 def redact(text: str) -> str:

@@ -123,14 +123,19 @@ def _parse_amqp_url(text: str) -> AmqpUrl:
     )
 
 
-def _split_authority(rest: str) -> tuple[str | None, str, str, str]:
-    """(user-info or None, host[:port], path, query) of what follows ``scheme://``."""
+def _split_authority(
+    rest: str, *, query_may_hold_at: bool = False
+) -> tuple[str | None, str, str, str]:
+    """(user-info or None, host[:port], path, query) of what follows ``scheme://``.
+
+    An '@' after the host means a raw '/', '?' or '#' cut the password short, and
+    the rest of it would be read as a path or a query.  libpq's query may hold an
+    '@' (``?user=me@server``), and libpq itself reads ``u:pa?ss@h`` as the password
+    ``pa?ss``.
+    """
     end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
     authority, tail = rest[:end], rest[end:]
-    # An '@' after the host means a raw '/' or '#' cut the password short.  (A query
-    # may hold an '@', e.g. libpq's ?user=me@server; a raw '?' in a password leaves
-    # a port or a query that fails the checks below.)
-    if "@" in tail.partition("?")[0]:
+    if "@" in (tail.partition("?")[0] if query_may_hold_at else tail):
         raise InvalidUrl(
             f"the user or password seems to hold an unencoded '/', '?' or '#'; {_ENCODE_HINT}"
         )
@@ -227,7 +232,7 @@ def check_dsn(dsn: str) -> dict[str, str]:
                 f"the scheme {match.group(1).lower()!r} is not postgresql: give "
                 "a postgresql:// URL or key=value pairs"
             )
-        _split_authority(dsn[match.end() :])
+        _split_authority(dsn[match.end() :], query_may_hold_at=True)
         if _BAD_ESCAPE.search(dsn):
             raise InvalidUrl(f"a '%' in the URL is not an escape; {_ENCODE_HINT}")
     # libpq's own parser: the truth about what a DSN means.  It makes no connection.
