@@ -85,7 +85,8 @@ def parse_amqp_urls(text: str) -> list[AmqpUrl]:
     urls = []
     for number, piece in enumerate(pieces, start=1):
         try:
-            urls.append(_parse_amqp_url(piece.strip()))
+            # Only the first scheme is surely not a piece of a password cut by a ';'.
+            urls.append(_parse_amqp_url(piece.strip(), quote_scheme=number == 1))
         except InvalidUrl as exc:
             if len(pieces) == 1:
                 raise
@@ -93,7 +94,7 @@ def parse_amqp_urls(text: str) -> list[AmqpUrl]:
     return urls
 
 
-def _parse_amqp_url(text: str) -> AmqpUrl:
+def _parse_amqp_url(text: str, *, quote_scheme: bool) -> AmqpUrl:
     if not text:
         raise InvalidUrl("an empty URL in the list (a stray ';'?)")
     match = _SCHEME.match(text)
@@ -101,7 +102,8 @@ def _parse_amqp_url(text: str) -> AmqpUrl:
         raise InvalidUrl("it must start with amqp:// or amqps://")
     scheme = match.group(1).lower()
     if scheme not in AMQP_PORTS:
-        raise InvalidUrl(f"the scheme {scheme!r} is not amqp or amqps")
+        what = f"the scheme {scheme!r}" if quote_scheme else "the scheme"
+        raise InvalidUrl(f"{what} is not amqp or amqps")
     rest = text[match.end() :]
     userinfo, hostport, path, query = _split_authority(rest)
     username = None
@@ -188,7 +190,7 @@ def _amqp_params(query: str) -> tuple[tuple[str, str], ...]:
     params = []
     for name, values in parsed.items():
         if len(values) != 1:
-            raise InvalidUrl(f"the parameter {name!r} is given {len(values)} times")
+            raise InvalidUrl("a query parameter is given more than once")
         value = values[0]
         _check_param(name, value)
         params.append((name, value))
@@ -217,7 +219,9 @@ def _check_param(name: str, value: str) -> None:
             raise InvalidUrl(f"the parameter {name} must be a Python dict literal")
     elif name not in _TEXT_PARAMS:
         known = ", ".join(sorted([*_INT_PARAMS, *_FLOAT_PARAMS, *_LITERAL_PARAMS, *_TEXT_PARAMS]))
-        raise InvalidUrl(f"unknown parameter {name!r} (pika knows: {known})")
+        # The name is not quoted back: a ';' inside a password can leave a piece
+        # of it in a query.
+        raise InvalidUrl(f"an unknown query parameter (pika knows: {known})")
 
 
 def check_dsn(dsn: str) -> dict[str, str]:
