@@ -226,7 +226,10 @@ class RelayProcesses:
     ) -> None:
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
-            env[f"OUTBOX_{field.name.upper()}"] = str(getattr(settings, field.name))
+            value = getattr(settings, field.name)
+            env.pop(f"OUTBOX_{field.name.upper()}", None)
+            if value is not None:  # None is the option's default, "None" a file name
+                env[f"OUTBOX_{field.name.upper()}"] = str(value)
         env["OUTBOX_LOG_LEVEL"] = log_level
         env["OUTBOX_LOG_FORMAT"] = log_format
         self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115

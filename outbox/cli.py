@@ -1,8 +1,14 @@
 """The ``outbox`` command: each subcommand is thin and calls the modules below.
 
 Exit codes (also in the README): 0 ok; 1 failure, or ``status`` found something
-that needs attention; 2 usage; 3 PostgreSQL or RabbitMQ unreachable; 4 database
-not ready (prepared transactions disabled, schema missing or too old).
+that needs attention; 2 usage (a bad option, value or file); 3 PostgreSQL or
+RabbitMQ unreachable; 4 database not ready (prepared transactions disabled, schema
+missing or too old); 5 schema newer than this version.
+
+Every error is one line (``error: …`` and maybe ``  hint: …``), or one JSON
+object with ``--log-format json``, with every password masked
+(``redaction.redact``); never a traceback, except for a bug (exit 1), and then a
+redacted one.
 """
 
 from __future__ import annotations
@@ -11,16 +17,27 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
 
-from outbox import migrate, store
-from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, Settings
+from outbox import migrate, redaction, store, urls
+from outbox.config import DAY, DEFAULT_AMQP_URL, DEFAULT_DSN, LIMITS, Settings
 from outbox.errors import ExitCode, OutboxError
-from outbox.events import configure, emit
+from outbox.events import configure, emit, json_line
+from outbox.options import (
+    Age,
+    AmqpUrlType,
+    DsnType,
+    FiniteFloatRange,
+    LedgerMaxAge,
+    QueueName,
+    limited,
+)
 
 log = logging.getLogger("outbox.cli")
 
@@ -31,6 +48,32 @@ def _option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
 
 
+def _wants_json(ctx: click.Context | None, args: Sequence[str] = ()) -> bool:
+    """Whether errors must be JSON: ``--log-format json`` (parsed or not yet) or its env."""
+    while ctx is not None:
+        if "log_format" in ctx.params:
+            return bool(ctx.params["log_format"] == "json")
+        ctx = ctx.parent
+    for index, arg in enumerate(args):
+        if arg == "--log-format=json" or (
+            arg == "--log-format" and args[index + 1 : index + 2] == ["json"]
+        ):
+            return True
+    return os.environ.get("OUTBOX_LOG_FORMAT", "").strip().lower() == "json"
+
+
+def report_error(message: str, hint: str = "", *, code: int, as_json: bool, **fields: Any) -> None:
+    """One ``error:`` line (and a hint), or one JSON object, on stderr; passwords masked."""
+    message, hint = redaction.redact(message), redaction.redact(hint)
+    if as_json:
+        entry = {"error": message, "hint": hint or None, "exit_code": code, **fields}
+        click.echo(json_line(logging.ERROR, "outbox.cli", "cli.error", **entry), err=True)
+        return
+    click.echo(f"error: {message}", err=True)
+    if hint:
+        click.echo(f"  hint: {hint}", err=True)
+
+
 def server_options(func: F) -> F:
     for decorator in reversed(
         [
@@ -38,19 +81,32 @@ def server_options(func: F) -> F:
                 "--dsn",
                 "OUTBOX_DSN",
                 default=DEFAULT_DSN,
-                help="PostgreSQL connection (libpq conninfo or URL).",
+                type=DsnType(),
+                help="PostgreSQL connection (libpq conninfo or URL; TLS: sslmode=verify-full "
+                "sslrootcert=FILE).",
             ),
             _option(
                 "--amqp-url",
                 "OUTBOX_AMQP_URL",
                 default=DEFAULT_AMQP_URL,
-                help="RabbitMQ connection URL.",
+                type=AmqpUrlType(),
+                help="RabbitMQ connection URL (amqp:// or amqps://); several separated by ';' "
+                "(the relay uses the first).",
+            ),
+            _option(
+                "--amqp-ca-file",
+                "OUTBOX_AMQP_CA_FILE",
+                default=None,
+                type=click.Path(exists=True, dir_okay=False),
+                help="CA certificate(s) (PEM) an amqps:// broker must be signed by "
+                "[default: the system's trusted CAs].",
             ),
             _option("--table", "OUTBOX_TABLE", default=Settings.table, help="Outbox table name."),
             _option(
                 "--ledger-queue",
                 "OUTBOX_LEDGER_QUEUE",
                 default=Settings.ledger_queue,
+                type=QueueName(),
                 help="Stream queue recording finished batches (resolver evidence).",
             ),
             _option(
@@ -79,14 +135,14 @@ def tuning_options(func: F) -> F:
                 "--batch-size",
                 "OUTBOX_BATCH_SIZE",
                 default=defaults.batch_size,
-                type=int,
+                type=limited("batch_size"),
                 help="Most rows per batch (one prepared transaction).",
             ),
             _option(
                 "--batch-max-bytes",
                 "OUTBOX_BATCH_MAX_BYTES",
                 default=defaults.batch_max_bytes,
-                type=int,
+                type=limited("batch_max_bytes"),
                 help="Most payload bytes per batch (a larger row goes alone).",
             ),
             _option(
@@ -99,83 +155,84 @@ def tuning_options(func: F) -> F:
                 "--publish-timeout",
                 "OUTBOX_PUBLISH_TIMEOUT",
                 default=defaults.publish_timeout,
-                type=float,
+                type=limited("publish_timeout"),
                 help="Seconds to wait for publisher confirms before rolling back.",
             ),
             _option(
                 "--poll-interval",
                 "OUTBOX_POLL_INTERVAL",
                 default=defaults.poll_interval,
-                type=float,
+                type=limited("poll_interval"),
                 help="Fallback poll (s) when no NOTIFY wakes the relay.",
             ),
             _option(
                 "--heartbeat-interval",
                 "OUTBOX_HEARTBEAT_INTERVAL",
                 default=defaults.heartbeat_interval,
-                type=float,
+                type=limited("heartbeat_interval"),
                 help="Seconds between heartbeats of the relay's registry row.",
             ),
             _option(
                 "--relay-timeout",
                 "OUTBOX_RELAY_TIMEOUT",
                 default=defaults.relay_timeout,
-                type=float,
+                type=limited("relay_timeout"),
                 help="Heartbeat age after which a relay is presumed partitioned.",
             ),
             _option(
                 "--resolve-interval",
                 "OUTBOX_RESOLVE_INTERVAL",
                 default=defaults.resolve_interval,
-                type=float,
+                type=limited("resolve_interval"),
                 help="Seconds between passes that resolve dead relays' batches.",
             ),
             _option(
                 "--ledger-max-age",
                 "OUTBOX_LEDGER_MAX_AGE",
                 default=defaults.ledger_max_age,
+                type=LedgerMaxAge(),
                 help="Retention of the ledger stream (x-max-age, e.g. 7D, 12h).",
             ),
             _option(
                 "--ledger-clock-skew",
                 "OUTBOX_LEDGER_CLOCK_SKEW",
                 default=defaults.ledger_clock_skew,
-                type=float,
+                type=limited("ledger_clock_skew"),
                 help="Seconds before a batch's PREPARE the resolver starts reading the ledger.",
             ),
             _option(
                 "--backoff-initial",
                 "OUTBOX_BACKOFF_INITIAL",
                 default=defaults.backoff_initial,
-                type=float,
+                type=limited("backoff_initial"),
                 help="First retry delay (s) after an outage; doubles up to --backoff-max.",
             ),
             _option(
                 "--backoff-max",
                 "OUTBOX_BACKOFF_MAX",
                 default=defaults.backoff_max,
-                type=float,
+                type=limited("backoff_max"),
                 help="Longest retry delay (s).",
             ),
             _option(
                 "--connect-timeout",
                 "OUTBOX_CONNECT_TIMEOUT",
                 default=defaults.connect_timeout,
-                type=float,
+                type=limited("connect_timeout"),
                 help="Seconds to wait when connecting to either server.",
             ),
             _option(
                 "--statement-timeout",
                 "OUTBOX_STATEMENT_TIMEOUT",
                 default=defaults.statement_timeout,
-                type=float,
+                type=limited("statement_timeout"),
                 help="Bound (s) on every statement of the relay; a cancelled one is retried.",
             ),
             _option(
                 "--max-message-bytes",
                 "OUTBOX_MAX_MESSAGE_BYTES",
                 default=defaults.max_message_bytes,
-                type=int,
+                type=limited("max_message_bytes"),
                 help="Largest payload the broker accepts (max_message_size).",
             ),
         ]
@@ -200,9 +257,8 @@ def known_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except OutboxError as exc:
-            click.echo(f"error: {exc.message}", err=True)
-            if exc.hint:
-                click.echo(f"  hint: {exc.hint}", err=True)
+            as_json = _wants_json(click.get_current_context(silent=True))
+            report_error(exc.message, exc.hint, code=int(exc.exit_code), as_json=as_json)
             sys.exit(int(exc.exit_code))
 
     return wrapper  # type: ignore[return-value]
@@ -321,6 +377,9 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     settings = _settings(**options)
     batch_store = store.BatchStore(settings.dsn, settings.table, application_name="outbox-resolve")
     try:
+        migrate.refuse_newer(
+            migrate.current_version(batch_store.conn, settings.table), settings.table
+        )
         results = resolve_pass(batch_store, settings, dry_run=dry_run)
     finally:
         batch_store.close()
@@ -349,12 +408,14 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     show_envvar=True,
     default=60.0,
     show_default=True,
+    type=FiniteFloatRange(0, 365 * 86400),
     help="A prepared batch older than this (s) needs attention (exit 1).",
 )
 @_option(
     "--max-backlog-age",
     "OUTBOX_MAX_BACKLOG_AGE",
     default=300.0,
+    type=FiniteFloatRange(0, 365 * 86400),
     help="An outbox row older than this (s) needs attention (exit 1).",
 )
 @known_errors
@@ -399,7 +460,13 @@ def _message_ids(texts: Sequence[str]) -> list[Any]:
 @dead_letters.command("list")
 @server_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
+@click.option(
+    "--limit",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 2**31 - 1),
+    help="Show at most this many.",
+)
 @known_errors
 def dead_letters_list(
     as_json: bool, limit: int, log_level: str, log_format: str, **options: Any
@@ -453,6 +520,7 @@ def dead_letters_retry(
     envvar="OUTBOX_DEAD_LETTERS_MAX_AGE",
     show_envvar=True,
     default=None,
+    type=Age(),
     help="Only those that failed longer ago than this (e.g. 30d, 12h, 900s).",
 )
 @click.argument("message_ids", nargs=-1)
@@ -465,24 +533,30 @@ def dead_letters_purge(
     log_format: str,
     **options: Any,
 ) -> None:
-    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs."""
+    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs.
+
+    Exits 1 if a given MESSAGE_ID was not purged (not a dead letter, or younger
+    than --older-than).
+    """
     from outbox.deadletters import parse_age
 
     if everything and message_ids:
         raise click.UsageError("give --all or MESSAGE_IDs, not both")
     if not (everything or message_ids or older_than):
         raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
-    try:
-        age = parse_age(older_than) if older_than else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    age = parse_age(older_than) if older_than else None
     ids = _message_ids(message_ids) if message_ids else None
     dl_store = _dead_letter_store(options)
     try:
         purged = dl_store.purge(ids, age)
     finally:
         dl_store.close()
-    click.echo(f"{purged} dead letters purged")
+    click.echo(f"{len(purged)} dead letters purged")
+    missing = sorted(set(ids or []) - set(purged), key=str)
+    if missing:
+        why = "not dead letters" if age is None else "not dead letters, or younger than that"
+        click.echo(f"{why}: " + " ".join(map(str, missing)), err=True)
+        sys.exit(int(ExitCode.FAILURE))
 
 
 def own_servers_options(func: F) -> F:
@@ -493,12 +567,14 @@ def own_servers_options(func: F) -> F:
         show_envvar=True,
         default=DEFAULT_AMQP_URL,
         show_default=True,
+        type=AmqpUrlType(),
     )(func)
     return click.option(
         "--dsn",
         envvar="OUTBOX_DSN",
         show_envvar=True,
         default=None,
+        type=DsnType(),
         help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
         "instead of starting a private one (fsync on).",
     )(func)
@@ -506,7 +582,13 @@ def own_servers_options(func: F) -> F:
 
 @cli.command()
 @own_servers_options
-@click.option("--rows", default=1000, show_default=True, help="Messages to send.")
+@click.option(
+    "--rows",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 10_000_000),
+    help="Messages to send.",
+)
 @known_errors
 def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     """Show the relay end to end: write rows, relay them, consume and check them."""
@@ -518,12 +600,25 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 
 @cli.command()
 @own_servers_options
-@click.option("--rows", default=20_000, show_default=True, help="Messages per throughput run.")
-@click.option("--payload", default=1024, show_default=True, help="Payload bytes per message.")
+@click.option(
+    "--rows",
+    default=20_000,
+    show_default=True,
+    type=click.IntRange(1, 10_000_000),
+    help="Messages per throughput run.",
+)
+@click.option(
+    "--payload",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1, 64 * 1024 * 1024),
+    help="Payload bytes per message.",
+)
 @click.option(
     "--repeats",
     default=3,
     show_default=True,
+    type=click.IntRange(1, 100),
     help="Runs per figure (bare/relay pairs, each scaling cell): medians.",
 )
 @click.option(
@@ -535,20 +630,53 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     show_default=True,
     help="Batch sizes for the scaling runs.",
 )
-@click.option("--window", default=1000, show_default=True, help="Bare publisher confirm window.")
 @click.option(
-    "--latency-rate", default=200.0, show_default=True, help="Single-row commits per second."
+    "--window",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Bare publisher confirm window.",
 )
 @click.option(
-    "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
+    "--latency-rate",
+    default=200.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 100_000, min_open=True),
+    help="Single-row commits per second.",
 )
-@click.option("--idle-seconds", default=12.0, show_default=True, help="Length of the idle run.")
-@click.option("--burst-writers", default=8, show_default=True, help="Bursty load: writer threads.")
-@click.option("--burst-rows", default=250, show_default=True, help="Bursty load: rows per commit.")
+@click.option(
+    "--latency-seconds",
+    default=5.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the latency run.",
+)
+@click.option(
+    "--idle-seconds",
+    default=12.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the idle run.",
+)
+@click.option(
+    "--burst-writers",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Bursty load: writer threads.",
+)
+@click.option(
+    "--burst-rows",
+    default=250,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Bursty load: rows per commit.",
+)
 @click.option(
     "--burst-pause",
     default=1.5,
     show_default=True,
+    type=FiniteFloatRange(0, DAY),
     help="Bursty load: seconds between one writer's commits (jittered).",
 )
 @click.option(
@@ -570,20 +698,21 @@ def bench(
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost."""
     from outbox.bench import BenchOptions, render, run_bench
 
-    def numbers(text: str) -> tuple[int, ...]:
+    def numbers(text: str, option: str, most: int) -> tuple[int, ...]:
         try:
             values = tuple(int(v) for v in text.split(",") if v.strip())
         except ValueError as exc:
-            raise click.UsageError(f"not a list of numbers: {text!r}") from exc
-        if not values or min(values) < 1:
-            raise click.UsageError(f"not a list of positive numbers: {text!r}")
+            raise click.UsageError(f"{option}: not a list of numbers: {text!r}") from exc
+        if not values or min(values) < 1 or max(values) > most:
+            raise click.UsageError(f"{option}: not a list of numbers from 1 to {most}: {text!r}")
         return values
 
     bench_options = BenchOptions(
-        amqp_url=amqp_url,
+        # The bare publisher is plain pika: it takes one URL, so all take the first.
+        amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
         dsn=dsn,
-        relays=numbers(relays),
-        batch_sizes=numbers(batch_sizes),
+        relays=numbers(relays, "--relays", 64),
+        batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),
         **options,
     )
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
@@ -596,4 +725,35 @@ def bench(
 
 
 def main(argv: Sequence[str] | None = None, prog_name: str = "outbox") -> None:
-    cli.main(args=list(argv) if argv is not None else None, prog_name=prog_name)
+    """Run the command; every error leaves as one line (or JSON object) and its exit code."""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    try:
+        code = cli.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        ctx = exc.ctx if isinstance(exc, click.UsageError) else None
+        hint = f"`{ctx.command_path if ctx else prog_name} --help` lists the options and ranges"
+        as_json = _wants_json(ctx, args)
+        report_error(exc.format_message(), hint, code=exc.exit_code, as_json=as_json)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(int(ExitCode.FAILURE))
+    except BrokenPipeError:
+        sys.exit(int(ExitCode.FAILURE))  # stdout closed early (`outbox … | head`)
+    except Exception as exc:
+        # A bug: keep the traceback for the report, but never a password in it.
+        trace = "".join(traceback.format_exception(exc))
+        as_json = _wants_json(None, args)
+        if not as_json:
+            click.echo(redaction.redact(trace.rstrip()), err=True)
+        report_error(
+            f"unexpected {type(exc).__name__}: {exc}",
+            "this is a bug in outbox-relay: please report it with the lines above",
+            code=int(ExitCode.FAILURE),
+            as_json=as_json,
+            **({"exception": redaction.redact(trace)} if as_json else {}),
+        )
+        sys.exit(int(ExitCode.FAILURE))
+    sys.exit(code if isinstance(code, int) else 0)

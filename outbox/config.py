@@ -3,14 +3,69 @@
 Every field has a CLI option of the same name (``batch_size`` → ``--batch-size``)
 that also reads ``OUTBOX_<NAME>`` (``OUTBOX_BATCH_SIZE``); ``outbox relay --help``
 lists them.  The defaults are the values the README documents.
+
+``LIMITS`` is the range of every number; the CLI's option types are built from it
+(``cli.py``) and ``Settings`` checks it again, so the Python API refuses what the
+command line refuses.  Every bound keeps the relay out of a failure mode: a poll
+interval of 0 is a busy loop, a publish timeout of 0 never commits, a
+``max_message_bytes`` below 1 dead-letters everything, and seconds beyond a day
+overflow the timers of the I/O loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
+from outbox import redaction, urls
+
 _TABLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+# RabbitMQ's x-max-age: a positive whole number and one unit (years, months, days,
+# hours, minutes, seconds), e.g. 7D or 12h.
+LEDGER_MAX_AGE = re.compile(r"^[1-9][0-9]{0,8}[YMDhms]$")
+
+DAY = 86400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """An inclusive range, or exclusive at the bottom when ``above`` is set."""
+
+    low: float
+    high: float
+    above: bool = False  # the value must be greater than ``low``, not equal to it
+
+    def admits(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (value > self.low if self.above else value >= self.low) and value <= self.high
+
+    def describe(self) -> str:
+        return f"{'above' if self.above else 'at least'} {_number(self.low)} and at most " + (
+            _number(self.high)
+        )
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+LIMITS: dict[str, Limit] = {
+    "batch_size": Limit(1, 100_000),
+    "batch_max_bytes": Limit(1, 2**40),
+    "publish_timeout": Limit(0, 3600, above=True),
+    "poll_interval": Limit(0.05, DAY),
+    "heartbeat_interval": Limit(0.05, DAY),
+    "relay_timeout": Limit(0, 7 * DAY, above=True),
+    "resolve_interval": Limit(0.05, DAY),
+    "ledger_clock_skew": Limit(0, DAY),
+    "max_message_bytes": Limit(1, 512 * 1024 * 1024),  # RabbitMQ's own ceiling
+    "backoff_initial": Limit(0.01, 3600),
+    "backoff_max": Limit(0.01, DAY),
+    "connect_timeout": Limit(0, 3600, above=True),
+    "statement_timeout": Limit(0, DAY, above=True),
+}
 
 DEFAULT_DSN = "postgresql://localhost/postgres"
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
@@ -60,18 +115,69 @@ class Settings:
     # Bound on every statement the relay runs (PostgreSQL statement_timeout and
     # lock_timeout); a statement cancelled by it is logged and retried.
     statement_timeout: float = 30.0
+    # CA certificate(s) (PEM) that amqps:// brokers must be signed by; None: the
+    # system's trusted CAs.  (PostgreSQL takes sslrootcert= in the DSN.)
+    amqp_ca_file: str | None = None
+
+    def __repr__(self) -> str:
+        def shown(value: object) -> str:
+            # Mask before repr(): repr escapes quotes and backslashes, and a masked
+            # password must be found as it is.
+            return repr(redaction.redact(value) if isinstance(value, str) else value)
+
+        fields = ", ".join(
+            f"{f.name}={shown(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        )
+        return f"Settings({fields})"
 
     def __post_init__(self) -> None:
+        # First of all: whatever is wrong below, no message may show these passwords.
+        redaction.remember(self.dsn, self.amqp_url)
         if not _TABLE_NAME.match(self.table):
             raise ValueError(
                 f"table name {self.table!r} is not valid: use lower-case letters, digits "
                 "and underscores, at most 41 characters, not starting with a digit"
             )
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        if self.batch_max_bytes < 1:
-            raise ValueError("batch_max_bytes must be at least 1")
-        if self.statement_timeout <= 0:
-            raise ValueError("statement_timeout must be more than 0 seconds")
+        for name, limit in LIMITS.items():
+            if not limit.admits(getattr(self, name)):
+                raise ValueError(f"{name} must be {limit.describe()}")
         if self.relay_timeout <= 2 * self.heartbeat_interval:
             raise ValueError("relay_timeout must be more than twice heartbeat_interval")
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError("backoff_max must be at least backoff_initial")
+        if not LEDGER_MAX_AGE.match(self.ledger_max_age):
+            raise ValueError(
+                "ledger_max_age must be a whole number and a unit of Y, M, D, h, m or s "
+                "(RabbitMQ's x-max-age), e.g. 7D"
+            )
+        problem = queue_name_problem(self.ledger_queue)
+        if problem:
+            raise ValueError(f"ledger_queue {problem}")
+        try:
+            urls.check_dsn(self.dsn)
+        except urls.InvalidUrl as exc:
+            redaction.remember(self.dsn, refused=True)
+            raise ValueError(f"dsn: {exc}") from None
+        try:
+            brokers = urls.parse_amqp_urls(self.amqp_url)
+        except urls.InvalidUrl as exc:
+            redaction.remember(self.amqp_url, refused=True)
+            raise ValueError(f"amqp_url: {exc}") from None
+        if self.amqp_ca_file is not None:
+            if not any(b.scheme == "amqps" for b in brokers):
+                raise ValueError("amqp_ca_file is set but amqp_url is not amqps://: TLS is off")
+            if any("ssl_options" in dict(b.params) for b in brokers):
+                raise ValueError(
+                    "amqp_url has ssl_options and amqp_ca_file is set: give the CA in one place"
+                )
+
+
+def queue_name_problem(name: str) -> str | None:
+    """Why RabbitMQ would refuse ``name`` as a queue we declare, or None."""
+    if not name.strip():
+        return "is empty"
+    if len(name.encode()) > 255:
+        return "is longer than 255 bytes"
+    if name.startswith("amq."):
+        return "starts with 'amq.', which RabbitMQ reserves for itself"
+    return None

@@ -13,11 +13,15 @@ import contextlib
 import dataclasses
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
+
+from outbox import urls
+from outbox.errors import BrokerUnavailable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,25 @@ class Received:
     headers: dict[str, Any]
 
 
+@contextlib.contextmanager
+def _connection(amqp_url: str) -> Iterator[Connection]:
+    """A connected kombu connection, or ``BrokerUnavailable`` (not kombu's traceback)."""
+    conn = Connection(amqp_url)
+    try:
+        conn.connect()
+    except (*conn.connection_errors, *conn.channel_errors) as exc:
+        conn.release()
+        where = urls.parse_amqp_urls(amqp_url)[0].describe()
+        raise BrokerUnavailable(
+            f"cannot connect to RabbitMQ at {where}: {exc}",
+            "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+        ) from exc
+    try:
+        yield conn
+    finally:
+        conn.release()
+
+
 def declare(
     amqp_url: str,
     *,
@@ -39,7 +62,7 @@ def declare(
     exchange_type: str = "topic",
 ) -> None:
     """Declare a durable exchange and a durable queue bound to it."""
-    with Connection(amqp_url) as conn:
+    with _connection(amqp_url) as conn:
         channel = conn.channel()
         ex = Exchange(exchange, type=exchange_type, durable=True)
         Queue(queue, ex, routing_key=binding_key, durable=True)(channel).declare()
@@ -47,7 +70,7 @@ def declare(
 
 
 def delete(amqp_url: str, *, exchange: str | None = None, queue: str | None = None) -> None:
-    with Connection(amqp_url) as conn:
+    with _connection(amqp_url) as conn:
         channel = conn.channel()
         if queue:
             channel.queue_delete(queue)
@@ -79,7 +102,7 @@ def receive(
 
     deadline = time.monotonic() + timeout
     with (
-        Connection(amqp_url) as conn,
+        _connection(amqp_url) as conn,
         Consumer(
             conn,
             [Queue(queue, no_declare=True)],

@@ -4,12 +4,15 @@ Driver errors (psycopg, pika) are translated into these at the boundary of
 ``store.py``, ``publisher.py`` and ``ledger.py``; nothing above those modules
 catches a driver exception.  Every error a user can cause or fix carries a
 ``hint`` saying what to do, and the CLI prints ``error: <message>\\n  <hint>``
-instead of a traceback.
+instead of a traceback.  Both are passed through ``redaction.redact`` first, so
+whatever a driver quoted from a connection setting, no password gets out.
 """
 
 from __future__ import annotations
 
 import enum
+
+from outbox.redaction import redact
 
 
 class ExitCode(enum.IntEnum):
@@ -20,6 +23,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad command line (click's own code)
     UNREACHABLE = 3  # PostgreSQL or RabbitMQ cannot be reached
     NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old
+    SCHEMA_TOO_NEW = 5  # the schema was migrated by a newer outbox-relay than this one
 
 
 class OutboxError(Exception):
@@ -28,6 +32,7 @@ class OutboxError(Exception):
     exit_code: ExitCode = ExitCode.FAILURE
 
     def __init__(self, message: str, hint: str = "") -> None:
+        message, hint = redact(message), redact(hint)
         super().__init__(message)
         self.message = message
         self.hint = hint
@@ -58,6 +63,18 @@ class SchemaNotReady(OutboxError):
     """The outbox schema is missing or older than this version of the relay."""
 
     exit_code = ExitCode.NOT_READY
+
+
+class SchemaTooNew(OutboxError):
+    """The schema is newer than this version knows: running against it could be wrong."""
+
+    exit_code = ExitCode.SCHEMA_TOO_NEW
+
+
+class InvalidSetting(OutboxError):
+    """A setting that cannot work, found only when it is used (e.g. an unreadable CA file)."""
+
+    exit_code = ExitCode.USAGE
 
 
 class PreparedSlotsExhausted(OutboxError):

@@ -2,6 +2,9 @@
 
 ``emit(log, "batch.committed", gid=g, rows=n)`` writes ``batch.committed gid=… rows=…``
 with the text formatter, and one JSON object per line with ``--log-format json``.
+Every line passes ``redaction.redact`` on its way out (in ``emit`` for handlers of
+an embedding application, in both formatters for every other record, tracebacks
+included), so no password of a connection setting reaches a log.
 """
 
 from __future__ import annotations
@@ -9,30 +12,66 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import time
 from typing import Any
+
+from outbox.redaction import redact
 
 
 def emit(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
     if not logger.isEnabledFor(level):
         return
-    text = " ".join([event, *(f"{k}={v}" for k, v in fields.items())])
+    fields = {k: _redacted(v) for k, v in fields.items()}
+    text = redact(" ".join([event, *(f"{k}={v}" for k, v in fields.items())]))
     logger.log(level, text, extra={"event": event, "fields": fields})
+
+
+def json_line(
+    level: int, logger: str, event: str, created: float | None = None, **fields: Any
+) -> str:
+    """One log entry as a JSON object (no newline), every string redacted."""
+    stamp = datetime.datetime.fromtimestamp(
+        time.time() if created is None else created, datetime.timezone.utc
+    )
+    entry: dict[str, Any] = {
+        "ts": stamp.isoformat(timespec="milliseconds"),
+        "level": logging.getLevelName(level).lower(),
+        "logger": logger,
+        "event": event,
+    }
+    entry.update(fields)
+    # Redact the values, not the JSON text: json.dumps escapes quotes and
+    # backslashes, and an escaped password no longer matches the one remembered.
+    return json.dumps(_redacted(entry), default=lambda value: redact(str(value)))
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v) for v in value]
+    return value
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "event": getattr(record, "event", None) or record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}) or {})
+        fields = dict(getattr(record, "fields", {}) or {})
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+            fields["exception"] = self.formatException(record.exc_info)
+        return json_line(
+            record.levelno,
+            record.name,
+            getattr(record, "event", None) or record.getMessage(),
+            record.created,
+            **fields,
+        )
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 def configure(level: str = "info", fmt: str = "text") -> None:
@@ -40,7 +79,7 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from outbox.config import Settings
+from outbox.redaction import redact
 
 # Added to the computed worst case of one loop pass before the relay counts as stuck.
 LIVENESS_MARGIN = 60.0
@@ -23,7 +24,8 @@ class Check:
     problems: tuple[str, ...] = ()
 
     def body(self) -> str:
-        return "ok\n" if self.ok else "".join(f"{p}\n" for p in self.problems)
+        # A problem may quote a driver's error, and a driver may quote a password.
+        return "ok\n" if self.ok else redact("".join(f"{p}\n" for p in self.problems))
 
 
 def liveness_limit(settings: Settings) -> float:

@@ -59,6 +59,7 @@ def finished_gids(
     since: datetime.datetime | None,
     timeout: float = 30.0,
     connect_timeout: float = 10.0,
+    ca_file: str | None = None,
 ) -> set[str]:
     """Every gid recorded in the ledger from ``since`` up to now."""
     probe = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
@@ -70,5 +71,6 @@ def finished_gids(
             probe=probe,
             timeout=timeout,
             connect_timeout=connect_timeout,
+            ca_file=ca_file,
         )
     )

@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import tuple_row
 
+from outbox.errors import SchemaNotReady, SchemaTooNew
 from outbox.queries import table_identifiers
 
 # Advisory-lock class of migrations; distinct from gid.LOCK_CLASS (relay liveness).
@@ -89,14 +90,44 @@ def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
     return int(version[0]) if version and version[0] is not None else None
 
 
+def require_current(version: int | None, table: str) -> None:
+    """Raise unless ``version`` is the one this code was written for."""
+    if version is None:
+        raise SchemaNotReady(
+            f"the outbox table {table!r} has not been created in this database",
+            "run `outbox init` (or apply `outbox init --print-sql`)",
+        )
+    if version < LATEST_VERSION:
+        raise SchemaNotReady(
+            f"the outbox schema is at version {version}, this relay needs {LATEST_VERSION}",
+            "run `outbox init` to upgrade it",
+        )
+    refuse_newer(version, table)
+
+
+def refuse_newer(version: int | None, table: str) -> None:
+    """A newer outbox-relay migrated this schema: this one cannot know what changed."""
+    if version is not None and version > LATEST_VERSION:
+        raise SchemaTooNew(
+            f"the schema of {table!r} is at version {version}, newer than this outbox-relay "
+            f"knows (version {LATEST_VERSION})",
+            "run the outbox-relay release that migrated it, or a newer one; "
+            "never downgrade a schema by hand",
+        )
+
+
 def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, int]:
-    """Apply the missing migrations; returns (version before, version after)."""
+    """Apply the missing migrations; returns (version before, version after).
+
+    Refuses (``SchemaTooNew``) a schema newer than this code, changing nothing.
+    """
     with conn.transaction():
         conn.execute(
             "SELECT pg_advisory_xact_lock(%s, %s)",
             [MIGRATION_LOCK_CLASS, zlib.crc32(table.encode()) & 0x7FFFFFFF],
         )
         before = current_version(conn, table)
+        refuse_newer(before, table)
         conn.execute(_version_table_sql(table))
         for migration in migrations():
             if before is not None and migration.version <= before:

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import enum
 import logging
+import ssl
 import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,7 +38,8 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.adapters.utils import connection_workflow
 
-from outbox.errors import BrokerUnavailable, OutboxError
+from outbox import urls
+from outbox.errors import BrokerUnavailable, InvalidSetting, OutboxError
 
 log = logging.getLogger("outbox.publisher")
 
@@ -142,6 +144,36 @@ def encode_publish(channel: int, message: Message, *, mandatory: bool, body_max:
     return b"".join(frames)
 
 
+def connection_parameters(
+    url: str, *, ca_file: str | None = None, connect_timeout: float = 10.0
+) -> tuple[pika.URLParameters, str]:
+    """pika's parameters for the first URL of ``url``, and where it points (no password).
+
+    An ``amqps://`` URL is verified against the system's CAs (pika's default
+    context: certificate and host name), or against ``ca_file``.  The publisher
+    and the ledger reader both connect through here.
+    """
+    try:
+        first = urls.parse_amqp_urls(url)[0]
+        params = pika.URLParameters(first.text)
+    except (ValueError, TypeError, SyntaxError) as exc:
+        raise InvalidSetting(
+            f"the RabbitMQ URL is not valid: {exc}", "check --amqp-url / OUTBOX_AMQP_URL"
+        ) from None
+    params.socket_timeout = connect_timeout
+    params.connection_attempts = 1
+    if ca_file is not None and first.scheme == "amqps":
+        try:
+            context = ssl.create_default_context(cafile=ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidSetting(
+                f"cannot load CA certificates from {ca_file!r}: {exc.strerror or exc}",
+                "--amqp-ca-file / OUTBOX_AMQP_CA_FILE must name a readable PEM file",
+            ) from exc
+        params.ssl_options = pika.SSLOptions(context)  # checks the host name of the URL
+    return params, first.describe()
+
+
 class Publisher:
     """A confirm-mode channel on one connection, driven synchronously."""
 
@@ -152,10 +184,11 @@ class Publisher:
         connect_timeout: float = 10.0,
         blocked_timeout: float = 60.0,
         on_blocked: Callable[[bool], None] | None = None,
+        ca_file: str | None = None,
     ) -> None:
-        self._params = pika.URLParameters(url)
-        self._params.socket_timeout = connect_timeout
-        self._params.connection_attempts = 1
+        self._params, self._address = connection_parameters(
+            url, ca_file=ca_file, connect_timeout=connect_timeout
+        )
         # Tear the connection down if an alarm blocks it for this long.
         self._params.blocked_connection_timeout = blocked_timeout
         self._connect_timeout = connect_timeout
@@ -217,15 +250,11 @@ class Publisher:
             reason = self._failure or "timed out"
             self.close()
             raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ at {self._where()}: {reason}",
-                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+                f"cannot connect to RabbitMQ at {self._address}: {reason}", _connect_hint(reason)
             )
         self._conn.add_on_connection_blocked_callback(lambda *_: self._set_blocked(True))
         self._conn.add_on_connection_unblocked_callback(lambda *_: self._set_blocked(False))
         self._open_channel()
-
-    def _where(self) -> str:
-        return f"{self._params.host}:{self._params.port}{self._params.virtual_host}"
 
     def _set_blocked(self, blocked: bool) -> None:
         self.blocked = blocked
@@ -561,6 +590,15 @@ class Publisher:
         return bool(woken)
 
 
+def _connect_hint(reason: str) -> str:
+    if "CERTIFICATE" in reason or "certificate" in reason:
+        return (
+            "the broker's certificate must be signed by the CA in --amqp-ca-file / "
+            "OUTBOX_AMQP_CA_FILE (default: the system's CAs) and name the URL's host"
+        )
+    return "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running"
+
+
 def _describe(error: object) -> str:
     if isinstance(
         error, pika.exceptions.ChannelClosedByBroker | pika.exceptions.ConnectionClosedByBroker
@@ -589,6 +627,7 @@ def read_stream(
     probe: bytes,
     timeout: float,
     connect_timeout: float = 10.0,
+    ca_file: str | None = None,
 ) -> Iterator[bytes]:
     """Yield the bodies of a stream queue from ``since`` (or its start) up to ``probe``.
 
@@ -596,15 +635,14 @@ def read_stream(
     record (confirmed), then read until we meet it again: everything written
     before the probe has then been seen.
     """
-    params = pika.URLParameters(url)
-    params.socket_timeout = connect_timeout
-    params.connection_attempts = 1
+    params, address = connection_parameters(url, ca_file=ca_file, connect_timeout=connect_timeout)
     try:
         conn = pika.BlockingConnection(params)
     except pika.exceptions.AMQPError as exc:
+        reason = _describe(exc)
         raise BrokerUnavailable(
-            f"cannot connect to RabbitMQ to read the ledger: {_describe(exc)}",
-            "check --amqp-url / OUTBOX_AMQP_URL",
+            f"cannot connect to RabbitMQ at {address} to read the ledger: {reason}",
+            _connect_hint(reason),
         ) from exc
     try:
         channel = conn.channel()

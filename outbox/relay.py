@@ -172,7 +172,7 @@ def survives_failure(error: OutboxError) -> bool:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT (or a test); checked between batches."""
+    """Set by SIGTERM/SIGINT/SIGHUP (or a test); checked between batches."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -184,7 +184,9 @@ class StopFlag:
         return self._event.is_set()
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too: a closed terminal or a supervisor's reload must not kill the
+        # relay with batches prepared (its default action is to terminate).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.set())
 
 
@@ -219,6 +221,7 @@ class Relay:
             settings.amqp_url,
             connect_timeout=settings.connect_timeout,
             blocked_timeout=max(settings.publish_timeout * 2, 60.0),
+            ca_file=settings.amqp_ca_file,
         )
         self.relay_id = ""
         self._seq = 0

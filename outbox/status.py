@@ -18,6 +18,7 @@ def collect(
         version = migrate.current_version(store.conn, settings.table)
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint
+        migrate.refuse_newer(version, settings.table)
         backlog = store.backlog()
         prepared = store.prepared_batches()
         ours: list[dict[str, Any]] = []

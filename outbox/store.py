@@ -41,7 +41,6 @@ from outbox.errors import (
     OutcomeUnknown,
     PreparedSlotsExhausted,
     PreparedTransactionsDisabled,
-    SchemaNotReady,
     StatementTimedOut,
 )
 from outbox.message import DeadLetter, OutboxRow
@@ -81,9 +80,13 @@ def connect(
             keepalives_count=3,
         )
     except psycopg.OperationalError as exc:
+        reason = _first_line(exc)
         raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL: {_first_line(exc)}",
-            "check --dsn / OUTBOX_DSN and that the server is running",
+            f"cannot connect to PostgreSQL: {reason}",
+            "the server's certificate must be signed by the CA in sslrootcert= and name "
+            "the DSN's host (sslmode=verify-full)"
+            if "certificate" in reason
+            else "check --dsn / OUTBOX_DSN and that the server is running",
         ) from exc
     if statement_timeout is not None:
         try:
@@ -242,7 +245,8 @@ class BatchStore(_Session):
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
-        """Raise if prepared transactions are disabled or the schema is not current."""
+        """Raise if prepared transactions are disabled or the schema is not current
+        (missing, older, or newer than this code)."""
         with self._translated("checking the database"):
             slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
             if not slots or slots["slots"] <= 0:
@@ -252,17 +256,7 @@ class BatchStore(_Session):
                     "(e.g. 64) in postgresql.conf and restart PostgreSQL",
                 )
             version = migrate.current_version(self.conn, self.table)
-        if version is None:
-            raise SchemaNotReady(
-                f"the outbox table {self.table!r} has not been created in this database",
-                "run `outbox init` (or apply `outbox init --print-sql`)",
-            )
-        if version < migrate.LATEST_VERSION:
-            raise SchemaNotReady(
-                f"the outbox schema is at version {version}, this relay needs "
-                f"{migrate.LATEST_VERSION}",
-                "run `outbox init` to upgrade it",
-            )
+        migrate.require_current(version, self.table)
 
     # -- the batch ---------------------------------------------------------
     def claim_batch(self, limit: int, max_bytes: int = 2**62) -> list[OutboxRow]:
@@ -473,14 +467,15 @@ class DeadLetterStore(_Session):
             ).fetchall()
         return [r["message_id"] for r in rows]
 
-    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> int:
-        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago."""
+    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> list[uuid.UUID]:
+        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago;
+        returns the message ids deleted."""
         with self._translated("purging dead letters"):
-            cur = self.conn.execute(
+            rows = self.conn.execute(
                 self.queries["purge_dead_letters"],
                 {"all": ids is None, "ids": list(ids or []), "older_than": older_than},
-            )
-            return cur.rowcount
+            ).fetchall()
+        return [r["message_id"] for r in rows]
 
 
 class ControlSession(_Session):

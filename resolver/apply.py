@@ -83,6 +83,7 @@ def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> 
             since=since,
             timeout=settings.publish_timeout,
             connect_timeout=settings.connect_timeout,
+            ca_file=settings.amqp_ca_file,
         )
 
     results = []
