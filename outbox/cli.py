@@ -370,7 +370,7 @@ def _dead_letter_store(options: dict[str, Any]) -> store.DeadLetterStore:
     return open_store(_settings(**options))
 
 
-def _message_ids(texts: Sequence[str]) -> list[Any]:
+def _message_ids(texts: Sequence[str]) -> Any:
     from outbox.deadletters import parse_ids
 
     try:
@@ -409,22 +409,27 @@ def dead_letters_list(
 def dead_letters_retry(
     everything: bool, message_ids: tuple[str, ...], log_level: str, log_format: str, **options: Any
 ) -> None:
-    """Put dead letters back into the outbox (same message_id) once the cause is fixed.
+    """Put dead letters back into the outbox (same row id and message_id) once the cause
+    is fixed.  A MESSAGE_ID selects every row carrying it; a number selects one row id.
 
-    Exits 1 if a given MESSAGE_ID is not a dead letter.
+    Exits 1 if a given MESSAGE_ID or row id is not a dead letter.
     """
     if everything == bool(message_ids):
-        raise click.UsageError("give either --all or one or more MESSAGE_IDs")
-    ids = None if everything else _message_ids(message_ids)
+        raise click.UsageError("give either --all or one or more MESSAGE_IDs (or row ids)")
+    selection = _message_ids(message_ids)
     dl_store = _dead_letter_store(options)
     try:
-        moved = dl_store.retry(ids)
+        moved = dl_store.retry(
+            everything=everything,
+            message_ids=selection.message_ids,
+            row_ids=selection.row_ids,
+        )
     finally:
         dl_store.close()
     click.echo(f"{len(moved)} dead letters moved back to the outbox")
-    missing = sorted(set(ids or []) - set(moved), key=str)
+    missing = selection.not_found(moved)
     if missing:
-        click.echo("not dead letters: " + " ".join(map(str, missing)), err=True)
+        click.echo("not dead letters: " + " ".join(missing), err=True)
         sys.exit(int(ExitCode.FAILURE))
 
 
@@ -448,7 +453,8 @@ def dead_letters_purge(
     log_format: str,
     **options: Any,
 ) -> None:
-    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs."""
+    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs (every
+    row carrying the id) or row ids."""
     from outbox.deadletters import parse_age
 
     if everything and message_ids:
@@ -459,13 +465,18 @@ def dead_letters_purge(
         age = parse_age(older_than) if older_than else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    ids = _message_ids(message_ids) if message_ids else None
+    selection = _message_ids(message_ids)
     dl_store = _dead_letter_store(options)
     try:
-        purged = dl_store.purge(ids, age)
+        purged = dl_store.purge(
+            everything=not message_ids,
+            message_ids=selection.message_ids,
+            row_ids=selection.row_ids,
+            older_than=age,
+        )
     finally:
         dl_store.close()
-    click.echo(f"{purged} dead letters purged")
+    click.echo(f"{len(purged)} dead letters purged")
 
 
 def own_servers_options(func: F) -> F:

@@ -19,7 +19,8 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1  # unexpected error, or ``status`` found something needing attention
     USAGE = 2  # bad command line (click's own code)
     UNREACHABLE = 3  # PostgreSQL or RabbitMQ cannot be reached
-    NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old
+    NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old,
+    # or a privilege missing
 
 
 class OutboxError(Exception):
@@ -58,6 +59,17 @@ class SchemaNotReady(OutboxError):
     """The outbox schema is missing or older than this version of the relay."""
 
     exit_code = ExitCode.NOT_READY
+
+
+class MissingPrivileges(OutboxError):
+    """The database role lacks a privilege the command needs (the hint has the GRANT)."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+class DeadLettersUnwritable(DatabaseUnavailable):
+    """PostgreSQL refused to record dead letters (e.g. a revoked INSERT): the batch is
+    rolled back and the relay backs off, as for an outage."""
 
 
 class PreparedSlotsExhausted(OutboxError):

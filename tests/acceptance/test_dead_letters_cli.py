@@ -17,9 +17,9 @@ def add_dead_letter(dsn: str, *, failed_days_ago: float = 0, reason: str = "test
     message_id = uuid.uuid4()
     with psycopg.connect(dsn) as conn:
         conn.execute(
-            "INSERT INTO outbox_dead_letters (message_id, exchange, routing_key, payload, "
-            "created_at, reason, failed_at) VALUES (%s, 'ex', 'rk', 'p', now(), %s, "
-            "now() - make_interval(days => %s))",
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason, failed_at) VALUES (nextval(pg_get_serial_sequence('outbox', "
+            "'id')), %s, 'ex', 'rk', 'p', now(), %s, now() - make_interval(days => %s))",
             [message_id, reason, failed_days_ago],
         )
     return str(message_id)
