@@ -13,9 +13,11 @@ from collections import Counter
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.rows import dict_row
 
 from outbox.config import Settings
+from outbox.publisher import Publisher
 from outbox.relay import Relay
 from tests.fixtures.faults import prepared_left
 from tests.fixtures.servers import Topology
@@ -198,3 +200,68 @@ def test_unloadable_created_at_and_deep_headers__are_dead_letters_naming_the_col
         column = "headers" if payload == b"deep" else "created_at"
         assert column in reason, (payload, reason)
         assert (created_at, headers) == originals[payload], "the original values are kept"
+
+
+def insert_around(dsn: str, exchange: str, bad_headers: str) -> None:
+    """Two good rows, the bad one, two good rows: one batch."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload, headers) VALUES "
+            "(%(ex)s, 'k', 'good-1', NULL), (%(ex)s, 'k', 'good-2', NULL), "
+            f"(%(ex)s, 'k', 'bad', {bad_headers}), "
+            "(%(ex)s, 'k', 'good-3', NULL), (%(ex)s, 'k', 'good-4', NULL)",
+            {"ex": exchange},
+        )
+
+
+def assert_isolated(settings: Settings, topology: Topology, relay: Relay, code: str) -> None:
+    bodies = Counter(body for _, _, body in topology.messages())
+    assert set(bodies) == {b"good-1", b"good-2", b"good-3", b"good-4"}, "every good row arrived"
+    [letter] = dead_letter_rows(settings.dsn)
+    assert bytes(letter["payload"]) == b"bad"
+    assert "refused it 2 times when it was published alone" in letter["reason"]
+    assert code in letter["reason"]
+    # One refused batch, then two refusals of the bad row alone: it converges.
+    assert relay.stats.batches_rolled_back == 3
+    duplicates = sum(n - 1 for n in bodies.values())
+    assert duplicates <= relay.stats.duplicates_possible, "every re-send is counted"
+    assert relay.stats.dead_letters == 1
+
+
+def test_refusal_nobody_foresaw__the_row_is_isolated_and_dead_lettered(
+    settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 2, the general rule: a channel close (406) the static checks miss."""
+    monkeypatch.setattr("outbox.triage.problem_with", lambda row, limit: None)
+    insert_around(settings.dsn, topology.exchange, "'{\"CC\": 5}'")
+
+    with RunningRelay(settings) as running:
+        running.wait_until_empty(settings.dsn, timeout=30)
+        assert running.alive
+
+    assert_isolated(settings, topology, running.relay, "406 PRECONDITION_FAILED")
+
+
+def test_connection_refused_by_frame_error__the_row_is_isolated_and_dead_lettered(
+    settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 2, the general rule when the broker closes the whole connection (501)."""
+    monkeypatch.setattr(Publisher, "frame_max", property(lambda self: None))
+    insert_around(settings.dsn, topology.exchange, "jsonb_build_object('big', repeat('v', 200000))")
+
+    with RunningRelay(settings) as running:
+        running.wait_until_empty(settings.dsn, timeout=30)
+        assert running.alive
+
+    assert_isolated(settings, topology, running.relay, "501 FRAME_ERROR")
+
+
+def test_publisher__frame_max_is_the_negotiated_value(topology: Topology) -> None:
+    """Pins where the frame limit comes from (pika's public connection params)."""
+    publisher = Publisher(topology.amqp_url)
+    assert publisher.frame_max is None
+    publisher.connect()
+    try:
+        assert publisher.frame_max == 131072  # RabbitMQ's default frame_max
+    finally:
+        publisher.close()
