@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from outbox import migrate, store
+from outbox import migrate, privileges, store
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, Settings
 from outbox.errors import ExitCode, OutboxError
 from outbox.events import configure, emit
@@ -304,6 +304,7 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     settings = _settings(**options)
     batch_store = store.BatchStore(settings.dsn, settings.table, application_name="outbox-resolve")
     try:
+        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
         results = resolve_pass(batch_store, settings, dry_run=dry_run)
     finally:
         batch_store.close()

@@ -493,6 +493,7 @@ class DeadLetterStore(_Session):
         super().__init__(dsn, table, "outbox-dead-letters", connect_timeout)
 
     def entries(self, limit: int) -> list[Row]:
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")
         with self._translated("listing dead letters"):
             return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
 
@@ -504,6 +505,7 @@ class DeadLetterStore(_Session):
         row_ids: Sequence[int] = (),
     ) -> list[Row]:
         """Move dead letters back into the outbox atomically; the (id, message_id) moved."""
+        self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
         with self._translated("retrying dead letters"):
             return self.conn.execute(
                 self.queries["retry_dead_letters"],
@@ -519,6 +521,7 @@ class DeadLetterStore(_Session):
         older_than: float | None = None,
     ) -> list[Row]:
         """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
+        self.check_privileges(privileges.DEAD_LETTERS_PURGE, "outbox dead-letters purge")
         with self._translated("purging dead letters"):
             return self.conn.execute(
                 self.queries["purge_dead_letters"],

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from outbox import migrate
 from outbox.config import Settings
 from outbox.publisher import Publisher
 from outbox.relay import Relay
@@ -265,3 +266,36 @@ def test_publisher__frame_max_is_the_negotiated_value(topology: Topology) -> Non
         assert publisher.frame_max == 131072  # RabbitMQ's default frame_max
     finally:
         publisher.close()
+
+
+def test_migration_0002__keeps_old_dead_letters_and_keys_them_by_row_id(empty_dsn: str) -> None:
+    """An outbox created at version 1 (dead letters keyed by message_id) upgrades in place."""
+    first = migrate.migrations()[0]
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute(migrate._version_table_sql("outbox"))
+        conn.execute(migrate._migration_sql("outbox", first))
+        conn.execute(
+            "INSERT INTO outbox_schema_version (version, name) VALUES (1, %s)", [first.name]
+        )
+        conn.execute("INSERT INTO outbox (routing_key) SELECT 'k' FROM generate_series(1, 3)")
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (message_id, exchange, routing_key, payload, "
+            "created_at, reason) VALUES (%s, '', 'k', 'old', now(), 'from version 1')",
+            [SHARED],
+        )
+
+        before, after = migrate.migrate(conn, "outbox")  # type: ignore[arg-type]
+
+        assert (before, after) == (1, migrate.LATEST_VERSION)
+        [(old_id, reason)] = conn.execute("SELECT id, reason FROM outbox_dead_letters").fetchall()
+        assert reason == "from version 1"
+        assert old_id > 3, "a fresh id from the outbox's sequence, never a row's"
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason) VALUES (1, %s, '', 'k', 'twin', now(), 'same message_id')",
+            [SHARED],
+        )
+        [(count,)] = conn.execute(
+            "SELECT count(*) FROM outbox_dead_letters WHERE message_id = %s", [SHARED]
+        ).fetchall()
+        assert count == 2
