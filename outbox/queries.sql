@@ -107,8 +107,11 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
       SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
 
 -- backlog --
+-- An application may commit created_at = '-infinity' (the relay dead-letters such a
+-- row); subtracting it is out of range, so ages skip non-finite timestamps.
 SELECT count(*) AS rows,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds
+       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE isfinite(created_at))),
+                0)::float8 AS oldest_age_seconds
 FROM {outbox}
 
 -- dead_letter_count --
@@ -156,7 +159,8 @@ RETURNING id, message_id
 -- not by scanning created_at.
 SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
        coalesce((SELECT extract(epoch FROM now() - created_at)
-                 FROM {outbox} ORDER BY id LIMIT 1), 0)::float8 AS oldest_row_age_seconds,
+                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+                0)::float8 AS oldest_row_age_seconds,
        (SELECT count(*) FROM pg_prepared_xacts
         WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
        coalesce((SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts

@@ -16,10 +16,11 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from outbox import migrate
+from outbox import migrate, status
 from outbox.config import Settings
 from outbox.publisher import Publisher
 from outbox.relay import Relay
+from outbox.store import BatchStore
 from tests.fixtures.faults import prepared_left
 from tests.fixtures.servers import Topology
 from tests.integration.test_relay import relay_drain, remaining_rows
@@ -299,3 +300,24 @@ def test_migration_0002__keeps_old_dead_letters_and_keys_them_by_row_id(empty_ds
             "SELECT count(*) FROM outbox_dead_letters WHERE message_id = %s", [SHARED]
         ).fetchall()
         assert count == 2
+
+
+@pytest.mark.parametrize("created_at", ["-infinity", "infinity"])
+def test_status_and_metrics__read_a_table_holding_an_infinite_created_at(
+    settings: Settings, created_at: str
+) -> None:
+    """Item 3 beyond the relay loop: `now() - '-infinity'` is out of range in SQL."""
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (routing_key, created_at) VALUES ('k', %s), ('k', now())",
+            [created_at],
+        )
+    report = status.collect(settings, max_prepared_age=60)
+    assert report["backlog_rows"] == 2
+    store = BatchStore(settings.dsn, settings.table)
+    try:
+        snapshot = store.metrics_snapshot()
+    finally:
+        store.close()
+    assert snapshot["backlog_rows"] == 2
+    assert snapshot["oldest_row_age_seconds"] >= 0
