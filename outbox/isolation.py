@@ -132,5 +132,7 @@ class Suspects:
 
     def clear(self, row_ids: Iterable[int]) -> None:
         """The rows were accepted alone, or their batch committed: forget them."""
+        if not self._entries:
+            return  # the usual case, once per committed batch
         for row_id in row_ids:
             self._entries.pop(row_id, None)

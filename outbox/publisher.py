@@ -35,7 +35,7 @@ import logging
 import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika
 import pika.data
@@ -88,9 +88,9 @@ class Pending:
         return self.outstanding == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Unconfirmed:
-    """One message on the channel, by delivery tag, until its confirm arrives."""
+class Unconfirmed(NamedTuple):
+    """One message on the channel, by delivery tag, until its confirm arrives (a
+    tuple: one is made per message on the hot path)."""
 
     pending: Pending
     delivery: Delivery

@@ -632,13 +632,13 @@ class Relay:
         if len(dead) > batch.dead_recorded:
             try:
                 store.record_dead_letters(dead[batch.dead_recorded :], gid)
-            except DeadLettersUnwritable:
+            except DeadLettersUnwritable as exc:
                 # Known before publishing next time: the retry publishes nothing
                 # until the dead letters can be written.
                 self._dead_letters_failing = True
                 for letter in returned:
                     self.triage.suspects.condemn(letter.row.id, letter.reason)
-                self._roll_back(gid, reason="dead letters refused", accepted=batch.published)
+                self._roll_back(gid, reason=exc.message, accepted=batch.published)
                 raise
             self._dead_letters_failing = False
         if dead:

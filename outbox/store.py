@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import socket
 import uuid
@@ -143,6 +144,11 @@ class _TolerantLoader(Loader):
             return Unloadable(bytes(data).decode("utf-8", "replace"), _first_line(exc))
 
 
+@functools.cache
+def _tolerant(inner: type[Loader]) -> type[Loader]:
+    return type(f"Tolerant{inner.__name__}", (_TolerantLoader,), {"inner": inner})
+
+
 def _tolerant_cursor(conn: Conn) -> psycopg.Cursor[Row]:
     """A cursor on which timestamptz and jsonb values that cannot be loaded come
     back as ``Unloadable`` instead of failing the whole fetch."""
@@ -150,10 +156,8 @@ def _tolerant_cursor(conn: Conn) -> psycopg.Cursor[Row]:
     for type_name in ("timestamptz", "jsonb"):
         info = cur.adapters.types[type_name]
         inner = cur.adapters.get_loader(info.oid, Format.TEXT)
-        if inner is None or issubclass(inner, _TolerantLoader):
-            continue
-        tolerant = type(f"Tolerant{inner.__name__}", (_TolerantLoader,), {"inner": inner})
-        cur.adapters.register_loader(info.oid, tolerant)
+        if inner is not None and not issubclass(inner, _TolerantLoader):
+            cur.adapters.register_loader(info.oid, _tolerant(inner))
     return cur
 
 
