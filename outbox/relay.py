@@ -477,6 +477,8 @@ class Relay:
                 self._sent = batch
             if previous is not None:
                 self._commit(previous)
+            if batch is not None and batch.unpublishable is not None:
+                self._finish_sent()  # nothing was published: roll it back now, back off
             return len(batch.rows) if batch else 0
         except (
             DatabaseUnavailable,
@@ -597,6 +599,7 @@ class Relay:
         gid = batch.gid
         timeout = self.settings.publish_timeout
         if batch.unpublishable is not None:
+            # Nothing was published (``_record_dead_first``): roll back and back off.
             self._roll_back(gid, reason=batch.unpublishable.message, accepted=0)
             raise batch.unpublishable
         deliveries = [

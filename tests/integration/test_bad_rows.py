@@ -21,7 +21,7 @@ from outbox.config import Settings
 from outbox.publisher import Publisher
 from outbox.relay import Relay
 from outbox.store import BatchStore
-from tests.fixtures.faults import prepared_left
+from tests.fixtures.faults import both_modes, prepared_left
 from tests.fixtures.servers import Topology
 from tests.integration.test_relay import relay_drain, remaining_rows
 
@@ -33,6 +33,7 @@ def dead_letter_rows(dsn: str) -> list[dict[str, Any]]:
         return conn.execute("SELECT * FROM outbox_dead_letters ORDER BY id").fetchall()
 
 
+@both_modes
 def test_shared_message_id__each_row_ends_in_its_own_place(
     settings: Settings, topology: Topology
 ) -> None:
@@ -230,6 +231,7 @@ def assert_isolated(settings: Settings, topology: Topology, relay: Relay, code: 
     assert relay.stats.dead_letters == 1
 
 
+@both_modes
 def test_refusal_nobody_foresaw__the_row_is_isolated_and_dead_lettered(
     settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -244,6 +246,7 @@ def test_refusal_nobody_foresaw__the_row_is_isolated_and_dead_lettered(
     assert_isolated(settings, topology, running.relay, "406 PRECONDITION_FAILED")
 
 
+@both_modes
 def test_connection_refused_by_frame_error__the_row_is_isolated_and_dead_lettered(
     settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
