@@ -558,11 +558,11 @@ class Relay:
             first = self.publisher.send(messages[:half])
             self.publisher.confirmed(first, self.settings.publish_timeout)
             self._crash_point("mid_publish")
-            batch.sent = [first, self.publisher.send(messages[half:])]
+            batch.sent += [first, self.publisher.send(messages[half:])]
         elif messages:
             if len(messages) > 1:
                 faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
-            batch.sent = [self.publisher.send(messages)]
+            batch.sent.append(self.publisher.send(messages))
 
     def _send_alone(self, batch: _Batch, suspects: Sequence[OutboxRow]) -> bool:
         """Publish each suspect alone, waiting for its confirm; False at the first

@@ -206,29 +206,31 @@ def test_unloadable_created_at_and_deep_headers__are_dead_letters_naming_the_col
 
 
 def insert_around(dsn: str, exchange: str, bad_headers: str) -> None:
-    """Two good rows, the bad one, two good rows: one batch."""
+    """An unroutable row, two good rows, the bad one, two good rows: one batch."""
     with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO outbox (exchange, routing_key, payload, headers) VALUES "
+            "('', %(nowhere)s, 'unroutable', NULL), "
             "(%(ex)s, 'k', 'good-1', NULL), (%(ex)s, 'k', 'good-2', NULL), "
             f"(%(ex)s, 'k', 'bad', {bad_headers}), "
             "(%(ex)s, 'k', 'good-3', NULL), (%(ex)s, 'k', 'good-4', NULL)",
-            {"ex": exchange},
+            {"ex": exchange, "nowhere": f"nowhere.{uuid.uuid4().hex}"},
         )
 
 
 def assert_isolated(settings: Settings, topology: Topology, relay: Relay, code: str) -> None:
     bodies = Counter(body for _, _, body in topology.messages())
     assert set(bodies) == {b"good-1", b"good-2", b"good-3", b"good-4"}, "every good row arrived"
-    [letter] = dead_letter_rows(settings.dsn)
-    assert bytes(letter["payload"]) == b"bad"
-    assert "refused it 2 times when it was published alone" in letter["reason"]
-    assert code in letter["reason"]
+    [unroutable, bad] = dead_letter_rows(settings.dsn)
+    assert bytes(unroutable["payload"]) == b"unroutable" and "312 NO_ROUTE" in unroutable["reason"]
+    assert bytes(bad["payload"]) == b"bad"
+    assert "refused it 2 times when it was published alone" in bad["reason"]
+    assert code in bad["reason"]
     # One refused batch, then two refusals of the bad row alone: it converges.
     assert relay.stats.batches_rolled_back == 3
     duplicates = sum(n - 1 for n in bodies.values())
     assert duplicates <= relay.stats.duplicates_possible, "every re-send is counted"
-    assert relay.stats.dead_letters == 1
+    assert relay.stats.dead_letters == 2
 
 
 @both_modes
