@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import click
 
-from outbox import migrate, redaction, store, urls
+from outbox import migrate, privileges, redaction, store, urls
 from outbox.config import DAY, DEFAULT_AMQP_URL, DEFAULT_DSN, LIMITS, Settings
 from outbox.errors import ExitCode, OutboxError
 from outbox.events import configure, emit, json_line
@@ -380,6 +380,7 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
         migrate.refuse_newer(
             migrate.current_version(batch_store.conn, settings.table), settings.table
         )
+        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
         results = resolve_pass(batch_store, settings, dry_run=dry_run)
     finally:
         batch_store.close()
@@ -448,7 +449,7 @@ def _dead_letter_store(options: dict[str, Any]) -> store.DeadLetterStore:
     return open_store(_settings(**options))
 
 
-def _message_ids(texts: Sequence[str]) -> list[Any]:
+def _message_ids(texts: Sequence[str]) -> Any:
     from outbox.deadletters import parse_ids
 
     try:
@@ -493,22 +494,27 @@ def dead_letters_list(
 def dead_letters_retry(
     everything: bool, message_ids: tuple[str, ...], log_level: str, log_format: str, **options: Any
 ) -> None:
-    """Put dead letters back into the outbox (same message_id) once the cause is fixed.
+    """Put dead letters back into the outbox (same row id and message_id) once the cause
+    is fixed.  A MESSAGE_ID selects every row carrying it; a number selects one row id.
 
-    Exits 1 if a given MESSAGE_ID is not a dead letter.
+    Exits 1 if a given MESSAGE_ID or row id is not a dead letter.
     """
     if everything == bool(message_ids):
-        raise click.UsageError("give either --all or one or more MESSAGE_IDs")
-    ids = None if everything else _message_ids(message_ids)
+        raise click.UsageError("give either --all or one or more MESSAGE_IDs (or row ids)")
+    selection = _message_ids(message_ids)
     dl_store = _dead_letter_store(options)
     try:
-        moved = dl_store.retry(ids)
+        moved = dl_store.retry(
+            everything=everything,
+            message_ids=selection.message_ids,
+            row_ids=selection.row_ids,
+        )
     finally:
         dl_store.close()
     click.echo(f"{len(moved)} dead letters moved back to the outbox")
-    missing = sorted(set(ids or []) - set(moved), key=str)
+    missing = selection.not_found(moved)
     if missing:
-        click.echo("not dead letters: " + " ".join(map(str, missing)), err=True)
+        click.echo("not dead letters: " + " ".join(missing), err=True)
         sys.exit(int(ExitCode.FAILURE))
 
 
@@ -533,10 +539,11 @@ def dead_letters_purge(
     log_format: str,
     **options: Any,
 ) -> None:
-    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs.
+    """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs (every
+    row carrying the id) or row ids.
 
-    Exits 1 if a given MESSAGE_ID was not purged (not a dead letter, or younger
-    than --older-than).
+    Exits 1 if a given id was not purged (not a dead letter, or younger than
+    --older-than).
     """
     from outbox.deadletters import parse_age
 
@@ -544,18 +551,26 @@ def dead_letters_purge(
         raise click.UsageError("give --all or MESSAGE_IDs, not both")
     if not (everything or message_ids or older_than):
         raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
-    age = parse_age(older_than) if older_than else None
-    ids = _message_ids(message_ids) if message_ids else None
+    try:
+        age = parse_age(older_than) if older_than else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    selection = _message_ids(message_ids)
     dl_store = _dead_letter_store(options)
     try:
-        purged = dl_store.purge(ids, age)
+        purged = dl_store.purge(
+            everything=not message_ids,
+            message_ids=selection.message_ids,
+            row_ids=selection.row_ids,
+            older_than=age,
+        )
     finally:
         dl_store.close()
     click.echo(f"{len(purged)} dead letters purged")
-    missing = sorted(set(ids or []) - set(purged), key=str)
+    missing = selection.not_found(purged)
     if missing:
         why = "not dead letters" if age is None else "not dead letters, or younger than that"
-        click.echo(f"{why}: " + " ".join(map(str, missing)), err=True)
+        click.echo(f"{why}: " + " ".join(missing), err=True)
         sys.exit(int(ExitCode.FAILURE))
 
 

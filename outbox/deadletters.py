@@ -1,13 +1,16 @@
 """``outbox dead-letters``: look at, retry and purge rows that could not be published.
 
 A dead letter keeps everything needed to publish it again (destination, payload,
-headers, the original ``message_id`` and ``created_at``) plus why it failed.
-``retry`` moves rows back into the outbox in one statement, so a row is always in
-exactly one of the two tables; consumers see the original ``message_id``.
+headers, the original row ``id``, ``message_id`` and ``created_at``) plus why it
+failed.  ``retry`` moves rows back into the outbox in one statement, so a row is
+always in exactly one of the two tables; consumers see the original
+``message_id``.  Dead letters are selected by ``message_id`` (every row carrying
+it: rows may share one) or by row id.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Sequence
@@ -28,26 +31,50 @@ def parse_age(text: str) -> float:
     return float(match[1]) * _UNIT_SECONDS[match[2].lower()]
 
 
-def parse_ids(texts: Sequence[str]) -> list[uuid.UUID]:
-    ids = []
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The dead letters named on the command line: by message_id and by row id."""
+
+    message_ids: tuple[uuid.UUID, ...] = ()
+    row_ids: tuple[int, ...] = ()
+
+    def not_found(self, touched: Sequence[dict[str, Any]]) -> list[str]:
+        """The names that matched no dead letter among ``touched`` (id, message_id)."""
+        messages = {r["message_id"] for r in touched}
+        rows = {r["id"] for r in touched}
+        return [str(m) for m in self.message_ids if m not in messages] + [
+            str(r) for r in self.row_ids if r not in rows
+        ]
+
+
+def parse_ids(texts: Sequence[str]) -> Selection:
+    """Each text is a message id (a UUID) or an outbox row id (a whole number)."""
+    message_ids: list[uuid.UUID] = []
+    row_ids: list[int] = []
     for text in texts:
+        if text.strip().isdigit():
+            row_ids.append(int(text))
+            continue
         try:
-            ids.append(uuid.UUID(text))
+            message_ids.append(uuid.UUID(text))
         except ValueError:
-            raise ValueError(f"{text!r} is not a message id (a UUID)") from None
-    return ids
+            raise ValueError(
+                f"{text!r} is not a message id (a UUID) or a row id (a whole number)"
+            ) from None
+    return Selection(tuple(message_ids), tuple(row_ids))
 
 
 def as_dict(row: dict[str, Any]) -> dict[str, Any]:
     """A dead letter as JSON-ready data (the payload itself stays in the database)."""
     return {
+        "id": row["id"],
         "message_id": str(row["message_id"]),
         "exchange": row["exchange"],
         "routing_key": row["routing_key"],
         "reason": row["reason"],
         "attempts": row["attempts"],
         "failed_at": row["failed_at"].isoformat(),
-        "created_at": row["created_at"].isoformat(),
+        "created_at": row["created_at"],  # as PostgreSQL prints it: may be 'infinity'
         "gid": row["gid"],
         "content_type": row["content_type"],
         "payload_bytes": row["payload_bytes"],
@@ -60,7 +87,8 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     lines = []
     for row in rows:
         lines.append(
-            f"{row['message_id']}  failed {row['failed_at']:%Y-%m-%d %H:%M:%S%z}  "
+            f"{row['message_id']}  row {row['id']}  "
+            f"failed {row['failed_at']:%Y-%m-%d %H:%M:%S%z}  "
             f"attempts={row['attempts']}  to exchange={row['exchange']!r} "
             f"routing_key={row['routing_key'][:80]!r}  {row['payload_bytes']} bytes"
         )

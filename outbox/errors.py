@@ -22,7 +22,8 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1  # unexpected error, or ``status`` found something needing attention
     USAGE = 2  # bad command line (click's own code)
     UNREACHABLE = 3  # PostgreSQL or RabbitMQ cannot be reached
-    NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old
+    NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old,
+    # or a privilege missing
     SCHEMA_TOO_NEW = 5  # the schema was migrated by a newer outbox-relay than this one
 
 
@@ -75,6 +76,17 @@ class InvalidSetting(OutboxError):
     """A setting that cannot work, found only when it is used (e.g. an unreadable CA file)."""
 
     exit_code = ExitCode.USAGE
+
+
+class MissingPrivileges(OutboxError):
+    """The database role lacks a privilege the command needs (the hint has the GRANT)."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+class DeadLettersUnwritable(DatabaseUnavailable):
+    """PostgreSQL refused to record dead letters (e.g. a revoked INSERT): the batch is
+    rolled back and the relay backs off, as for an outage."""
 
 
 class PreparedSlotsExhausted(OutboxError):

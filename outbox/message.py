@@ -3,6 +3,8 @@
 ``problem_with`` is pure: it says why a row can never be published (it becomes a
 dead letter) or returns None.  Only conditions that retrying cannot fix belong
 here; a broker that is down or blocked is never a reason to dead-letter a row.
+It never raises, whatever the row holds: a relay must not stop because of a
+row's content.
 """
 
 from __future__ import annotations
@@ -11,10 +13,30 @@ import dataclasses
 import datetime
 import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 # AMQP 0-9-1 short strings (exchange, routing key, content type) are at most 255 bytes.
 SHORTSTR_MAX = 255
+# Deepest nesting of header tables and arrays we publish.  pika's encoder (and the
+# checks below) recurse once or twice per level: far deeper than any real header
+# and far from Python's recursion limit.
+MAX_HEADER_DEPTH = 100
+# Headers RabbitMQ reads as extra routing keys (sender-selected distribution); any
+# other type than an array makes it close the channel (406 PRECONDITION_FAILED).
+SENDER_SELECTED = ("CC", "BCC")
+# AMQP timestamps are unsigned seconds since 1970.
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unloadable:
+    """A column value the driver could not turn into a Python value (``'infinity'``
+    as a timestamp, JSON nested past Python's recursion limit): PostgreSQL's text
+    of it, kept so that the dead letter stores the original."""
+
+    text: str
+    error: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +51,30 @@ class OutboxRow:
     headers: dict[str, Any] | None
     content_type: str | None
     created_at: datetime.datetime
+    # Columns that could not be loaded (their field above holds a placeholder):
+    # such a row is a dead letter naming the column.
+    unloadable: Mapping[str, Unloadable] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class DeadLetter:
     row: OutboxRow
     reason: str
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply JSON arrays and objects nest (iterative: any depth is safe)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_HEADER_DEPTH:
+                break
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _header_problem(value: Any, path: str) -> str | None:
@@ -69,6 +109,16 @@ def _header_problem(value: Any, path: str) -> str | None:
 
 def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
     """The reason ``row`` can never be published, or None if it may be."""
+    if row.unloadable:
+        column, unloaded = next(iter(row.unloadable.items()))
+        value = _clip(unloaded.text)
+        detail = "" if value in unloaded.error else f" (value {value!r})"
+        return f"{column} cannot be loaded: {unloaded.error}{detail}"
+    if row.created_at < EPOCH:
+        return (
+            f"created_at {row.created_at.isoformat()} is before 1970: an AMQP timestamp "
+            "counts seconds since 1970 and cannot be negative"
+        )
     for field, value in (
         ("exchange", row.exchange),
         ("routing_key", row.routing_key),
@@ -85,10 +135,22 @@ def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
     if row.headers is not None:
         if not isinstance(row.headers, dict):
             return "headers must be a JSON object"
+        if _nesting_depth(row.headers) > MAX_HEADER_DEPTH:
+            return f"headers nest deeper than {MAX_HEADER_DEPTH} levels"
+        for name in SENDER_SELECTED:
+            if name in row.headers and not isinstance(row.headers[name], list):
+                return (
+                    f"header {name} must be an array: RabbitMQ routes a message to the "
+                    f"routing keys in CC and BCC too, and closes the channel otherwise"
+                )
         problem = _header_problem(row.headers, "headers")
         if problem:
             return problem
     return None
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 @dataclasses.dataclass(frozen=True)

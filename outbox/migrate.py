@@ -16,7 +16,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import tuple_row
 
-from outbox.errors import SchemaNotReady, SchemaTooNew
+from outbox import privileges
+from outbox.errors import MissingPrivileges, SchemaNotReady, SchemaTooNew
 from outbox.queries import table_identifiers
 
 # Advisory-lock class of migrations; distinct from gid.LOCK_CLASS (relay liveness).
@@ -120,7 +121,22 @@ def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, i
     """Apply the missing migrations; returns (version before, version after).
 
     Refuses (``SchemaTooNew``) a schema newer than this code, changing nothing.
+    An up-to-date schema is left alone, so any role that may read the version
+    table may run ``outbox init``; changing the schema takes the right to create
+    tables in the schema and ownership of the existing ones (``MissingPrivileges``
+    names them otherwise).
     """
+    try:
+        return _migrate(conn, table)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        text = str(exc).strip().splitlines()[0]
+        raise MissingPrivileges(
+            f"PostgreSQL refused the schema change: {text}",
+            "run `outbox init` as the owner of the outbox tables (README.md, 'Privileges')",
+        ) from exc
+
+
+def _migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, int]:
     with conn.transaction():
         conn.execute(
             "SELECT pg_advisory_xact_lock(%s, %s)",
@@ -128,6 +144,9 @@ def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, i
         )
         before = current_version(conn, table)
         refuse_newer(before, table)
+        if before is not None and before >= LATEST_VERSION:
+            return before, LATEST_VERSION
+        _check_may_migrate(conn, table)
         conn.execute(_version_table_sql(table))
         for migration in migrations():
             if before is not None and migration.version <= before:
@@ -140,3 +159,40 @@ def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, i
                 [migration.version, migration.name],
             )
     return before, LATEST_VERSION
+
+
+def _check_may_migrate(conn: psycopg.Connection[object], table: str) -> None:
+    """Raise ``MissingPrivileges`` unless this role may create the tables in its
+    schema and owns (or is a member of the owner of) those that exist."""
+    names = [
+        privileges.table_name(table, role)
+        for role in (
+            privileges.OUTBOX,
+            privileges.RELAYS,
+            privileges.DEAD_LETTERS,
+            privileges.SCHEMA_VERSION,
+        )
+    ]
+    cur = conn.cursor(row_factory=tuple_row)
+    row = cur.execute(
+        "SELECT current_user, current_schema(),"
+        " coalesce(has_schema_privilege(current_schema(), 'CREATE'), false),"
+        " array(SELECT c.relname::text FROM pg_class c"
+        "       WHERE c.oid = ANY(array(SELECT to_regclass(n) FROM unnest(%s::text[]) n))"
+        "         AND NOT pg_has_role(c.relowner, 'USAGE') ORDER BY 1)",
+        [names],
+    ).fetchone()
+    assert row is not None
+    role, schema, may_create, not_owned = row
+    if not may_create:
+        raise MissingPrivileges(
+            f"the database role {role!r} may not create tables in schema {schema!r}",
+            f"as its owner, run: GRANT CREATE ON SCHEMA {schema} TO "
+            f"{privileges.quote_role(role)}; or run `outbox init` as the tables' owner",
+        )
+    if not_owned:
+        raise MissingPrivileges(
+            f"the database role {role!r} does not own {', '.join(not_owned)}: "
+            "upgrading the schema alters them",
+            "run `outbox init` as their owner",
+        )

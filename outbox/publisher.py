@@ -16,6 +16,12 @@ the write); before that it is in doubt.
 A channel closed by the broker (404 missing exchange, 406 message too large)
 leaves every unconfirmed message in doubt (``Outcome.UNKNOWN``); the next batch
 opens a fresh channel.
+
+Bookkeeping never keys on ``message_id``: rows may share one.  A confirm names
+its delivery tag; a ``basic.return`` names no tag, but the broker returns
+unroutable messages in publish order, each before its own ack, so a return
+belongs to the first unconfirmed message after the previous return whose
+exchange, routing key, message id and body it carries (``match_return``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import ssl
 import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika
 import pika.data
@@ -67,6 +73,9 @@ class Message:
 class Delivery:
     outcome: Outcome = Outcome.UNKNOWN
     reason: str = ""
+    # Written to the socket: an UNKNOWN outcome then means "maybe on the broker",
+    # which a rollback turns into a possible duplicate.
+    sent: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,12 +83,54 @@ class Pending:
     """Messages handed to the broker by ``send`` whose confirms may still be due."""
 
     deliveries: list[Delivery]
-    by_message_id: dict[str, list[Delivery]] = dataclasses.field(default_factory=dict)
     outstanding: int = 0  # sent and neither confirmed nor given up
 
     @property
     def settled(self) -> bool:
         return self.outstanding == 0
+
+
+class Unconfirmed(NamedTuple):
+    """One message on the channel, by delivery tag, until its confirm arrives (a
+    tuple: one is made per message on the hot path)."""
+
+    pending: Pending
+    delivery: Delivery
+    message: Message
+
+
+def match_return(
+    unconfirmed: Mapping[int, Unconfirmed],
+    after_tag: int,
+    exchange: str,
+    routing_key: str,
+    message_id: str | None,
+    body: bytes,
+) -> int | None:
+    """The delivery tag a ``basic.return`` belongs to, or None.
+
+    The broker handles a channel's publishes in order and returns an unroutable
+    one at once, before its ack, so returns arrive in publish order: the message
+    is the first unconfirmed one after the previously returned tag that carries
+    the same exchange, routing key, message id and body.  Rows sharing a
+    ``message_id`` are told apart by position, never merged.  Only two messages
+    identical in all four, one routed and one not (a binding changed between two
+    publishes), could be swapped, and their contents are the same.
+    """
+    for tag, entry in unconfirmed.items():
+        if tag <= after_tag:
+            continue
+        message = entry.message
+        if (
+            entry.delivery.outcome is Outcome.UNKNOWN
+            and not entry.delivery.reason
+            and message.exchange == exchange
+            and message.routing_key == routing_key
+            and message.message_id == message_id
+            and message.body == body
+        ):
+            return tag
+    return None
 
 
 # -- frames, encoded by hand -----------------------------------------------------
@@ -111,8 +162,32 @@ def _frame(kind: int, channel: int, payload: bytes) -> bytes:
     return struct.pack(">BHI", kind, channel, len(payload)) + payload + _FRAME_END
 
 
-def encode_publish(channel: int, message: Message, *, mandatory: bool, body_max: int) -> bytes:
-    """The frames of one persistent ``basic.publish`` (method, header, body)."""
+class FrameTooLarge(ValueError):
+    """The properties (headers included) do not fit in one frame of the connection."""
+
+
+def amqp_timestamp(moment: datetime.datetime) -> int:
+    """Seconds since 1970 as AMQP carries them (unsigned 64 bits), or ValueError."""
+    seconds = int(moment.timestamp())
+    if seconds < 0:
+        raise ValueError(f"timestamp {moment.isoformat()} is before 1970")
+    return seconds
+
+
+def encode_publish(
+    channel: int,
+    message: Message,
+    *,
+    mandatory: bool,
+    body_max: int,
+    frame_max: int | None = None,
+) -> bytes:
+    """The frames of one persistent ``basic.publish`` (method, header, body).
+
+    Properties and headers travel in one content-header frame: one larger than
+    the connection's ``frame_max`` makes the broker close the whole connection
+    (501 FRAME_ERROR), so it raises ``FrameTooLarge`` instead.
+    """
     method = _frame(
         1,
         channel,
@@ -135,9 +210,14 @@ def encode_publish(channel: int, message: Message, *, mandatory: bool, body_max:
     props.append(_short_string(message.message_id))
     if message.timestamp is not None:
         flags |= _FLAG_TIMESTAMP
-        props.append(struct.pack(">Q", int(message.timestamp.timestamp())))
+        props.append(struct.pack(">Q", amqp_timestamp(message.timestamp)))
     body = message.body
     header = _frame(2, channel, struct.pack(">HHQH", 60, 0, len(body), flags) + b"".join(props))
+    if frame_max is not None and len(header) > frame_max:
+        raise FrameTooLarge(
+            f"properties and headers need a frame of {len(header)} bytes, more than the "
+            f"broker's frame_max ({frame_max}); AMQP sends them in one frame"
+        )
     frames = [method, header]
     for start in range(0, len(body), body_max):
         frames.append(_frame(3, channel, body[start : start + body_max]))
@@ -199,11 +279,9 @@ class Publisher:
         self._failure: str | None = None
         self._channel_closed: str | None = None
         self._next_tag = 1
-        # delivery tag → (its batch, its delivery); several batches may be in flight.
-        self._unconfirmed: collections.OrderedDict[int, tuple[Pending, Delivery]] = (
-            collections.OrderedDict()
-        )
-        self._pending: list[Pending] = []
+        # Several batches may be in flight on the channel, in delivery-tag order.
+        self._unconfirmed: collections.OrderedDict[int, Unconfirmed] = collections.OrderedDict()
+        self._last_returned_tag = 0
         self._done: Callable[[], bool] | None = None
         self.blocked = False
 
@@ -301,6 +379,7 @@ class Publisher:
         self._channel = state["channel"]
         self._give_up_unconfirmed("channel replaced before its confirms arrived")
         self._next_tag = 1
+        self._last_returned_tag = 0
 
     def _confirming(self, state: dict[str, Any]) -> None:
         state["confirming"] = True
@@ -316,12 +395,11 @@ class Publisher:
 
     def _give_up_unconfirmed(self, reason: str) -> None:
         """Every unconfirmed message is in doubt from now on (``Outcome.UNKNOWN``)."""
-        for pending, delivery in self._unconfirmed.values():
-            if not delivery.reason:
-                delivery.reason = reason
-            pending.outstanding -= 1
+        for entry in self._unconfirmed.values():
+            if not entry.delivery.reason:
+                entry.delivery.reason = reason
+            entry.pending.outstanding -= 1
         self._unconfirmed.clear()
-        self._pending = [p for p in self._pending if not p.settled]
 
     def close(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
@@ -336,6 +414,14 @@ class Publisher:
             log.debug("broker.close_failed", exc_info=True)
         finally:
             self._conn = None
+
+    @property
+    def frame_max(self) -> int | None:
+        """The largest frame the broker accepts on this connection (negotiated at
+        connection.tune; pika keeps it in the connection's public ``params``)."""
+        if self._conn is None or not self._opened:
+            return None
+        return int(self._conn.params.frame_max)
 
     # -- publishing ------------------------------------------------------------
     def publish(self, messages: Sequence[Message], timeout: float) -> list[Delivery]:
@@ -361,16 +447,28 @@ class Publisher:
         conn = self._conn
         assert conn is not None
         pending = Pending([Delivery() for _ in messages])
-        self._pending = [p for p in self._pending if not p.settled]
-        self._pending.append(pending)
         number, body_max = channel.channel_number, conn._body_max_length
+        frame_max = self.frame_max
         chunk: list[bytes] = []
         chunk_indexes: list[int] = []
         size = 0
         for index, message in enumerate(messages):
             try:
-                data = encode_publish(number, message, mandatory=True, body_max=body_max)
-            except (pika.exceptions.AMQPError, ValueError, TypeError, struct.error) as exc:
+                data = encode_publish(
+                    number, message, mandatory=True, body_max=body_max, frame_max=frame_max
+                )
+            except FrameTooLarge as exc:
+                pending.deliveries[index].outcome = Outcome.REJECTED
+                pending.deliveries[index].reason = str(exc)
+                continue
+            except (
+                pika.exceptions.AMQPError,
+                ValueError,
+                TypeError,
+                OverflowError,
+                RecursionError,
+                struct.error,
+            ) as exc:
                 # A value AMQP cannot carry (nothing was sent): this message can never
                 # be published, the others go on.
                 pending.deliveries[index].outcome = Outcome.REJECTED
@@ -432,9 +530,9 @@ class Publisher:
             return False
         for index in indexes:
             delivery = pending.deliveries[index]
-            self._unconfirmed[self._next_tag] = (pending, delivery)
+            delivery.sent = True
+            self._unconfirmed[self._next_tag] = Unconfirmed(pending, delivery, messages[index])
             self._next_tag += 1
-            pending.by_message_id.setdefault(messages[index].message_id, []).append(delivery)
         pending.outstanding += len(indexes)
         # pika's own path (Connection._send_message) ends in this call, once per
         # frame; we make it once per run of messages.
@@ -462,7 +560,8 @@ class Publisher:
         else:
             tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
         for tag in tags:
-            pending, delivery = self._unconfirmed.pop(tag)
+            entry = self._unconfirmed.pop(tag)
+            pending, delivery = entry.pending, entry.delivery
             pending.outstanding -= 1
             if not accepted:
                 delivery.outcome = Outcome.NACKED
@@ -471,22 +570,24 @@ class Publisher:
                 delivery.outcome = Outcome.ACCEPTED
         self._poke()
 
-    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
-        # basic.return precedes the message's ack; mark the oldest unconfirmed
-        # delivery with this message id.
-        candidates = (
-            delivery
-            for pending in self._pending
-            for delivery in pending.by_message_id.get(properties.message_id, [])
+    def _on_return(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        tag = match_return(
+            self._unconfirmed,
+            self._last_returned_tag,
+            method.exchange,
+            method.routing_key,
+            properties.message_id,
+            body,
         )
-        for delivery in candidates:
-            if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
-                delivery.outcome = Outcome.RETURNED
-                delivery.reason = (
-                    f"unroutable: exchange {method.exchange!r} has no queue bound for "
-                    f"routing key {method.routing_key!r} ({method.reply_code} {method.reply_text})"
-                )
-                break
+        if tag is None:
+            return  # a late return for a message already given up: it stays in doubt
+        self._last_returned_tag = tag
+        delivery = self._unconfirmed[tag].delivery
+        delivery.outcome = Outcome.RETURNED
+        delivery.reason = (
+            f"unroutable: exchange {method.exchange!r} has no queue bound for "
+            f"routing key {method.routing_key!r} ({method.reply_code} {method.reply_text})"
+        )
 
     # -- topology --------------------------------------------------------------
     def exchange_exists(self, name: str) -> bool:

@@ -29,6 +29,8 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "outbox": sql.Identifier(table),
         "relays": sql.Identifier(f"{table}_relays"),
         "dead_letters": sql.Identifier(f"{table}_dead_letters"),
+        "dead_letters_pkey": sql.Identifier(f"{table}_dead_letters_pkey"),
+        "dead_letters_message_id": sql.Identifier(f"{table}_dead_letters_message_id"),
         "schema_version": sql.Identifier(f"{table}_schema_version"),
         "notify_function": sql.Identifier(f"{table}_notify"),
         "notify_trigger": sql.Identifier(f"{table}_notify"),

@@ -36,12 +36,18 @@ RETURNING id, message_id, exchange, routing_key, payload, headers, content_type,
 SELECT EXISTS (SELECT 1 FROM {outbox} FOR UPDATE SKIP LOCKED) AS claimable
 
 -- record_dead_letters --
+-- Keyed by the outbox row's id: rows sharing a message_id stay separate dead
+-- letters.  A conflict is the same row dead-lettered again after its batch was
+-- rolled back (it was then in both tables for a moment).  created_at and headers
+-- may arrive as the text PostgreSQL sent (values Python cannot hold, such as
+-- 'infinity'): the server parses them back into the same value.
 INSERT INTO {dead_letters}
-    (message_id, exchange, routing_key, payload, headers, content_type, created_at, reason, gid)
+    (id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+     reason, gid)
 VALUES
-    (%(message_id)s, %(exchange)s, %(routing_key)s, %(payload)s, %(headers)s,
-     %(content_type)s, %(created_at)s, %(reason)s, %(gid)s)
-ON CONFLICT (message_id) DO UPDATE
+    (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(payload)s, %(headers)s::jsonb,
+     %(content_type)s, %(created_at)s::timestamptz, %(reason)s, %(gid)s)
+ON CONFLICT (id) DO UPDATE
 SET reason = EXCLUDED.reason, gid = EXCLUDED.gid, failed_at = now(),
     attempts = {dead_letters}.attempts + 1
 
@@ -129,40 +135,51 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
       SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
 
 -- backlog --
+-- An application may commit created_at = '-infinity' (the relay dead-letters such a
+-- row); subtracting it is out of range, so ages skip non-finite timestamps.
 SELECT count(*) AS rows,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_age_seconds
+       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE isfinite(created_at))),
+                0)::float8 AS oldest_age_seconds
 FROM {outbox}
 
 -- dead_letter_count --
 SELECT count(*) AS dead_letters FROM {dead_letters}
 
 -- list_dead_letters --
-SELECT message_id, exchange, routing_key, reason, attempts, gid, content_type,
-       octet_length(payload) AS payload_bytes, created_at, failed_at
+-- created_at as text: a dead letter may hold a value Python cannot (infinity).
+SELECT id, message_id, exchange, routing_key, reason, attempts, gid, content_type,
+       octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at
 FROM {dead_letters}
-ORDER BY failed_at, message_id
+ORDER BY failed_at, id
 LIMIT %(limit)s
 
 -- retry_dead_letters --
 -- One statement, so one transaction: a dead letter is either still here or back in
--- the outbox (same message_id, original created_at), never both and never neither.
--- The insert fires the wake-up trigger, so idle relays pick the rows up at once.
+-- the outbox (same row id, message_id and created_at), never both and never neither.
+-- A row dead-lettered by a batch that was then rolled back is in both tables: the
+-- retry only drops the dead letter (ON CONFLICT DO NOTHING).  Selected by
+-- message_id (every row carrying it) or by row id.  The insert fires the wake-up
+-- trigger, so idle relays pick the rows up at once.
 WITH moved AS (
     DELETE FROM {dead_letters}
-    WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[])
-    RETURNING message_id, exchange, routing_key, payload, headers, content_type, created_at
+    WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[])
+    RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+), restored AS (
+    INSERT INTO {outbox}
+        (id, message_id, exchange, routing_key, payload, headers, content_type, created_at)
+    OVERRIDING SYSTEM VALUE
+    SELECT id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+    FROM moved
+    ON CONFLICT (id) DO NOTHING
 )
-INSERT INTO {outbox} (message_id, exchange, routing_key, payload, headers, content_type, created_at)
-SELECT message_id, exchange, routing_key, payload, headers, content_type, created_at
-FROM moved
-RETURNING message_id
+SELECT id, message_id FROM moved
 
 -- purge_dead_letters --
 DELETE FROM {dead_letters}
-WHERE (%(all)s OR message_id = ANY(%(ids)s::uuid[]))
+WHERE (%(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[]))
   AND (%(older_than)s::float8 IS NULL
        OR failed_at < now() - make_interval(secs => %(older_than)s::float8))
-RETURNING message_id
+RETURNING id, message_id
 
 -- metrics_snapshot --
 -- Everything the metrics endpoint reads from the database, in one round trip.  The
@@ -170,7 +187,8 @@ RETURNING message_id
 -- not by scanning created_at.
 SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
        coalesce((SELECT extract(epoch FROM now() - created_at)
-                 FROM {outbox} ORDER BY id LIMIT 1), 0)::float8 AS oldest_row_age_seconds,
+                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+                0)::float8 AS oldest_row_age_seconds,
        (SELECT count(*) FROM pg_prepared_xacts
         WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
        coalesce((SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts
@@ -184,3 +202,13 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
          AND l.classid = %(lock_class)s::int::oid
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
+
+-- table_privileges --
+-- Which of the (table, privilege) pairs the current role holds.  A table that does
+-- not exist (or is not visible) comes back as not present: the schema check says so.
+SELECT wanted.name AS table_name, wanted.privilege,
+       to_regclass(wanted.name) IS NOT NULL AS present,
+       coalesce(has_table_privilege(to_regclass(wanted.name), wanted.privilege), false)
+           AS granted,
+       current_user AS role
+FROM unnest(%(tables)s::text[], %(privileges)s::text[]) AS wanted(name, privilege)

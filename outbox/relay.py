@@ -75,8 +75,14 @@ wake-up session (LISTEN and the fallback poll).
 Transient failures (broker down or blocked, nack, confirm timeout, database
 restart) roll the batch back when possible and retry with backoff; they never
 dead-letter a row.  Rows that can never be published (``triage.Triage``: bad
-names, sizes or headers, a missing exchange, a refusal learnt from the broker; and
-unroutable returns) become dead letters in the same pass.
+names, sizes or headers, values that cannot be loaded, a missing exchange, a
+refusal learnt from the broker; and unroutable returns) become dead letters in
+the same pass.  A refusal nobody foresaw (the broker closes the channel or the
+connection because of what was published) makes the rows it left in doubt
+suspects, published one at a time until the culprit is refused alone and
+dead-lettered (``isolation.Suspects``).  A dead-letter write that PostgreSQL
+refuses rolls the batch back and backs off; until a write succeeds, known dead
+letters are recorded before anything is published.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ from outbox.durations import Durations
 from outbox.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
+    DeadLettersUnwritable,
+    MissingPrivileges,
     OutboxError,
     OutcomeUnknown,
     PreparedSlotsExhausted,
@@ -124,7 +132,8 @@ class Stats:
     messages_published: int = 0
     dead_letters: int = 0
     reconnects: int = 0
-    duplicates_possible: int = 0  # messages accepted in batches that were then rolled back
+    # Messages accepted, or sent and never confirmed, in batches then rolled back.
+    duplicates_possible: int = 0
     batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches
     claim_seconds: Durations = dataclasses.field(default_factory=Durations)  # every claim
     slowest_claim: float = 0.0  # seconds
@@ -155,6 +164,9 @@ class _Batch:
     ledger: Pending | None = None
     published: int = 0
     interrupted: bool = False  # a failure cut the step that was to finish it
+    isolated: bool = False  # a suspect published alone was refused: it names the row
+    dead_recorded: int = 0  # dead letters recorded before publishing
+    unpublishable: OutboxError | None = None  # why nothing was published: roll back
 
 
 def survives_failure(error: OutboxError) -> bool:
@@ -233,6 +245,7 @@ class Relay:
         self._next_resolve = 0.0
         self._failures = 0
         self._ledger_doubtful = False  # the last ledger write failed
+        self._dead_letters_failing = False  # the last dead-letter write was refused
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -364,14 +377,21 @@ class Relay:
                     if drain and self._drained():
                         break
                     self._wait_for_work()
-                except (DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown) as exc:
+                except (
+                    DatabaseUnavailable,
+                    BrokerUnavailable,
+                    OutcomeUnknown,
+                    MissingPrivileges,  # revoked while running: back off until granted
+                ) as exc:
                     self.stats.last_error = exc.message
                     self._reconnect(exc)
                 except PreparedSlotsExhausted as exc:
                     self.stats.last_error = exc.message
                     emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
                     self._reconnect(exc)
-            with contextlib.suppress(DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown):
+            with contextlib.suppress(
+                DatabaseUnavailable, BrokerUnavailable, OutcomeUnknown, MissingPrivileges
+            ):
                 try:
                     self._finish_sent()  # stopping: finish the batch in flight, claim no more
                 finally:
@@ -482,12 +502,15 @@ class Relay:
                 self._sent = batch
             if previous is not None:
                 self._commit(previous)
+            if batch is not None and batch.unpublishable is not None:
+                self._finish_sent()  # nothing was published: roll it back now, back off
             return len(batch.rows) if batch else 0
         except (
             DatabaseUnavailable,
             BrokerUnavailable,
             OutcomeUnknown,
             PreparedSlotsExhausted,
+            MissingPrivileges,
         ) as exc:
             self._give_up_open_batches(keep=self._sent if survives_failure(exc) else None)
             raise
@@ -550,19 +573,59 @@ class Relay:
             emit(log, "claim.slow", logging.WARNING, ms=f"{seconds * 1000:.0f}", rows=rows)
 
     def _send(self, batch: _Batch) -> None:
-        """Publish the batch's messages without waiting ("some messages published")."""
-        batch.dead, batch.good = self.triage.sort_out(batch.rows)
-        messages = [to_message(r) for r in batch.good]
+        """Publish the batch's messages without waiting ("some messages published").
+
+        Suspects go first, one at a time (``_send_alone``).  While dead-letter
+        writes are refused, the dead letters known before publishing are recorded
+        first, and nothing is published if that fails: a table the relay may not
+        write costs no further duplicates.
+        """
+        batch.dead, good = self.triage.sort_out(batch.rows)
+        if self._dead_letters_failing and batch.dead and not self._record_dead_first(batch):
+            return
+        suspects, others = self.triage.isolate(good)
+        batch.good = suspects + others
+        if suspects and not self._send_alone(batch, suspects):
+            return
+        messages = [to_message(r) for r in others]
         if faults.armed("mid_publish") and len(messages) > 1:
             half = len(messages) // 2
             first = self.publisher.send(messages[:half])
             self.publisher.confirmed(first, self.settings.publish_timeout)
             self._crash_point("mid_publish")
-            batch.sent = [first, self.publisher.send(messages[half:])]
+            batch.sent += [first, self.publisher.send(messages[half:])]
         elif messages:
             if len(messages) > 1:
                 faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
-            batch.sent = [self.publisher.send(messages)]
+            batch.sent.append(self.publisher.send(messages))
+
+    def _send_alone(self, batch: _Batch, suspects: Sequence[OutboxRow]) -> bool:
+        """Publish each suspect alone, waiting for its confirm; False at the first
+        failure, which then names its row (``isolation.Suspects``)."""
+        timeout = self.settings.publish_timeout
+        # Nothing else may be in flight when a refusal closes the channel.
+        self.publisher.wait_for_confirms(timeout)
+        for row in suspects:
+            pending = self.publisher.send([to_message(row)])
+            batch.sent.append(pending)
+            [delivery] = self.publisher.confirmed(pending, timeout)
+            if delivery.outcome in (Outcome.NACKED, Outcome.UNKNOWN):
+                batch.isolated = True
+                return False
+            self.triage.suspects.clear([row.id])
+        return True
+
+    def _record_dead_first(self, batch: _Batch) -> bool:
+        """Record the batch's known dead letters before publishing; False if refused."""
+        assert self.store is not None
+        try:
+            self.store.record_dead_letters(batch.dead, batch.gid)
+        except OutboxError as exc:
+            batch.unpublishable = exc
+            return False
+        batch.dead_recorded = len(batch.dead)
+        self._dead_letters_failing = False
+        return True
 
     def _record_evidence(self, batch: _Batch) -> None:
         """Wait for every confirm, store dead letters, send the ledger record."""
@@ -570,6 +633,10 @@ class Relay:
         assert store is not None
         gid = batch.gid
         timeout = self.settings.publish_timeout
+        if batch.unpublishable is not None:
+            # Nothing was published (``_record_dead_first``): roll back and back off.
+            self._roll_back(gid, reason=batch.unpublishable.message, accepted=0)
+            raise batch.unpublishable
         deliveries = [
             d for pending in batch.sent for d in self.publisher.confirmed(pending, timeout)
         ]
@@ -580,8 +647,16 @@ class Relay:
         ]
         failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
         if failed:
-            accepted = sum(1 for d in deliveries if d.outcome is Outcome.ACCEPTED)
-            self._roll_back(gid, reason=failed[0].reason, accepted=accepted)
+            for row, d in zip(batch.good, deliveries, strict=False):
+                if d.sent and d.outcome is Outcome.UNKNOWN:
+                    self.triage.suspects.refused(row.id, d.reason, alone=batch.isolated)
+            # Sent without a confirm may be on the broker too: a possible duplicate.
+            in_doubt = sum(
+                1
+                for d in deliveries
+                if d.outcome is Outcome.ACCEPTED or (d.outcome is Outcome.UNKNOWN and d.sent)
+            )
+            self._roll_back(gid, reason=failed[0].reason, accepted=in_doubt)
             if not self.publisher.connected:
                 raise BrokerUnavailable(f"lost RabbitMQ while publishing {gid}: {failed[0].reason}")
             if any("404" in d.reason for d in failed):
@@ -591,8 +666,20 @@ class Relay:
         self._crash_point("after_publish")
         dead = batch.dead
         dead.extend(returned)
+        batch.published = len(batch.good) - len(returned)
+        if len(dead) > batch.dead_recorded:
+            try:
+                store.record_dead_letters(dead[batch.dead_recorded :], gid)
+            except DeadLettersUnwritable as exc:
+                # Known before publishing next time: the retry publishes nothing
+                # until the dead letters can be written.
+                self._dead_letters_failing = True
+                for letter in returned:
+                    self.triage.suspects.condemn(letter.row.id, letter.reason)
+                self._roll_back(gid, reason=exc.message, accepted=batch.published)
+                raise
+            self._dead_letters_failing = False
         if dead:
-            store.record_dead_letters(dead, gid)
             for letter in dead:
                 emit(
                     log,
@@ -602,7 +689,6 @@ class Relay:
                     message_id=letter.row.message_id,
                     reason=letter.reason,
                 )
-        batch.published = len(batch.good) - len(returned)
         if not self._may_commit():
             self._roll_back(
                 gid, reason="heartbeat too old (partitioned?)", accepted=batch.published
@@ -631,6 +717,7 @@ class Relay:
         self._crash_point("before_commit_prepared")
         store.finish(gid, commit=True)
         del self._open[gid]
+        self.triage.suspects.clear(r.id for r in batch.rows)
         self.stats.batches_committed += 1
         self.stats.messages_published += batch.published
         self.stats.dead_letters += len(batch.dead)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from outbox import gid as gids
-from outbox import migrate, replication
+from outbox import migrate, privileges, replication
 from outbox.config import Settings
 from outbox.store import BatchStore
 
@@ -15,6 +15,7 @@ def collect(
 ) -> dict[str, Any]:
     store = BatchStore(settings.dsn, settings.table, application_name="outbox-status")
     try:
+        store.check_privileges(privileges.STATUS, "outbox status")
         version = migrate.current_version(store.conn, settings.table)
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import socket
 import uuid
@@ -30,20 +31,24 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
+from psycopg.adapt import Loader
+from psycopg.pq import Format
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
-from outbox import migrate
+from outbox import migrate, privileges
 from outbox.errors import (
     DatabaseUnavailable,
+    DeadLettersUnwritable,
+    MissingPrivileges,
     OutboxError,
     OutcomeUnknown,
     PreparedSlotsExhausted,
     PreparedTransactionsDisabled,
     StatementTimedOut,
 )
-from outbox.message import DeadLetter, OutboxRow
+from outbox.message import EPOCH, DeadLetter, OutboxRow, Unloadable
 from outbox.queries import Queries
 from outbox.replication import Replication
 
@@ -140,16 +145,62 @@ def _lost(conn: Conn, exc: Exception) -> bool:
 
 
 def _row(record: Row) -> OutboxRow:
+    """An OutboxRow from a claimed record; never raises (see ``_tolerant_cursor``)."""
+    unloadable = {
+        column: value
+        for column in ("created_at", "headers")
+        if isinstance(value := record[column], Unloadable)
+    }
     return OutboxRow(
         id=record["id"],
         message_id=record["message_id"],
         exchange=record["exchange"],
         routing_key=record["routing_key"],
         payload=bytes(record["payload"]),
-        headers=record["headers"],
+        headers=None if "headers" in unloadable else record["headers"],
         content_type=record["content_type"],
-        created_at=record["created_at"],
+        created_at=EPOCH if "created_at" in unloadable else record["created_at"],
+        unloadable=unloadable,
     )
+
+
+class _TolerantLoader(Loader):
+    """Loads like ``inner``, but a value it cannot load becomes ``Unloadable``.
+
+    psycopg raises DataError for timestamps Python cannot hold ('infinity',
+    '-infinity', BC, after year 9999) and the JSON loader RecursionError for
+    deep nesting, in the middle of fetching a batch: one such row would stop the
+    relay on every start.  The row becomes a dead letter instead.
+    """
+
+    inner: type[Loader]
+
+    def __init__(self, oid: int, context: Any = None) -> None:
+        super().__init__(oid, context)
+        self._inner = self.inner(oid, context)
+
+    def load(self, data: Any) -> Any:
+        try:
+            return self._inner.load(data)
+        except (psycopg.DataError, ValueError, OverflowError, RecursionError) as exc:
+            return Unloadable(bytes(data).decode("utf-8", "replace"), _first_line(exc))
+
+
+@functools.cache
+def _tolerant(inner: type[Loader]) -> type[Loader]:
+    return type(f"Tolerant{inner.__name__}", (_TolerantLoader,), {"inner": inner})
+
+
+def _tolerant_cursor(conn: Conn) -> psycopg.Cursor[Row]:
+    """A cursor on which timestamptz and jsonb values that cannot be loaded come
+    back as ``Unloadable`` instead of failing the whole fetch."""
+    cur = conn.cursor()
+    for type_name in ("timestamptz", "jsonb"):
+        info = cur.adapters.types[type_name]
+        inner = cur.adapters.get_loader(info.oid, Format.TEXT)
+        if inner is not None and not issubclass(inner, _TolerantLoader):
+            cur.adapters.register_loader(info.oid, _tolerant(inner))
+    return cur
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,23 +253,58 @@ class _Session:
                     f"lost the PostgreSQL connection while {what}: {_first_line(exc)}",
                     "the relay reconnects by itself; check the server if this repeats",
                 ) from exc
-            if isinstance(exc, psycopg.OperationalError):
-                # Transient trouble on a live session (resources, lock timeout):
-                # end any open claim so the retry starts clean.
+            if isinstance(exc, psycopg.OperationalError | pgerrors.InsufficientPrivilege):
+                # Transient trouble on a live session (resources, lock timeout), or
+                # a privilege revoked: end any open claim so the retry starts clean.
                 with contextlib.suppress(psycopg.Error):
                     self.conn.execute("ROLLBACK")
-                if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
-                    raise StatementTimedOut(
-                        f"PostgreSQL cancelled the statement {what} after "
-                        f"{self.statement_timeout or 0:g} s ({_first_line(exc)})",
-                        "the relay retries with backoff; if this repeats, look for what "
-                        "slows the server (pg_stat_activity) or raise --statement-timeout",
-                    ) from exc
+            if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
+                raise StatementTimedOut(
+                    f"PostgreSQL cancelled the statement {what} after "
+                    f"{self.statement_timeout or 0:g} s ({_first_line(exc)})",
+                    "the relay retries with backoff; if this repeats, look for what "
+                    "slows the server (pg_stat_activity) or raise --statement-timeout",
+                ) from exc
+            if isinstance(exc, pgerrors.InsufficientPrivilege):
+                raise MissingPrivileges(
+                    f"PostgreSQL refused {what}: {_first_line(exc)}",
+                    "grant the privileges listed in README.md, 'Privileges'",
+                ) from exc
+            if isinstance(exc, psycopg.OperationalError):
                 raise DatabaseUnavailable(
                     f"PostgreSQL failed while {what}: {_first_line(exc)}",
                     "the relay retries with backoff; check the server if this repeats",
                 ) from exc
             raise
+
+    def check_privileges(self, needs: privileges.Needs, who: str) -> None:
+        """Raise ``MissingPrivileges`` with the GRANTs if the role lacks any of ``needs``.
+
+        Tables that do not exist are left to the schema check that follows.
+        """
+        pairs = privileges.wanted(self.table, needs)
+        with self._translated("checking privileges"):
+            rows = self.conn.execute(
+                self.queries["table_privileges"],
+                {"tables": [t for t, _ in pairs], "privileges": [p for _, p in pairs]},
+            ).fetchall()
+        missing = [
+            (r["table_name"], r["privilege"]) for r in rows if r["present"] and not r["granted"]
+        ]
+        if missing:
+            role = rows[0]["role"]
+            raise MissingPrivileges(
+                f"the database role {role!r} lacks privileges {who} needs: "
+                + ", ".join(f"{p} on {t}" for t, p in missing),
+                "as the tables' owner, run: " + " ".join(privileges.grants(missing, role)),
+            )
+
+    def _missing(self, needs: privileges.Needs, who: str) -> MissingPrivileges | None:
+        try:
+            self.check_privileges(needs, who)
+        except MissingPrivileges as exc:
+            return exc
+        return None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -227,6 +313,30 @@ class _Session:
     @property
     def broken(self) -> bool:
         return self.conn.broken or self.conn.closed
+
+
+def _dead_letter_params(letter: DeadLetter, gid: str) -> dict[str, Any]:
+    row = letter.row
+    headers: Any = Jsonb(row.headers) if row.headers is not None else None
+    created_at: Any = row.created_at
+    # A value Python could not load goes back as PostgreSQL's own text of it.
+    if "headers" in row.unloadable:
+        headers = row.unloadable["headers"].text
+    if "created_at" in row.unloadable:
+        created_at = row.unloadable["created_at"].text
+    return {
+        "id": row.id,
+        "message_id": row.message_id,
+        "exchange": row.exchange,
+        "routing_key": row.routing_key,
+        "payload": row.payload,
+        "headers": headers,
+        "content_type": row.content_type,
+        "created_at": created_at,
+        # PostgreSQL text cannot hold NUL; a reason quotes broker and row text.
+        "reason": letter.reason.replace("\x00", "\\0"),
+        "gid": gid,
+    }
 
 
 class BatchStore(_Session):
@@ -245,8 +355,9 @@ class BatchStore(_Session):
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
-        """Raise if prepared transactions are disabled or the schema is not current
-        (missing, older, or newer than this code)."""
+        """Raise if prepared transactions are disabled, the schema is not current
+        (missing, older, or newer than this code), or the role lacks a privilege
+        the relay needs."""
         with self._translated("checking the database"):
             slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
             if not slots or slots["slots"] <= 0:
@@ -255,6 +366,8 @@ class BatchStore(_Session):
                     "set max_prepared_transactions to at least twice the number of relays "
                     "(e.g. 64) in postgresql.conf and restart PostgreSQL",
                 )
+        self.check_privileges(privileges.RELAY, "the relay")
+        with self._translated("checking the database"):
             version = migrate.current_version(self.conn, self.table)
         migrate.require_current(version, self.table)
 
@@ -263,17 +376,15 @@ class BatchStore(_Session):
         """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
         once ``max_bytes`` of payload are in (the first row always comes).
 
-        Binary results: a payload arrives as its bytes, not as hex text of twice
-        its size in the driver's buffer.
-
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
         with self._translated("claiming a batch"):
             self.conn.execute("BEGIN")
-            with self.conn.cursor(binary=True) as cur:
-                cur.execute(self.queries["claim_batch"], {"limit": limit, "max_bytes": max_bytes})
-                return [_row(r) for r in cur.fetchall()]
+            cur = _tolerant_cursor(self.conn).execute(
+                self.queries["claim_batch"], {"limit": limit, "max_bytes": max_bytes}
+            )
+            return [_row(r) for r in cur.fetchall()]
 
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
@@ -347,22 +458,18 @@ class BatchStore(_Session):
         tried again and dead-lettered again (``attempts`` counts up).  At no moment
         is it in neither place.
         """
-        params = [
-            {
-                "message_id": d.row.message_id,
-                "exchange": d.row.exchange,
-                "routing_key": d.row.routing_key,
-                "payload": d.row.payload,
-                "headers": Jsonb(d.row.headers) if d.row.headers is not None else None,
-                "content_type": d.row.content_type,
-                "created_at": d.row.created_at,
-                "reason": d.reason,
-                "gid": gid,
-            }
-            for d in dead
-        ]
-        with self._translated("recording dead letters"), self.conn.transaction():
-            self.conn.cursor().executemany(self.queries["record_dead_letters"], params)
+        params = [_dead_letter_params(d, gid) for d in dead]
+        try:
+            with self._translated("recording dead letters"), self.conn.transaction():
+                self.conn.cursor().executemany(self.queries["record_dead_letters"], params)
+        except MissingPrivileges as exc:
+            exact = self._missing(privileges.DEAD_LETTERS_WRITE, "recording dead letters") or exc
+            raise DeadLettersUnwritable(exact.message, exact.hint) from exc
+        except psycopg.Error as exc:  # a constraint or trigger someone added, ...
+            raise DeadLettersUnwritable(
+                f"PostgreSQL refused to record dead letters: {_first_line(exc)}",
+                "the batch was rolled back; the relay retries with backoff",
+            ) from exc
 
     def has_claimable_rows(self) -> bool:
         with self._translated("looking for claimable rows"), self.conn.transaction():
@@ -456,26 +563,45 @@ class DeadLetterStore(_Session):
         super().__init__(dsn, table, "outbox-dead-letters", connect_timeout)
 
     def entries(self, limit: int) -> list[Row]:
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")
         with self._translated("listing dead letters"):
             return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
 
-    def retry(self, ids: Sequence[uuid.UUID] | None) -> list[uuid.UUID]:
-        """Move dead letters back into the outbox (``None``: all of them) atomically."""
+    def retry(
+        self,
+        *,
+        everything: bool,
+        message_ids: Sequence[uuid.UUID] = (),
+        row_ids: Sequence[int] = (),
+    ) -> list[Row]:
+        """Move dead letters back into the outbox atomically; the (id, message_id) moved."""
+        self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
         with self._translated("retrying dead letters"):
-            rows = self.conn.execute(
-                self.queries["retry_dead_letters"], {"all": ids is None, "ids": list(ids or [])}
+            return self.conn.execute(
+                self.queries["retry_dead_letters"],
+                {"all": everything, "ids": list(message_ids), "row_ids": list(row_ids)},
             ).fetchall()
-        return [r["message_id"] for r in rows]
 
-    def purge(self, ids: Sequence[uuid.UUID] | None, older_than: float | None) -> list[uuid.UUID]:
-        """Delete dead letters (``ids`` None: any) failed more than ``older_than`` s ago;
-        returns the message ids deleted."""
+    def purge(
+        self,
+        *,
+        everything: bool,
+        message_ids: Sequence[uuid.UUID] = (),
+        row_ids: Sequence[int] = (),
+        older_than: float | None = None,
+    ) -> list[Row]:
+        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
+        self.check_privileges(privileges.DEAD_LETTERS_PURGE, "outbox dead-letters purge")
         with self._translated("purging dead letters"):
-            rows = self.conn.execute(
+            return self.conn.execute(
                 self.queries["purge_dead_letters"],
-                {"all": ids is None, "ids": list(ids or []), "older_than": older_than},
+                {
+                    "all": everything,
+                    "ids": list(message_ids),
+                    "row_ids": list(row_ids),
+                    "older_than": older_than,
+                },
             ).fetchall()
-        return [r["message_id"] for r in rows]
 
 
 class ControlSession(_Session):

@@ -9,7 +9,10 @@ Three sources of proof, none of them a transient failure:
 - what a channel close taught us (``message.refusal_in``): an exchange that
   refuses publishes (403), or the broker's real maximum message size (406).  The
   batch that hit the close is rolled back once as in doubt; from the next attempt
-  on, the rows concerned are dead-lettered and the others go through.
+  on, the rows concerned are dead-lettered and the others go through;
+- what isolating suspects taught us (``isolation.Suspects``): a row the broker
+  refused when it was published alone, for a reason nobody foresaw, and rows
+  returned in a batch that was then rolled back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from outbox.events import emit
+from outbox.isolation import Suspects
 from outbox.message import DeadLetter, OutboxRow, problem_with, refusal_in
 
 log = logging.getLogger("outbox.relay")
@@ -39,6 +43,7 @@ class Triage:
         self._clock = clock
         self._exchanges_seen: dict[str, float] = {}  # exchange → trusted until
         self._exchanges_refused: dict[str, tuple[str, float]] = {}  # → (reason, until)
+        self.suspects = Suspects(clock=clock)
 
     def forget_exchanges(self) -> None:
         """Check every exchange again (a new connection, or one was deleted: 404)."""
@@ -58,10 +63,19 @@ class Triage:
             if reason is None and refused is not None and refused[1] > now:
                 reason = refused[0]
             if reason is None:
+                reason = self.suspects.verdict(row.id)
+            if reason is None:
                 good.append(row)
             else:
                 dead.append(DeadLetter(row, reason))
         return dead, good
+
+    def isolate(self, rows: Sequence[OutboxRow]) -> tuple[list[OutboxRow], list[OutboxRow]]:
+        """Split publishable rows into suspects (to publish one at a time) and the rest."""
+        suspects = [r for r in rows if self.suspects.is_suspect(r.id)]
+        if not suspects:
+            return [], list(rows)
+        return suspects, [r for r in rows if not self.suspects.is_suspect(r.id)]
 
     def learn(self, reasons: Iterable[str]) -> None:
         """Remember what channel-close reasons say can never be published."""

@@ -11,6 +11,7 @@ import time
 
 import psycopg
 
+from outbox import migrate
 from outbox.config import Settings
 from outbox.devservers import free_port
 from tests.fixtures.servers import Topology, insert_numbered_rows, run_cli, settings_env
@@ -34,8 +35,10 @@ def assert_one_clear_error(
 def test_init__twice_is_idempotent(empty_dsn: str) -> None:
     first = run_cli("init", "--dsn", empty_dsn)
     second = run_cli("init", "--dsn", empty_dsn)
-    assert first.returncode == 0 and "migrated from nothing to 1" in first.stdout, first.stderr
-    assert second.returncode == 0 and "up to date (version 1)" in second.stdout, second.stderr
+    latest = migrate.LATEST_VERSION
+    assert first.returncode == 0, first.stderr
+    assert f"migrated from nothing to {latest}" in first.stdout
+    assert second.returncode == 0 and f"up to date (version {latest})" in second.stdout
 
 
 def test_init__concurrent_runs_apply_the_schema_once(empty_dsn: str) -> None:
@@ -44,7 +47,8 @@ def test_init__concurrent_runs_apply_the_schema_once(empty_dsn: str) -> None:
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     assert sum("migrated from nothing" in r.stdout for r in results) == 1
     with psycopg.connect(empty_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM outbox_schema_version").fetchone() == (1,)
+        applied = conn.execute("SELECT count(*) FROM outbox_schema_version").fetchone()
+    assert applied == (migrate.LATEST_VERSION,), "each migration applied once"
 
 
 def test_init__print_sql_applies_cleanly_with_psql_semantics(empty_dsn: str) -> None:

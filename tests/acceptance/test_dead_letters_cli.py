@@ -17,9 +17,9 @@ def add_dead_letter(dsn: str, *, failed_days_ago: float = 0, reason: str = "test
     message_id = uuid.uuid4()
     with psycopg.connect(dsn) as conn:
         conn.execute(
-            "INSERT INTO outbox_dead_letters (message_id, exchange, routing_key, payload, "
-            "created_at, reason, failed_at) VALUES (%s, 'ex', 'rk', 'p', now(), %s, "
-            "now() - make_interval(days => %s))",
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason, failed_at) VALUES (nextval(pg_get_serial_sequence('outbox', "
+            "'id')), %s, 'ex', 'rk', 'p', now(), %s, now() - make_interval(days => %s))",
             [message_id, reason, failed_days_ago],
         )
     return str(message_id)
@@ -125,3 +125,51 @@ def test_dead_letters_purge__all(settings: Settings) -> None:
     result = run_cli("dead-letters", "purge", "--all", env=settings_env(settings))
     assert result.returncode == 0, result.stderr
     assert dead_letters(settings.dsn) == {}
+
+
+def test_dead_letters__rows_sharing_a_message_id_are_two_dead_letters_retried_by_id(
+    settings: Settings, topology: Topology
+) -> None:
+    shared = str(uuid.uuid4())
+    with psycopg.connect(settings.dsn) as conn:
+        ids = [
+            r[0]
+            for r in conn.execute(
+                "INSERT INTO outbox (message_id, exchange, routing_key, payload) VALUES "
+                "(%(m)s, %(missing)s, 'k', 'one'), (%(m)s, %(missing)s, 'k', 'two') RETURNING id",
+                {"m": shared, "missing": f"{topology.exchange}.missing"},
+            ).fetchall()
+        ]
+    relay_drain(settings)
+    env = settings_env(settings)
+    listed = json.loads(run_cli("dead-letters", "list", "--json", env=env).stdout)
+    assert sorted(e["id"] for e in listed["dead_letters"]) == ids
+    assert {e["message_id"] for e in listed["dead_letters"]} == {shared}
+
+    one = run_cli("dead-letters", "retry", str(ids[0]), env=env)
+    assert one.returncode == 0 and "1 dead letters moved back" in one.stdout, one.stderr
+    both = run_cli("dead-letters", "retry", shared, env=env)
+    assert both.returncode == 0 and "1 dead letters moved back" in both.stdout, both.stderr
+    with psycopg.connect(settings.dsn) as conn:
+        back = conn.execute("SELECT id, payload FROM outbox ORDER BY id").fetchall()
+    assert [(i, bytes(p)) for i, p in back] == [(ids[0], b"one"), (ids[1], b"two")]
+
+
+def test_dead_letters_retry__a_row_also_back_in_the_outbox_is_not_doubled(
+    settings: Settings,
+) -> None:
+    """After a rollback a row can be in both tables: retry keeps the one outbox row."""
+    with psycopg.connect(settings.dsn) as conn:
+        [(row_id, message_id)] = conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) VALUES ('ex', 'k', 'p') "
+            "RETURNING id, message_id"
+        ).fetchall()
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason) VALUES (%s, %s, 'ex', 'k', 'p', now(), 'rolled back')",
+            [row_id, message_id],
+        )
+    result = run_cli("dead-letters", "retry", str(message_id), env=settings_env(settings))
+    assert result.returncode == 0, result.stderr
+    assert dead_letters(settings.dsn) == {}
+    assert remaining_rows(settings.dsn) == 1

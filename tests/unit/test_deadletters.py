@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.deadletters import parse_age, parse_ids
+from outbox.deadletters import Selection, parse_age, parse_ids
 from outbox.message import refusal_in
 
 
@@ -39,6 +41,14 @@ def test_parse_age__days_are_86400_seconds(days: int) -> None:
 def test_parse_ids__names_the_bad_one() -> None:
     with pytest.raises(ValueError, match="'nope' is not a message id"):
         parse_ids(["0d9c6d4e-3f0e-4a8e-9b1a-2f0a4f7b8c11", "nope"])
+
+
+def test_parse_ids__numbers_are_row_ids_and_uuids_message_ids() -> None:
+    message_id = uuid.UUID("0d9c6d4e-3f0e-4a8e-9b1a-2f0a4f7b8c11")
+    selection = parse_ids([str(message_id), "42", "7"])
+    assert selection == Selection((message_id,), (42, 7))
+    touched = [{"id": 42, "message_id": message_id}, {"id": 43, "message_id": message_id}]
+    assert selection.not_found(touched) == ["7"]
 
 
 def test_refusal_in__configured_max_message_size() -> None:

@@ -89,3 +89,32 @@ def test_triage__learns_the_brokers_real_message_size_limit() -> None:
     assert triage.max_message_bytes == 4096
     dead, good = triage.sort_out([row("", b"x" * 5000), row("", b"x" * 10)])
     assert len(dead) == 1 and "5000 bytes" in dead[0].reason and len(good) == 1
+
+
+def test_triage__suspects_are_isolated_and_a_convicted_one_is_dead() -> None:
+    triage = Triage(1024, FakeBroker({"orders"}).exchange_exists)
+    rows = [row_with_id(i) for i in range(4)]
+    reason = "channel closed: 406 PRECONDITION_FAILED - invalid message"
+    for r in rows[1:3]:
+        triage.suspects.refused(r.id, reason, alone=False)
+    suspects, others = triage.isolate(rows)
+    assert [r.id for r in suspects] == [1, 2] and [r.id for r in others] == [0, 3]
+
+    triage.suspects.refused(2, reason, alone=True)
+    triage.suspects.refused(2, reason, alone=True)
+    dead, good = triage.sort_out(rows)
+    assert [d.row.id for d in dead] == [2] and "refused it 2 times" in dead[0].reason
+    assert [r.id for r in good] == [0, 1, 3]
+
+
+def row_with_id(row_id: int) -> OutboxRow:
+    return OutboxRow(
+        id=row_id,
+        message_id=uuid.uuid4(),
+        exchange="orders",
+        routing_key="k",
+        payload=b"x",
+        headers=None,
+        content_type=None,
+        created_at=datetime.datetime.now(datetime.timezone.utc),
+    )
