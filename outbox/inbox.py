@@ -1,0 +1,693 @@
+"""Exactly-once effects on the consumer side: ``outbox consume`` and ``Inbox``.
+
+The relay delivers every committed row at least once.  The inbox turns that into
+exactly one committed effect per message in the consumer's own database:
+
+    BEGIN
+      INSERT INTO <inbox> (consumer, message_id) ... ON CONFLICT DO NOTHING
+      -- already there: a duplicate; commit nothing new, ack
+      handler(conn, message)            -- the effect, on the same connection
+    COMMIT
+    ack
+
+Crash table (kill -9 or a lost connection at any point):
+
+| crash point | state left | when the message comes back |
+|---|---|---|
+| before COMMIT (insert, handler) | rolled back, unacked | applied then |
+| after COMMIT, before the ack | effect and id committed, unacked | id found: acked, no effect |
+| after the ack | done | (a relay duplicate) id found: skipped |
+| database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
+
+A handler that raises: the transaction rolls back, the failed attempt is counted in
+``<inbox>_attempts``, and the message goes back to the queue after a short capped
+backoff (``--retry-delay``, doubling up to ``--retry-delay-max``).  At
+``--max-attempts`` it is parked in ``<inbox>_parked`` (with its id recorded, in one
+transaction) and acked, so it never blocks the queue; ``outbox parked retry`` puts
+it back.  A message without a ``message_id`` cannot be deduplicated: it is parked
+at once and the handler never sees it.
+
+Roles: ``Processor`` is one message's life (database only, no broker);
+``_Broker`` is the only kombu code (connect, declare, consume, ack, reject);
+``Inbox`` is the process (start, reconnect with backoff, retention, stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import decimal
+import enum
+import importlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import psycopg
+from kombu import exceptions as kombu_errors
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer
+
+from outbox import backoff
+from outbox.config import _TABLE_NAME, DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.durations import Durations
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, ExitCode, OutboxError
+from outbox.events import emit
+from outbox.inbox_store import HandlerFailed, InboxStore, Parking
+
+log = logging.getLogger("outbox.inbox")
+
+DEFAULT_INBOX_TABLE = "outbox_inbox"
+# The relay sets this header from the row's ordering key.
+ORDERING_KEY_HEADER = "x-ordering-key"
+# ``outbox parked retry`` sends a message straight to the queue it was parked from
+# (through the default exchange) and keeps where it first came from in these.
+ORIGINAL_EXCHANGE_HEADER = "x-outbox-original-exchange"
+ORIGINAL_ROUTING_KEY_HEADER = "x-outbox-original-routing-key"
+# AMQP properties kept with a parked message and sent again on retry.
+KEPT_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "type",
+    "app_id",
+    "priority",
+    "timestamp",
+)
+
+
+class QueueMissing(OutboxError):
+    """The queue to consume does not exist (and no ``--bind`` asked to declare it)."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+class HandlerNotFound(OutboxError):
+    """``MODULE:FUNCTION`` cannot be imported."""
+
+    exit_code = ExitCode.USAGE
+
+
+# -- the message a handler sees ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class InboxMessage:
+    """One delivery, as the handler sees it."""
+
+    message_id: str | None
+    body: bytes
+    headers: dict[str, Any]
+    exchange: str
+    routing_key: str
+    ordering_key: str | None
+    redelivered: bool
+    queue: str
+    content_type: str | None = None
+    properties: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def json(self) -> Any:
+        """The body parsed as JSON (``outbox.enqueue_json`` writes JSON)."""
+        return json.loads(self.body)
+
+
+def to_inbox_message(
+    body: bytes,
+    properties: Mapping[str, Any],
+    delivery_info: Mapping[str, Any],
+    queue: str,
+) -> InboxMessage:
+    """Build the handler's view of a delivery (pure)."""
+    headers = dict(properties.get("application_headers") or {})
+    exchange = headers.pop(ORIGINAL_EXCHANGE_HEADER, None)
+    routing_key = headers.pop(ORIGINAL_ROUTING_KEY_HEADER, None)
+    message_id = properties.get("message_id")
+    ordering_key = headers.get(ORDERING_KEY_HEADER)
+    return InboxMessage(
+        message_id=str(message_id) if message_id not in (None, "") else None,
+        body=bytes(body),
+        headers=headers,
+        exchange=str(exchange if exchange is not None else delivery_info.get("exchange", "")),
+        routing_key=str(
+            routing_key if routing_key is not None else delivery_info.get("routing_key", "")
+        ),
+        ordering_key=str(ordering_key) if ordering_key is not None else None,
+        redelivered=bool(delivery_info.get("redelivered", False)),
+        queue=queue,
+        content_type=properties.get("content_type"),
+        properties=dict(properties),
+    )
+
+
+def json_safe(value: Any) -> Any:
+    """AMQP header and property values as JSON (bytes, timestamps, decimals as text)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def parking_for(message: InboxMessage, error: str) -> Parking:
+    properties = {k: message.properties[k] for k in KEPT_PROPERTIES if k in message.properties}
+    return Parking(
+        message_id=message.message_id,
+        queue=message.queue,
+        exchange=message.exchange,
+        routing_key=message.routing_key,
+        body=message.body,
+        headers=json_safe(message.headers),
+        properties=json_safe(properties),
+        error=error,
+    )
+
+
+Handler = Callable[["psycopg.Connection[Any]", InboxMessage], object]
+
+
+def load_handler(spec: str) -> Handler:
+    """Import ``FUNCTION`` from ``MODULE`` (``MODULE:FUNCTION``), with the current
+    directory on the path as other workers' ``--app`` options do."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise HandlerNotFound(
+            f"{spec!r} is not MODULE:FUNCTION", "e.g. `outbox consume handlers:on_order`"
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise HandlerNotFound(
+            f"cannot import module {module_name!r}: {exc}",
+            "run from the folder that holds it, or add that folder to PYTHONPATH",
+        ) from exc
+    except Exception as exc:
+        from outbox.inbox_store import describe
+
+        raise HandlerNotFound(f"importing {module_name!r} failed: {describe(exc)}") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise HandlerNotFound(f"module {module_name!r} has no {attribute!r}")
+    if not callable(target):
+        raise HandlerNotFound(f"{spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+# -- settings, counters, decisions ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ConsumerSettings:
+    """Everything ``outbox consume`` takes; each field is a CLI option and OUTBOX_* variable."""
+
+    queue: str
+    dsn: str = DEFAULT_DSN
+    amqp_url: str = DEFAULT_AMQP_URL
+    inbox_table: str = DEFAULT_INBOX_TABLE
+    # Who the ids are recorded for (default: the queue).  Consumers of several
+    # queues that form one logical consumer (consistent-hash shards) share one name.
+    consumer_name: str | None = None
+    prefetch: int = 10
+    max_attempts: int = 5
+    retry_delay: float = 0.1
+    retry_delay_max: float = 5.0
+    inbox_retention: float = 7 * 86400.0
+    prune_interval: float = 60.0
+    # (exchange, binding key) pairs: declare the queue and bind it at start-up.
+    bindings: tuple[tuple[str, str], ...] = ()
+    backoff_initial: float = 0.2
+    backoff_max: float = 30.0
+    connect_timeout: float = 10.0
+    heartbeat: int = 60
+
+    def __post_init__(self) -> None:
+        if not self.queue:
+            raise ValueError("give the queue to consume (--queue / OUTBOX_QUEUE)")
+        if not _TABLE_NAME.match(self.inbox_table):
+            raise ValueError(
+                f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
+                "digits and underscores, at most 41 characters, not starting with a digit"
+            )
+        if self.prefetch < 1:
+            raise ValueError("prefetch must be at least 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.inbox_retention <= 0:
+            raise ValueError("inbox_retention must be positive")
+
+    @property
+    def consumer(self) -> str:
+        return self.consumer_name or self.queue
+
+
+@dataclasses.dataclass
+class ConsumerStats:
+    handled: int = 0
+    duplicates_skipped: int = 0
+    handler_failures: int = 0
+    retried: int = 0
+    parked: int = 0
+    reconnects: int = 0
+    pruned: int = 0
+    handler_seconds: Durations = dataclasses.field(default_factory=Durations)
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str | None = None
+
+
+class Outcome(enum.Enum):
+    HANDLED = "handled"  # effect committed: ack
+    DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
+    RETRY = "retry"  # handler failed: requeue after a delay
+    PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
+
+
+def retry_delay(
+    attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
+) -> float:
+    """Seconds to hold a failed message before requeueing it (pure, capped)."""
+    return backoff.delay(
+        max(0, attempts - 1),
+        initial=settings.retry_delay,
+        maximum=settings.retry_delay_max,
+        rng=rng,
+    )
+
+
+# -- one message's life -----------------------------------------------------------------
+class Processor:
+    """Apply one message through the inbox; no broker I/O.  Returns the outcome and,
+    for ``RETRY``, how long to wait before requeueing.  ``DatabaseUnavailable``
+    means: do not ack; the message comes back and the inbox decides then."""
+
+    def __init__(
+        self,
+        store: InboxStore,
+        handler: Handler,
+        settings: ConsumerSettings,
+        stats: ConsumerStats,
+    ) -> None:
+        self.store, self.handler, self.settings, self.stats = store, handler, settings, stats
+
+    def process(self, message: InboxMessage) -> tuple[Outcome, float]:
+        if message.message_id is None:
+            self.store.park(parking_for(message, "no message_id: cannot be deduplicated"))
+            self.stats.parked += 1
+            emit(log, "consumer.parked", logging.WARNING, reason="no message_id")
+            return Outcome.PARKED, 0.0
+        message_id = message.message_id
+
+        def effect(conn: psycopg.Connection[Any]) -> None:
+            started = time.perf_counter()
+            try:
+                self.handler(conn, message)
+            finally:
+                self.stats.handler_seconds.observe(time.perf_counter() - started)
+
+        try:
+            applied = self.store.apply(message_id, effect, had_failed=message.redelivered)
+        except HandlerFailed as failed:
+            return self._failed(message, message_id, failed)
+        if applied:
+            self.stats.handled += 1
+            return Outcome.HANDLED, 0.0
+        self.stats.duplicates_skipped += 1
+        emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message_id)
+        return Outcome.DUPLICATE, 0.0
+
+    def _failed(
+        self, message: InboxMessage, message_id: str, failed: HandlerFailed
+    ) -> tuple[Outcome, float]:
+        self.stats.handler_failures += 1
+        failure = self.store.record_failure(
+            message_id,
+            failed.description,
+            max_attempts=self.settings.max_attempts,
+            parking=parking_for(message, failed.description),
+        )
+        if failure.duplicate:
+            self.stats.duplicates_skipped += 1
+            return Outcome.DUPLICATE, 0.0
+        if failure.parked:
+            self.stats.parked += 1
+            emit(
+                log,
+                "consumer.parked",
+                logging.ERROR,
+                message_id=message_id,
+                attempts=failure.attempts,
+                error=failed.description,
+            )
+            return Outcome.PARKED, 0.0
+        delay = retry_delay(failure.attempts, self.settings)
+        emit(
+            log,
+            "consumer.handler_failed",
+            logging.WARNING,
+            message_id=message_id,
+            attempt=failure.attempts,
+            retry_in=f"{delay:.2f}s",
+            error=failed.description,
+        )
+        return Outcome.RETRY, delay
+
+
+# -- kombu ---------------------------------------------------------------------------
+def _broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
+    return (
+        OSError,
+        kombu_errors.KombuError,
+        *conn.connection_errors,
+        *conn.channel_errors,
+    )
+
+
+class _Broker:
+    """The consumer's broker connection; every kombu call goes through here and its
+    errors come out as ``BrokerUnavailable`` (or ``QueueMissing``)."""
+
+    def __init__(self, settings: ConsumerSettings, on_delivery: Callable[[Any], None]) -> None:
+        self.settings = settings
+        self._on_delivery = on_delivery
+        self.conn: Connection | None = None
+        self._consumer: Consumer | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._consumer is not None
+
+    def _translate(self, what: str, exc: BaseException) -> BrokerUnavailable:
+        self.close()
+        return BrokerUnavailable(
+            f"RabbitMQ failed while {what}: {exc!r}",
+            "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+        )
+
+    def open(self) -> None:
+        s = self.settings
+        conn = Connection(s.amqp_url, heartbeat=s.heartbeat, connect_timeout=s.connect_timeout)
+        self.conn = conn
+        errors = _broker_errors(conn)
+        try:
+            # Each of the ';'-separated URLs once; the caller backs off between rounds.
+            conn.ensure_connection(
+                max_retries=max(len(conn.alt), 1) - 1,
+                interval_start=0,
+                interval_step=0,
+                interval_max=0,
+            )
+            channel = conn.channel()
+            if s.bindings:
+                self._declare(channel)
+            self._check_queue(channel)
+            consumer = Consumer(
+                channel,
+                queues=[Queue(s.queue, no_declare=True)],
+                on_message=self._on_delivery,
+                prefetch_count=s.prefetch,
+                auto_declare=False,
+            )
+            consumer.consume()
+        except QueueMissing:
+            self.close()
+            raise
+        except errors as exc:
+            raise self._translate("connecting", exc) from exc
+        self._consumer = consumer
+
+    def _check_queue(self, channel: Any) -> None:
+        try:
+            channel.queue_declare(queue=self.settings.queue, passive=True)
+        except Exception as exc:
+            if getattr(exc, "code", None) != 404:
+                raise
+            raise QueueMissing(
+                f"queue {self.settings.queue!r} does not exist",
+                "declare it and bind it to your exchange, or pass --bind EXCHANGE:KEY",
+            ) from exc
+
+    def _declare(self, channel: Any) -> None:
+        """--bind: the queue (durable) and each exchange (durable topic) if missing,
+        then the bindings.  Existing ones keep their type and arguments."""
+        s = self.settings
+        conn = self.conn
+        assert conn is not None
+        try:
+            channel.queue_declare(queue=s.queue, passive=True)
+        except Exception as exc:
+            if getattr(exc, "code", None) != 404:
+                raise
+            channel = conn.channel()  # a failed passive declare closes the channel
+            Queue(s.queue, durable=True, channel=channel).declare()
+            emit(log, "consumer.queue_declared", queue=s.queue)
+        for exchange, key in s.bindings:
+            try:
+                channel.exchange_declare(exchange=exchange, type="topic", passive=True)
+            except Exception as exc:
+                if getattr(exc, "code", None) != 404:
+                    raise
+                channel = conn.channel()
+                Exchange(exchange, type="topic", durable=True, channel=channel).declare()
+                emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
+            channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
+
+    def drain(self, timeout: float) -> None:
+        """Deliver what arrives within ``timeout`` s (each delivery calls back)."""
+        conn = self.conn
+        if conn is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        try:
+            conn.drain_events(timeout=timeout)
+        except TimeoutError:  # socket.timeout: nothing arrived
+            pass
+        except (OutboxError, HandlerFailed):
+            raise
+        except _broker_errors(conn) as exc:
+            raise self._translate("receiving", exc) from exc
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            conn.heartbeat_check()
+        except _broker_errors(conn) as exc:
+            raise self._translate("sending a heartbeat", exc) from exc
+
+    def settle(self, delivery: Any, *, ack: bool) -> None:
+        """Ack, or reject with requeue (the message goes back to its queue position)."""
+        conn = self.conn
+        errors = _broker_errors(conn) if conn is not None else (OSError,)
+        try:
+            if ack:
+                delivery.ack()
+            else:
+                delivery.reject(requeue=True)
+        except errors as exc:
+            raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
+
+    def stop_consuming(self) -> None:
+        """Cancel the subscription; unacked (prefetched) messages go back on close."""
+        if self._consumer is not None and self.conn is not None:
+            with contextlib.suppress(*_broker_errors(self.conn)):
+                self._consumer.cancel()
+        self._consumer = None
+
+    def close(self) -> None:
+        self._consumer = None
+        if self.conn is not None:
+            # Closing a dead connection must not hide the error that killed it.
+            with contextlib.suppress(Exception):
+                self.conn.release()
+            self.conn = None
+
+
+# -- the process ----------------------------------------------------------------------------
+class Inbox:
+    """A consumer with exactly-once effects: ``start()``, then ``run()`` until
+    ``stop()`` (or SIGTERM/SIGINT with ``install_signal_handlers``)."""
+
+    def __init__(self, handler: Handler, settings: ConsumerSettings) -> None:
+        self.handler = handler
+        self.settings = settings
+        self.stats = ConsumerStats()
+        self._stop = threading.Event()
+        self.store: InboxStore | None = None
+        self.processor: Processor | None = None
+        self.broker = _Broker(settings, self._on_delivery)
+        self._next_prune = 0.0
+
+    # -- control --------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: finish the message in hand, commit, ack, then return."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    # -- life -------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to both servers, creating the inbox tables if missing.  Raises
+        ``DatabaseUnavailable``/``BrokerUnavailable`` (exit 3) or ``QueueMissing``."""
+        self._connect_database()
+        self.broker.open()
+        s = self.settings
+        emit(
+            log,
+            "consumer.started",
+            queue=s.queue,
+            consumer=s.consumer,
+            inbox=s.inbox_table,
+            prefetch=s.prefetch,
+        )
+
+    def run(self) -> ConsumerStats:
+        """Consume until stopped; outages are retried with backoff, never fatal."""
+        if self.store is None:
+            self.start()
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if self.store is None or self.store.broken:
+                    self._connect_database()
+                if not self.broker.connected:
+                    self.broker.open()
+                self._maybe_prune()
+                self.broker.drain(timeout=1.0)
+                self.stats.last_progress = time.monotonic()
+                self.stats.last_error = None
+                failures = 0
+            except (DatabaseUnavailable, BrokerUnavailable, QueueMissing) as exc:
+                self._outage(exc, failures)
+                failures += 1
+        self.broker.stop_consuming()
+        self.close()
+        emit(
+            log,
+            "consumer.stopped",
+            handled=self.stats.handled,
+            duplicates_skipped=self.stats.duplicates_skipped,
+            parked=self.stats.parked,
+        )
+        return self.stats
+
+    def close(self) -> None:
+        self.broker.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _outage(self, exc: OutboxError, failures: int) -> None:
+        self.stats.reconnects += 1
+        self.stats.last_error = exc.message
+        self.stats.last_progress = time.monotonic()  # backing off is progress
+        # Unacked messages go back to the queue; the inbox decides when they return.
+        self.broker.close()
+        if isinstance(exc, DatabaseUnavailable) and self.store is not None:
+            self.store.close()
+            self.store = None
+        pause = backoff.delay(
+            failures, initial=self.settings.backoff_initial, maximum=self.settings.backoff_max
+        )
+        emit(log, "consumer.retry", logging.WARNING, error=exc.message, retry_in=f"{pause:.2f}s")
+        self._stop.wait(pause)
+
+    def _connect_database(self) -> None:
+        s = self.settings
+        store = InboxStore(s.dsn, s.inbox_table, s.consumer, connect_timeout=s.connect_timeout)
+        try:
+            store.ensure_schema()
+        except Exception:
+            store.close()
+            raise
+        self.store = store
+        self.processor = Processor(store, self.handler, s, self.stats)
+
+    def _maybe_prune(self) -> None:
+        now = time.monotonic()
+        if now < self._next_prune or self.store is None:
+            return
+        batch, max_batches = 1000, 10
+        deleted = self.store.prune(
+            self.settings.inbox_retention, batch=batch, max_batches=max_batches
+        )
+        self.stats.pruned += deleted
+        if deleted:
+            emit(log, "consumer.pruned", rows=deleted)
+        # A full pass means more is waiting: come back soon, between messages.
+        full = deleted >= batch * max_batches
+        self._next_prune = now + (1.0 if full else self.settings.prune_interval)
+
+    # -- one delivery --------------------------------------------------------------
+    def _on_delivery(self, delivery: Any) -> None:
+        processor = self.processor
+        if processor is None:
+            raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
+        message = to_inbox_message(
+            delivery.body, delivery.properties, delivery.delivery_info, self.settings.queue
+        )
+        outcome, delay = processor.process(message)
+        if outcome is Outcome.RETRY:
+            self.stats.retried += 1
+            self._stop.wait(delay)  # a stop cuts the wait short; the message goes back
+            self.broker.settle(delivery, ack=False)
+        else:
+            self.broker.settle(delivery, ack=True)
+        self.stats.last_progress = time.monotonic()
+
+
+def consume(
+    handler: Handler,
+    *,
+    queue: str,
+    dsn: str = DEFAULT_DSN,
+    amqp_url: str = DEFAULT_AMQP_URL,
+    install_signal_handlers: bool = True,
+    **options: Any,
+) -> ConsumerStats:
+    """Consume ``queue`` with exactly-once effects until SIGTERM/SIGINT.
+
+    ``handler(conn, message)`` runs inside the transaction that records the
+    message id; it must not commit.  ``options`` are ``ConsumerSettings`` fields.
+    """
+    inbox = Inbox(handler, ConsumerSettings(queue=queue, dsn=dsn, amqp_url=amqp_url, **options))
+    if install_signal_handlers:
+        inbox.install_signal_handlers()
+    try:
+        inbox.start()
+        return inbox.run()
+    finally:
+        inbox.close()
+
+
+def parse_bindings(texts: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """``EXCHANGE:BINDING_KEY`` pairs (the key may contain ':'; '#' if omitted)."""
+    pairs = []
+    for text in texts:
+        exchange, _, key = text.partition(":")
+        if not exchange:
+            raise ValueError(f"{text!r} is not EXCHANGE:BINDING_KEY (e.g. orders:order.*)")
+        pairs.append((exchange, key or "#"))
+    return tuple(pairs)
