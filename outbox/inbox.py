@@ -57,7 +57,7 @@ from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
 
-from outbox import backoff
+from outbox import backoff, faults
 from outbox.config import _TABLE_NAME, DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, ExitCode, OutboxError
@@ -387,6 +387,14 @@ class _Broker:
         self._on_delivery = on_delivery
         self.conn: Connection | None = None
         self._consumer: Consumer | None = None
+        self._draining = False
+
+    def _dispatch(self, delivery: Any) -> None:
+        # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
+        # connection.close).  Only ``drain`` hands them on; the others stay unacked
+        # and go back to the queue when the connection closes.
+        if self._draining:
+            self._on_delivery(delivery)
 
     @property
     def connected(self) -> bool:
@@ -419,7 +427,7 @@ class _Broker:
             consumer = Consumer(
                 channel,
                 queues=[Queue(s.queue, no_declare=True)],
-                on_message=self._on_delivery,
+                on_message=self._dispatch,
                 prefetch_count=s.prefetch,
                 auto_declare=False,
             )
@@ -472,6 +480,7 @@ class _Broker:
         conn = self.conn
         if conn is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
+        self._draining = True
         try:
             conn.drain_events(timeout=timeout)
         except TimeoutError:  # socket.timeout: nothing arrived
@@ -480,6 +489,8 @@ class _Broker:
             raise
         except _broker_errors(conn) as exc:
             raise self._translate("receiving", exc) from exc
+        finally:
+            self._draining = False
         self.heartbeat()
 
     def heartbeat(self) -> None:
@@ -551,8 +562,10 @@ class Inbox:
     def start(self) -> None:
         """Connect to both servers, creating the inbox tables if missing.  Raises
         ``DatabaseUnavailable``/``BrokerUnavailable`` (exit 3) or ``QueueMissing``."""
-        self._connect_database()
-        self.broker.open()
+        if self.store is None:
+            self._connect_database()
+        if not self.broker.connected:
+            self.broker.open()
         s = self.settings
         emit(
             log,
@@ -649,6 +662,8 @@ class Inbox:
             delivery.body, delivery.properties, delivery.delivery_info, self.settings.queue
         )
         outcome, delay = processor.process(message)
+        if outcome is Outcome.HANDLED:
+            faults.reached("consume_after_commit")
         if outcome is Outcome.RETRY:
             self.stats.retried += 1
             self._stop.wait(delay)  # a stop cuts the wait short; the message goes back
