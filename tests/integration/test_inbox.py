@@ -69,15 +69,20 @@ def slow(conn, message):
 
 
 # -- helpers -----------------------------------------------------------------------
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    """The consumer's own database, with the application's effect table."""
-    with psycopg.connect(empty_dsn) as conn:
+def create_effects_table(dsn: str) -> str:
+    """The application's effect table: deliberately no unique constraint."""
+    with psycopg.connect(dsn) as conn:
         conn.execute(
             "CREATE TABLE effects (n bigserial, message_id text, body bytea, "
             "at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
-    return empty_dsn
+    return dsn
+
+
+@pytest.fixture
+def consumer_dsn(empty_dsn: str) -> str:
+    """The consumer's own database (not the outbox's), with the effect table."""
+    return create_effects_table(empty_dsn)
 
 
 def record(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
