@@ -32,7 +32,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from outbox.errors import DatabaseUnavailable, OutboxError
+from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady
 from outbox.queries import load_blocks
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
@@ -333,6 +333,16 @@ class ParkedStore(InboxStore):
         super().__init__(
             dsn, table, "", application_name="outbox-parked", connect_timeout=connect_timeout
         )
+        with self._translated("looking for the inbox tables"):
+            row = self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
+            found = row.fetchone()
+        if not found or not found[0]:
+            self.close()
+            raise SchemaNotReady(
+                f"the inbox table {table}_parked does not exist in this database",
+                "check --dsn and --inbox-table; `outbox consume` creates it at start-up "
+                "(or apply `outbox consume --print-sql`)",
+            )
 
     def entries(self, limit: int) -> list[dict[str, Any]]:
         with self._translated("listing parked messages"):

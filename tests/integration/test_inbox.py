@@ -714,3 +714,43 @@ def test_inbox__the_consumer_prunes_at_start_and_a_pruned_id_is_applied_again(
         wait_for(lambda: inbox.stats.handled == 1, 20)
     assert inbox.stats.pruned == 1
     assert effects(consumer_dsn) == [(message_id, b"first"), (message_id, b"late copy")]
+
+
+# -- metrics and health -----------------------------------------------------------------------
+def test_endpoints__consumer_counters_histogram_parked_gauge_and_probes(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    from outbox.endpoints import LIVENESS_PATH, READINESS_PATH
+    from outbox.inbox_metrics import ConsumerEndpoints
+    from tests.integration.test_observability import get, scrape
+
+    ids = new_ids(4)
+
+    def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
+        if message.message_id == ids[0]:
+            raise ValueError("never")
+        record(conn, message)
+
+    inbox = Inbox(handler, consumer_settings(topology, consumer_dsn, max_attempts=2))
+    publish(topology, [(i, b"x") for i in ids] + [(ids[1], b"copy")])
+    inbox.start()
+    endpoints = ConsumerEndpoints(inbox, port=0, address="127.0.0.1", cache_seconds=0).start()
+    try:
+        with running(inbox):
+            wait_for(lambda: inbox.stats.handled == 3 and inbox.stats.parked == 1, 20)
+            wait_for(lambda: inbox.stats.duplicates_skipped == 1, 20)
+            metrics = scrape(endpoints)
+            assert get(endpoints, READINESS_PATH) == (200, "ok\n")
+            assert get(endpoints, LIVENESS_PATH) == (200, "ok\n")
+        status, body = get(endpoints, READINESS_PATH)
+    finally:
+        endpoints.close()
+    assert metrics["outbox_consumer_handled_total"] == 3
+    assert metrics["outbox_consumer_duplicates_skipped_total"] == 1
+    assert metrics["outbox_consumer_handler_failures_total"] == 2
+    assert metrics["outbox_consumer_parked_total"] == 1
+    assert metrics["outbox_consumer_parked_messages"] == 1
+    assert metrics["outbox_consumer_handler_duration_seconds_count"] == 5  # 3 + 2 failures
+    assert metrics["outbox_consumer_broker_up"] == 1
+    assert metrics["outbox_consumer_database_up"] == 1
+    assert status == 503 and "stopping" in body
