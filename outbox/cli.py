@@ -839,6 +839,12 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
     "--latency-seconds", default=5.0, show_default=True, help="Length of the latency run."
 )
 @click.option("--idle-seconds", default=12.0, show_default=True, help="Length of the idle run.")
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
+)
+@click.option("--prefetch", default=10, show_default=True, help="Prefetch of both consumers.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def bench(
@@ -847,10 +853,36 @@ def bench(
     relays: str,
     batch_sizes: str,
     as_json: bool,
+    consume: bool,
+    prefetch: int,
     **options: Any,
 ) -> None:
-    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost."""
+    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
+    (with --consume: the consumer's inbox against a bare kombu consumer)."""
     from outbox.bench import BenchOptions, render, run_bench
+
+    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    if consume:
+        from outbox import bench_consume
+
+        consume_report = bench_consume.run_consume_bench(
+            bench_consume.ConsumeBenchOptions(
+                amqp_url=amqp_url,
+                dsn=dsn,
+                rows=options["rows"],
+                payload=options["payload"],
+                repeats=options["repeats"],
+                prefetch=prefetch,
+                window=options["window"],
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(consume_report, indent=2)
+            if as_json
+            else bench_consume.render(consume_report)
+        )
+        sys.exit(0 if consume_report["every_message_once"] else int(ExitCode.FAILURE))
 
     def numbers(text: str) -> tuple[int, ...]:
         try:
@@ -868,7 +900,6 @@ def bench(
         batch_sizes=numbers(batch_sizes),
         **options,
     )
-    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
     report = run_bench(bench_options, echo)
     if as_json:
         click.echo(json.dumps(report, indent=2))

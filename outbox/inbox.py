@@ -10,12 +10,20 @@ exactly one committed effect per message in the consumer's own database:
     COMMIT
     ack
 
+Messages that are already here when the consumer looks (at most ``--prefetch``)
+go through this in ONE transaction, one after the other, and are acked after its
+single COMMIT: a busy consumer pays one durable commit per batch, not per
+message, and an idle one still handles each message as it arrives.  If a handler
+fails inside a batch, the batch is rolled back and its messages are applied one
+by one, so a failing message costs only itself (and a handler may run more than
+once for a message; only its database effect commits once).
+
 Crash table (kill -9 or a lost connection at any point):
 
 | crash point | state left | when the message comes back |
 |---|---|---|
 | before COMMIT (insert, handler) | rolled back, unacked | applied then |
-| after COMMIT, before the ack | effect and id committed, unacked | id found: acked, no effect |
+| after COMMIT, before the acks | effects and ids committed, unacked | ids found: acked, no effect |
 | after the ack | done | (a relay duplicate) id found: skipped |
 | database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
 
@@ -48,7 +56,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -305,14 +313,44 @@ class Processor:
     ) -> None:
         self.store, self.handler, self.settings, self.stats = store, handler, settings, stats
 
+    def process_batch(self, messages: Sequence[InboxMessage]) -> list[tuple[Outcome, float]]:
+        """Apply messages that are already here in ONE transaction (one commit for
+        all, which is what makes a busy consumer fast); if any of them fails, apply
+        them one by one instead, so a failing message costs only itself."""
+        identified = [m for m in messages if m.message_id is not None]
+        if len(identified) < 2:
+            return [self.process(m) for m in messages]
+        try:
+            applied = iter(
+                self.store.apply_many(
+                    [(str(m.message_id), self._effect(m), m.redelivered) for m in identified]
+                )
+            )
+        except HandlerFailed as failed:
+            emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=failed)
+            return [self.process(m) for m in messages]
+        return [
+            self.process(m) if m.message_id is None else self._applied(m, next(applied))
+            for m in messages
+        ]
+
     def process(self, message: InboxMessage) -> tuple[Outcome, float]:
+        """Apply one message in its own transaction."""
         if message.message_id is None:
             self.store.park(parking_for(message, "no message_id: cannot be deduplicated"))
             self.stats.parked += 1
             emit(log, "consumer.parked", logging.WARNING, reason="no message_id")
             return Outcome.PARKED, 0.0
         message_id = message.message_id
+        try:
+            applied = self.store.apply(
+                message_id, self._effect(message), had_failed=message.redelivered
+            )
+        except HandlerFailed as failed:
+            return self._failed(message, message_id, failed)
+        return self._applied(message, applied)
 
+    def _effect(self, message: InboxMessage) -> Callable[[psycopg.Connection[Any]], None]:
         def effect(conn: psycopg.Connection[Any]) -> None:
             started = time.perf_counter()
             try:
@@ -320,15 +358,14 @@ class Processor:
             finally:
                 self.stats.handler_seconds.observe(time.perf_counter() - started)
 
-        try:
-            applied = self.store.apply(message_id, effect, had_failed=message.redelivered)
-        except HandlerFailed as failed:
-            return self._failed(message, message_id, failed)
+        return effect
+
+    def _applied(self, message: InboxMessage, applied: bool) -> tuple[Outcome, float]:
         if applied:
             self.stats.handled += 1
             return Outcome.HANDLED, 0.0
         self.stats.duplicates_skipped += 1
-        emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message_id)
+        emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message.message_id)
         return Outcome.DUPLICATE, 0.0
 
     def _failed(
@@ -382,19 +419,18 @@ class _Broker:
     """The consumer's broker connection; every kombu call goes through here and its
     errors come out as ``BrokerUnavailable`` (or ``QueueMissing``)."""
 
-    def __init__(self, settings: ConsumerSettings, on_delivery: Callable[[Any], None]) -> None:
+    def __init__(self, settings: ConsumerSettings) -> None:
         self.settings = settings
-        self._on_delivery = on_delivery
         self.conn: Connection | None = None
         self._consumer: Consumer | None = None
-        self._draining = False
+        self._received: list[Any] | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
-        # connection.close).  Only ``drain`` hands them on; the others stay unacked
-        # and go back to the queue when the connection closes.
-        if self._draining:
-            self._on_delivery(delivery)
+        # connection.close).  Only those read by ``drain`` are handed on; the others
+        # stay unacked and go back to the queue when the connection closes.
+        if self._received is not None:
+            self._received.append(delivery)
 
     @property
     def connected(self) -> bool:
@@ -475,23 +511,26 @@ class _Broker:
                 emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
             channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
 
-    def drain(self, timeout: float) -> None:
-        """Deliver what arrives within ``timeout`` s (each delivery calls back)."""
+    def drain(self, timeout: float) -> list[Any]:
+        """The deliveries that arrive within ``timeout`` s, plus whatever else is
+        already waiting in the socket (at most ``prefetch``), without waiting more."""
         conn = self.conn
         if conn is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
-        self._draining = True
+        received: list[Any] = []
+        self._received = received
         try:
             conn.drain_events(timeout=timeout)
-        except TimeoutError:  # socket.timeout: nothing arrived
+            while len(received) < self.settings.prefetch:
+                conn.drain_events(timeout=0)
+        except TimeoutError:  # socket.timeout: nothing (more) arrived
             pass
-        except (OutboxError, HandlerFailed):
-            raise
         except _broker_errors(conn) as exc:
             raise self._translate("receiving", exc) from exc
         finally:
-            self._draining = False
+            self._received = None
         self.heartbeat()
+        return received
 
     def heartbeat(self) -> None:
         conn = self.conn
@@ -542,7 +581,7 @@ class Inbox:
         self._stop = threading.Event()
         self.store: InboxStore | None = None
         self.processor: Processor | None = None
-        self.broker = _Broker(settings, self._on_delivery)
+        self.broker = _Broker(settings)
         self._next_prune = 0.0
 
     # -- control --------------------------------------------------------------
@@ -588,7 +627,9 @@ class Inbox:
                 if not self.broker.connected:
                     self.broker.open()
                 self._maybe_prune()
-                self.broker.drain(timeout=1.0)
+                deliveries = self.broker.drain(timeout=1.0)
+                if deliveries:
+                    self._handle(deliveries)
                 self.stats.last_progress = time.monotonic()
                 self.stats.last_error = None
                 failures = 0
@@ -654,22 +695,30 @@ class Inbox:
         self._next_prune = now + (1.0 if full else self.settings.prune_interval)
 
     # -- one delivery --------------------------------------------------------------
-    def _on_delivery(self, delivery: Any) -> None:
+    def _handle(self, deliveries: list[Any]) -> None:
+        """Apply, then settle: ack what committed (or was skipped or parked); hold
+        failed ones for their retry delay and put them back on the queue."""
         processor = self.processor
         if processor is None:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
-        message = to_inbox_message(
-            delivery.body, delivery.properties, delivery.delivery_info, self.settings.queue
-        )
-        outcome, delay = processor.process(message)
-        if outcome is Outcome.HANDLED:
+        messages = [
+            to_inbox_message(d.body, d.properties, d.delivery_info, self.settings.queue)
+            for d in deliveries
+        ]
+        outcomes = processor.process_batch(messages)
+        if any(outcome is Outcome.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
-        if outcome is Outcome.RETRY:
-            self.stats.retried += 1
-            self._stop.wait(delay)  # a stop cuts the wait short; the message goes back
-            self.broker.settle(delivery, ack=False)
-        else:
-            self.broker.settle(delivery, ack=True)
+        retries = []
+        for delivery, (outcome, delay) in zip(deliveries, outcomes, strict=True):
+            if outcome is Outcome.RETRY:
+                retries.append((delivery, delay))
+            else:
+                self.broker.settle(delivery, ack=True)
+        if retries:
+            self.stats.retried += len(retries)
+            self._stop.wait(max(delay for _, delay in retries))  # a stop cuts it short
+            for delivery, _ in retries:
+                self.broker.settle(delivery, ack=False)
         self.stats.last_progress = time.monotonic()
 
 

@@ -200,7 +200,7 @@ class InboxStore:
             )
             self.conn.execute(self.queries["schema"])
 
-    # -- one message ------------------------------------------------------------
+    # -- messages -------------------------------------------------------------------
     def apply(self, message_id: str, effect: Effect, *, had_failed: bool) -> bool:
         """Record ``message_id`` and run ``effect`` in one transaction; False: duplicate.
 
@@ -210,38 +210,49 @@ class InboxStore:
         commit unknown: process the message again after reconnecting, the inbox
         knows).
         """
-        params = self._params(message_id=message_id)
+        return self.apply_many([(message_id, effect, had_failed)])[0]
+
+    def apply_many(self, items: Sequence[tuple[str, Effect, bool]]) -> list[bool]:
+        """``apply`` for several messages in ONE transaction (one commit for all):
+        all their effects and ids commit together, or none.  Raises like ``apply``
+        if any effect fails; the caller then applies them one by one."""
+        applied = []
         try:
             with self.conn.transaction():
-                if self.conn.execute(self.queries["record_message"], params).rowcount == 0:
-                    return False
-                if had_failed:
-                    self.conn.execute(self.queries["forget_attempts"], params)
-                try:
-                    effect(self.conn)
-                except Exception as exc:
-                    if self._lost(exc):
-                        raise
-                    raise HandlerFailed(exc, describe(exc)) from exc
-                self._check_still_in_transaction()
+                for message_id, effect, had_failed in items:
+                    params = self._params(message_id=message_id)
+                    if self.conn.execute(self.queries["record_message"], params).rowcount == 0:
+                        applied.append(False)  # a copy was applied before (or in this batch)
+                        continue
+                    if had_failed:
+                        self.conn.execute(self.queries["forget_attempts"], params)
+                    try:
+                        effect(self.conn)
+                    except Exception as exc:
+                        if self._lost(exc):
+                            raise
+                        raise HandlerFailed(exc, describe(exc)) from exc
+                    self._check_still_in_transaction()
+                    applied.append(True)
         except HandlerFailed:
             if self.broken:
                 raise DatabaseUnavailable(
-                    "lost the consumer's PostgreSQL connection while applying a message",
+                    "lost the consumer's PostgreSQL connection while applying messages",
                     "the consumer reconnects by itself; check the server if this repeats",
                 ) from None
             raise
         except psycopg.Error as exc:
             if self._lost(exc):
                 raise DatabaseUnavailable(
-                    "lost the consumer's PostgreSQL connection while applying a message: "
+                    "lost the consumer's PostgreSQL connection while applying messages: "
                     f"{_first_line(exc)}",
-                    "the consumer reconnects by itself; the inbox decides when it comes back",
+                    "the consumer reconnects by itself; the inbox decides when they come back",
                 ) from exc
-            # The COMMIT refused the effect (a deferred constraint, a serialization
-            # failure): the handler's transaction failed, like a raise inside it.
+            # The COMMIT refused an effect (a deferred constraint, a serialization
+            # failure), or two consumers' batches deadlocked on their ids: the
+            # transaction failed, like a raise inside a handler.
             raise HandlerFailed(exc, describe(exc)) from exc
-        return True
+        return applied
 
     def _check_still_in_transaction(self) -> None:
         """psycopg "commits" an aborted transaction without an error (the server just
