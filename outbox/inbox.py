@@ -541,13 +541,14 @@ class _Broker:
         except _broker_errors(conn) as exc:
             raise self._translate("sending a heartbeat", exc) from exc
 
-    def settle(self, delivery: Any, *, ack: bool) -> None:
-        """Ack, or reject with requeue (the message goes back to its queue position)."""
+    def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None:
+        """Ack (``multiple``: this and every earlier delivery not settled yet), or
+        reject with requeue (the message goes back to its queue position)."""
         conn = self.conn
         errors = _broker_errors(conn) if conn is not None else (OSError,)
         try:
             if ack:
-                delivery.ack()
+                delivery.ack(multiple=multiple)
             else:
                 delivery.reject(requeue=True)
         except errors as exc:
@@ -708,11 +709,16 @@ class Inbox:
         outcomes = processor.process_batch(messages)
         if any(outcome is Outcome.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
-        retries = []
-        for delivery, (outcome, delay) in zip(deliveries, outcomes, strict=True):
-            if outcome is Outcome.RETRY:
-                retries.append((delivery, delay))
-            else:
+        retries = [
+            (delivery, delay)
+            for delivery, (outcome, delay) in zip(deliveries, outcomes, strict=True)
+            if outcome is Outcome.RETRY
+        ]
+        if not retries:
+            # Every earlier delivery is settled already: one frame acks the batch.
+            self.broker.settle(deliveries[-1], ack=True, multiple=True)
+        for delivery, (outcome, _) in zip(deliveries, outcomes, strict=True):
+            if retries and outcome is not Outcome.RETRY:
                 self.broker.settle(delivery, ack=True)
         if retries:
             self.stats.retried += len(retries)

@@ -51,6 +51,18 @@ CREATE TABLE IF NOT EXISTS {parked} (
 INSERT INTO {inbox} (consumer, message_id) VALUES (%(consumer)s, %(message_id)s)
 ON CONFLICT DO NOTHING
 
+-- record_messages --
+-- The batch's ids in one statement; those it returns are new (their effects are
+-- applied next, in the same transaction), the others are duplicates.  Sorted, so
+-- two consumers whose batches share ids take their locks in the same order.
+INSERT INTO {inbox} (consumer, message_id)
+SELECT %(consumer)s, id FROM unnest(%(ids)s::text[]) AS id ORDER BY id
+ON CONFLICT DO NOTHING
+RETURNING message_id
+
+-- forget_attempts_of --
+DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = ANY(%(ids)s::text[])
+
 -- forget_attempts --
 DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
 

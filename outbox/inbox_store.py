@@ -217,15 +217,21 @@ class InboxStore:
         all their effects and ids commit together, or none.  Raises like ``apply``
         if any effect fails; the caller then applies them one by one."""
         applied = []
+        ids = [message_id for message_id, _, _ in items]
         try:
             with self.conn.transaction():
-                for message_id, effect, had_failed in items:
-                    params = self._params(message_id=message_id)
-                    if self.conn.execute(self.queries["record_message"], params).rowcount == 0:
-                        applied.append(False)  # a copy was applied before (or in this batch)
+                cur = self.conn.execute(self.queries["record_messages"], self._params(ids=ids))
+                new = {row[0] for row in cur.fetchall()}
+                failed_before = [m for m, _, had_failed in items if had_failed and m in new]
+                if failed_before:
+                    self.conn.execute(
+                        self.queries["forget_attempts_of"], self._params(ids=failed_before)
+                    )
+                for message_id, effect, _ in items:
+                    if message_id not in new:
+                        applied.append(False)  # a copy was applied before, or earlier here
                         continue
-                    if had_failed:
-                        self.conn.execute(self.queries["forget_attempts"], params)
+                    new.discard(message_id)
                     try:
                         effect(self.conn)
                     except Exception as exc:
