@@ -803,11 +803,21 @@ def own_servers_options(func: F) -> F:
 @cli.command()
 @own_servers_options
 @click.option("--rows", default=1000, show_default=True, help="Messages to send.")
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Instead: exactly-once effects with `outbox consume`, duplicates and a kill -9.",
+)
 @known_errors
-def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
+def demo(dsn: str | None, amqp_url: str, rows: int, consume: bool) -> None:
     """Show the relay end to end: write rows, relay them, consume and check them."""
     from outbox.demo import run_demo
 
+    if consume:
+        from outbox.demo_inbox import run_inbox_demo
+
+        ok = run_inbox_demo(dsn=dsn, amqp_url=amqp_url, rows=rows, echo=click.echo)
+        sys.exit(0 if ok else int(ExitCode.FAILURE))
     ok = run_demo(dsn=dsn, amqp_url=amqp_url, rows=rows, echo=click.echo)
     sys.exit(0 if ok else int(ExitCode.FAILURE))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -257,3 +258,18 @@ def test_parked_cli__list_retry_after_the_fix_and_purge(
         fixed.send_signal(signal.SIGTERM)
         fixed.communicate(timeout=30)
     assert ready_messages(topology) == 0
+
+
+def test_demo_consume__duplicates_and_a_kill_9_still_give_one_effect_per_row(
+    pg_server: str, amqp_url: str
+) -> None:
+    result = run_cli(
+        "demo", "--consume", "--dsn", pg_server, "--amqp-url", amqp_url, "--rows", "400"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "killed it with SIGKILL after" in result.stdout
+    # The 100 copies (and whatever the killed consumer committed but never acked).
+    skipped = re.search(r"(\d+) duplicates skipped", result.stdout)
+    assert skipped and int(skipped[1]) >= 100, result.stdout
+    assert "effects: 400 rows for 400 committed rows: 0 missing, 0 applied twice" in result.stdout
+    assert "OK: every committed row had exactly one effect" in result.stdout
