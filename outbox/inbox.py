@@ -35,9 +35,11 @@ transaction) and acked, so it never blocks the queue; ``outbox parked retry`` pu
 it back.  A message without a ``message_id`` cannot be deduplicated: it is parked
 at once and the handler never sees it.
 
-Roles: ``Processor`` is one message's life (database only, no broker);
-``_Broker`` is the only kombu code (connect, declare, consume, ack, reject);
-``Inbox`` is the process (start, reconnect with backoff, retention, stop).
+Roles: ``Processor`` is one message's (or batch's) life (database only, no
+broker); ``_Broker`` (connect, declare, consume, ack, reject) and
+``QueuePublisher`` (for ``outbox parked retry``) are the only kombu code of the
+consumer side; ``Inbox`` is the process (start, reconnect with backoff,
+retention, stop).  ``inbox_store`` does the psycopg part.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import amqp
 import psycopg
 from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
@@ -568,6 +571,47 @@ class _Broker:
             with contextlib.suppress(Exception):
                 self.conn.release()
             self.conn = None
+
+
+class QueuePublisher:
+    """Publishes straight to a queue (default exchange): persistent, ``mandatory``,
+    and confirmed one by one, so a return (no such queue) or a nack raises.  Used
+    by ``outbox parked retry``."""
+
+    def __init__(self, amqp_url: str, *, connect_timeout: float = 10.0) -> None:
+        self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
+        try:
+            self.conn.ensure_connection(
+                max_retries=max(len(self.conn.alt), 1) - 1, interval_start=0
+            )
+            self.channel = self.conn.channel()
+        except Exception as exc:
+            self.close()
+            raise BrokerUnavailable(
+                f"cannot connect to RabbitMQ: {exc!r}",
+                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+            ) from exc
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: dict[str, Any],
+        properties: Mapping[str, Any],
+    ) -> None:
+        kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
+        if isinstance(kept.get("timestamp"), str):
+            kept["timestamp"] = datetime.datetime.fromisoformat(kept["timestamp"])
+        message = amqp.Message(
+            body, message_id=message_id, delivery_mode=2, application_headers=headers, **kept
+        )
+        self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.release()
 
 
 # -- the process ----------------------------------------------------------------------------

@@ -20,15 +20,11 @@ listed as parked: retry it again.  Nothing is lost and nothing applied twice.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import Any
 
-import amqp
-from kombu.connection import Connection
-
 from outbox.errors import BrokerUnavailable
-from outbox.inbox import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
+from outbox.inbox import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, QueuePublisher
 from outbox.inbox_store import ParkedStore
 
 RETRY_BATCH = 500
@@ -66,43 +62,26 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _message(row: dict[str, Any]) -> amqp.Message:
-    properties = dict(row["properties"] or {})
-    if isinstance(properties.get("timestamp"), str):
-        properties["timestamp"] = datetime.datetime.fromisoformat(properties["timestamp"])
-    headers = dict(row["headers"] or {})
-    headers[ORIGINAL_EXCHANGE_HEADER] = row["exchange"]
-    headers[ORIGINAL_ROUTING_KEY_HEADER] = row["routing_key"]
-    return amqp.Message(
-        bytes(row["body"]),
-        message_id=row["message_id"],
-        delivery_mode=2,
-        application_headers=headers,
-        **properties,
-    )
-
-
 def retry(
     store: ParkedStore, amqp_url: str, ids: Sequence[str] | None, *, connect_timeout: float = 10.0
 ) -> list[str]:
     """Send parked messages (``ids`` None: all) back to their queues; returns their ids."""
     retried: list[str] = []
-    conn = Connection(amqp_url, connect_timeout=connect_timeout)
+    publisher = QueuePublisher(amqp_url, connect_timeout=connect_timeout)
     try:
-        try:
-            conn.ensure_connection(max_retries=max(len(conn.alt), 1) - 1, interval_start=0)
-            channel = conn.channel()
-        except Exception as exc:
-            raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ: {exc!r}",
-                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
-            ) from exc
         while True:
             with store.taking(ids, RETRY_BATCH) as rows:
                 for row in rows:
+                    headers = dict(row["headers"] or {})
+                    headers[ORIGINAL_EXCHANGE_HEADER] = row["exchange"]
+                    headers[ORIGINAL_ROUTING_KEY_HEADER] = row["routing_key"]
                     try:
-                        channel.basic_publish_confirm(
-                            _message(row), exchange="", routing_key=row["queue"], mandatory=True
+                        publisher.publish(
+                            row["queue"],
+                            bytes(row["body"]),
+                            message_id=row["message_id"],
+                            headers=headers,
+                            properties=row["properties"] or {},
                         )
                     except Exception as exc:
                         raise BrokerUnavailable(
@@ -115,5 +94,5 @@ def retry(
             if len(rows) < RETRY_BATCH:
                 break
     finally:
-        conn.release()
+        publisher.close()
     return retried
