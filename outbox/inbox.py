@@ -36,21 +36,16 @@ it back.  A message without a ``message_id`` cannot be deduplicated: it is parke
 at once and the handler never sees it.
 
 Roles: ``Processor`` is one message's (or batch's) life (database only, no
-broker); ``_Broker`` (connect, declare, consume, ack, reject) and
-``QueuePublisher`` (for ``outbox parked retry``) are the only kombu code of the
-consumer side; ``Inbox`` is the process (start, reconnect with backoff,
-retention, stop).  ``inbox_store`` does the psycopg part.
+broker); ``Inbox`` is the process (start, reconnect with backoff, retention,
+stop).  ``inbox_broker`` holds the kombu code, ``inbox_store`` the psycopg code,
+``inbox_message`` the handler's view of a delivery.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import decimal
 import enum
 import importlib
-import json
 import logging
 import os
 import random
@@ -58,135 +53,62 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import amqp
 import psycopg
-from kombu import exceptions as kombu_errors
-from kombu.connection import Connection
-from kombu.entity import Exchange, Queue
-from kombu.messaging import Consumer
 
 from outbox import backoff, faults
 from outbox.config import _TABLE_NAME, DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, ExitCode, OutboxError
 from outbox.events import emit
-from outbox.inbox_store import HandlerFailed, InboxStore, Parking
+from outbox.inbox_broker import Broker, QueueMissing, QueuePublisher
+from outbox.inbox_message import (
+    KEPT_PROPERTIES,
+    ORDERING_KEY_HEADER,
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    InboxMessage,
+    json_safe,
+    parking_for,
+    to_inbox_message,
+)
+from outbox.inbox_store import HandlerFailed, InboxStore
+
+__all__ = [
+    "DEFAULT_INBOX_TABLE",
+    "KEPT_PROPERTIES",
+    "ORDERING_KEY_HEADER",
+    "ORIGINAL_EXCHANGE_HEADER",
+    "ORIGINAL_ROUTING_KEY_HEADER",
+    "ConsumerSettings",
+    "ConsumerStats",
+    "HandlerNotFound",
+    "Inbox",
+    "InboxMessage",
+    "Outcome",
+    "Processor",
+    "QueueMissing",
+    "QueuePublisher",
+    "consume",
+    "json_safe",
+    "load_handler",
+    "parking_for",
+    "parse_bindings",
+    "retry_delay",
+    "to_inbox_message",
+]
 
 log = logging.getLogger("outbox.inbox")
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
-# The relay sets this header from the row's ordering key.
-ORDERING_KEY_HEADER = "x-ordering-key"
-# ``outbox parked retry`` sends a message straight to the queue it was parked from
-# (through the default exchange) and keeps where it first came from in these.
-ORIGINAL_EXCHANGE_HEADER = "x-outbox-original-exchange"
-ORIGINAL_ROUTING_KEY_HEADER = "x-outbox-original-routing-key"
-# AMQP properties kept with a parked message and sent again on retry.
-KEPT_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "type",
-    "app_id",
-    "priority",
-    "timestamp",
-)
-
-
-class QueueMissing(OutboxError):
-    """The queue to consume does not exist (and no ``--bind`` asked to declare it)."""
-
-    exit_code = ExitCode.NOT_READY
 
 
 class HandlerNotFound(OutboxError):
     """``MODULE:FUNCTION`` cannot be imported."""
 
     exit_code = ExitCode.USAGE
-
-
-# -- the message a handler sees ------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class InboxMessage:
-    """One delivery, as the handler sees it."""
-
-    message_id: str | None
-    body: bytes
-    headers: dict[str, Any]
-    exchange: str
-    routing_key: str
-    ordering_key: str | None
-    redelivered: bool
-    queue: str
-    content_type: str | None = None
-    properties: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def json(self) -> Any:
-        """The body parsed as JSON (``outbox.enqueue_json`` writes JSON)."""
-        return json.loads(self.body)
-
-
-def to_inbox_message(
-    body: bytes,
-    properties: Mapping[str, Any],
-    delivery_info: Mapping[str, Any],
-    queue: str,
-) -> InboxMessage:
-    """Build the handler's view of a delivery (pure)."""
-    headers = dict(properties.get("application_headers") or {})
-    exchange = headers.pop(ORIGINAL_EXCHANGE_HEADER, None)
-    routing_key = headers.pop(ORIGINAL_ROUTING_KEY_HEADER, None)
-    message_id = properties.get("message_id")
-    ordering_key = headers.get(ORDERING_KEY_HEADER)
-    return InboxMessage(
-        message_id=str(message_id) if message_id not in (None, "") else None,
-        body=bytes(body),
-        headers=headers,
-        exchange=str(exchange if exchange is not None else delivery_info.get("exchange", "")),
-        routing_key=str(
-            routing_key if routing_key is not None else delivery_info.get("routing_key", "")
-        ),
-        ordering_key=str(ordering_key) if ordering_key is not None else None,
-        redelivered=bool(delivery_info.get("redelivered", False)),
-        queue=queue,
-        content_type=properties.get("content_type"),
-        properties=dict(properties),
-    )
-
-
-def json_safe(value: Any) -> Any:
-    """AMQP header and property values as JSON (bytes, timestamps, decimals as text)."""
-    if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, datetime.datetime):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
-def parking_for(message: InboxMessage, error: str) -> Parking:
-    properties = {k: message.properties[k] for k in KEPT_PROPERTIES if k in message.properties}
-    return Parking(
-        message_id=message.message_id,
-        queue=message.queue,
-        exchange=message.exchange,
-        routing_key=message.routing_key,
-        body=message.body,
-        headers=json_safe(message.headers),
-        properties=json_safe(properties),
-        error=error,
-    )
 
 
 Handler = Callable[["psycopg.Connection[Any]", InboxMessage], object]
@@ -408,212 +330,6 @@ class Processor:
         return Outcome.RETRY, delay
 
 
-# -- kombu ---------------------------------------------------------------------------
-def _broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
-    return (
-        OSError,
-        kombu_errors.KombuError,
-        *conn.connection_errors,
-        *conn.channel_errors,
-    )
-
-
-class _Broker:
-    """The consumer's broker connection; every kombu call goes through here and its
-    errors come out as ``BrokerUnavailable`` (or ``QueueMissing``)."""
-
-    def __init__(self, settings: ConsumerSettings) -> None:
-        self.settings = settings
-        self.conn: Connection | None = None
-        self._consumer: Consumer | None = None
-        self._received: list[Any] | None = None
-
-    def _dispatch(self, delivery: Any) -> None:
-        # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
-        # connection.close).  Only those read by ``drain`` are handed on; the others
-        # stay unacked and go back to the queue when the connection closes.
-        if self._received is not None:
-            self._received.append(delivery)
-
-    @property
-    def connected(self) -> bool:
-        return self._consumer is not None
-
-    def _translate(self, what: str, exc: BaseException) -> BrokerUnavailable:
-        self.close()
-        return BrokerUnavailable(
-            f"RabbitMQ failed while {what}: {exc!r}",
-            "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
-        )
-
-    def open(self) -> None:
-        s = self.settings
-        conn = Connection(s.amqp_url, heartbeat=s.heartbeat, connect_timeout=s.connect_timeout)
-        self.conn = conn
-        errors = _broker_errors(conn)
-        try:
-            # Each of the ';'-separated URLs once; the caller backs off between rounds.
-            conn.ensure_connection(
-                max_retries=max(len(conn.alt), 1) - 1,
-                interval_start=0,
-                interval_step=0,
-                interval_max=0,
-            )
-            channel = conn.channel()
-            if s.bindings:
-                self._declare(channel)
-            self._check_queue(channel)
-            consumer = Consumer(
-                channel,
-                queues=[Queue(s.queue, no_declare=True)],
-                on_message=self._dispatch,
-                prefetch_count=s.prefetch,
-                auto_declare=False,
-            )
-            consumer.consume()
-        except QueueMissing:
-            self.close()
-            raise
-        except errors as exc:
-            raise self._translate("connecting", exc) from exc
-        self._consumer = consumer
-
-    def _check_queue(self, channel: Any) -> None:
-        try:
-            channel.queue_declare(queue=self.settings.queue, passive=True)
-        except Exception as exc:
-            if getattr(exc, "code", None) != 404:
-                raise
-            raise QueueMissing(
-                f"queue {self.settings.queue!r} does not exist",
-                "declare it and bind it to your exchange, or pass --bind EXCHANGE:KEY",
-            ) from exc
-
-    def _declare(self, channel: Any) -> None:
-        """--bind: the queue (durable) and each exchange (durable topic) if missing,
-        then the bindings.  Existing ones keep their type and arguments."""
-        s = self.settings
-        conn = self.conn
-        assert conn is not None
-        try:
-            channel.queue_declare(queue=s.queue, passive=True)
-        except Exception as exc:
-            if getattr(exc, "code", None) != 404:
-                raise
-            channel = conn.channel()  # a failed passive declare closes the channel
-            Queue(s.queue, durable=True, channel=channel).declare()
-            emit(log, "consumer.queue_declared", queue=s.queue)
-        for exchange, key in s.bindings:
-            try:
-                channel.exchange_declare(exchange=exchange, type="topic", passive=True)
-            except Exception as exc:
-                if getattr(exc, "code", None) != 404:
-                    raise
-                channel = conn.channel()
-                Exchange(exchange, type="topic", durable=True, channel=channel).declare()
-                emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
-            channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
-
-    def drain(self, timeout: float) -> list[Any]:
-        """The deliveries that arrive within ``timeout`` s, plus whatever else is
-        already waiting in the socket (at most ``prefetch``), without waiting more."""
-        conn = self.conn
-        if conn is None:
-            raise BrokerUnavailable("not connected to RabbitMQ")
-        received: list[Any] = []
-        self._received = received
-        try:
-            conn.drain_events(timeout=timeout)
-            while len(received) < self.settings.prefetch:
-                conn.drain_events(timeout=0)
-        except TimeoutError:  # socket.timeout: nothing (more) arrived
-            pass
-        except _broker_errors(conn) as exc:
-            raise self._translate("receiving", exc) from exc
-        finally:
-            self._received = None
-        self.heartbeat()
-        return received
-
-    def heartbeat(self) -> None:
-        conn = self.conn
-        if conn is None:
-            return
-        try:
-            conn.heartbeat_check()
-        except _broker_errors(conn) as exc:
-            raise self._translate("sending a heartbeat", exc) from exc
-
-    def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None:
-        """Ack (``multiple``: this and every earlier delivery not settled yet), or
-        reject with requeue (the message goes back to its queue position)."""
-        conn = self.conn
-        errors = _broker_errors(conn) if conn is not None else (OSError,)
-        try:
-            if ack:
-                delivery.ack(multiple=multiple)
-            else:
-                delivery.reject(requeue=True)
-        except errors as exc:
-            raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
-
-    def stop_consuming(self) -> None:
-        """Cancel the subscription; unacked (prefetched) messages go back on close."""
-        if self._consumer is not None and self.conn is not None:
-            with contextlib.suppress(*_broker_errors(self.conn)):
-                self._consumer.cancel()
-        self._consumer = None
-
-    def close(self) -> None:
-        self._consumer = None
-        if self.conn is not None:
-            # Closing a dead connection must not hide the error that killed it.
-            with contextlib.suppress(Exception):
-                self.conn.release()
-            self.conn = None
-
-
-class QueuePublisher:
-    """Publishes straight to a queue (default exchange): persistent, ``mandatory``,
-    and confirmed one by one, so a return (no such queue) or a nack raises.  Used
-    by ``outbox parked retry``."""
-
-    def __init__(self, amqp_url: str, *, connect_timeout: float = 10.0) -> None:
-        self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
-        try:
-            self.conn.ensure_connection(
-                max_retries=max(len(self.conn.alt), 1) - 1, interval_start=0
-            )
-            self.channel = self.conn.channel()
-        except Exception as exc:
-            self.close()
-            raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ: {exc!r}",
-                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
-            ) from exc
-
-    def publish(
-        self,
-        queue: str,
-        body: bytes,
-        *,
-        message_id: str,
-        headers: dict[str, Any],
-        properties: Mapping[str, Any],
-    ) -> None:
-        kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
-        if isinstance(kept.get("timestamp"), str):
-            kept["timestamp"] = datetime.datetime.fromisoformat(kept["timestamp"])
-        message = amqp.Message(
-            body, message_id=message_id, delivery_mode=2, application_headers=headers, **kept
-        )
-        self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.release()
-
-
 # -- the process ----------------------------------------------------------------------------
 class Inbox:
     """A consumer with exactly-once effects: ``start()``, then ``run()`` until
@@ -626,7 +342,7 @@ class Inbox:
         self._stop = threading.Event()
         self.store: InboxStore | None = None
         self.processor: Processor | None = None
-        self.broker = _Broker(settings)
+        self.broker = Broker(settings)
         self._next_prune = 0.0
 
     # -- control --------------------------------------------------------------

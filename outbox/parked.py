@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from outbox.errors import BrokerUnavailable
-from outbox.inbox import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, QueuePublisher
+from outbox.inbox_broker import QueuePublisher
+from outbox.inbox_message import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
 from outbox.inbox_store import ParkedStore
 
 RETRY_BATCH = 500
