@@ -455,7 +455,7 @@ class Inbox:
         full = deleted >= batch * max_batches
         self._next_prune = now + (1.0 if full else self.settings.prune_interval)
 
-    # -- one delivery --------------------------------------------------------------
+    # -- the deliveries in hand -----------------------------------------------------
     def _handle(self, deliveries: list[Any]) -> None:
         """Apply, then settle: ack what committed (or was skipped or parked); hold
         failed ones for their retry delay and put them back on the queue."""
@@ -469,18 +469,15 @@ class Inbox:
         outcomes = processor.process_batch(messages)
         if any(outcome is Outcome.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
-        retries = [
-            (delivery, delay)
-            for delivery, (outcome, delay) in zip(deliveries, outcomes, strict=True)
-            if outcome is Outcome.RETRY
-        ]
+        settled = list(zip(deliveries, outcomes, strict=True))
+        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Outcome.RETRY]
         if not retries:
             # Every earlier delivery is settled already: one frame acks the batch.
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
-        for delivery, (outcome, _) in zip(deliveries, outcomes, strict=True):
-            if retries and outcome is not Outcome.RETRY:
-                self.broker.settle(delivery, ack=True)
-        if retries:
+        else:
+            for delivery, (outcome, _) in settled:
+                if outcome is not Outcome.RETRY:
+                    self.broker.settle(delivery, ack=True)
             self.stats.retried += len(retries)
             self._stop.wait(max(delay for _, delay in retries))  # a stop cuts it short
             for delivery, _ in retries:
