@@ -27,7 +27,14 @@ import pytest
 
 from outbox import parked
 from outbox.config import Settings
-from outbox.inbox import ConsumerSettings, Inbox, InboxMessage, Outcome, Processor
+from outbox.inbox import (
+    ConsumerSettings,
+    Inbox,
+    InboxMessage,
+    Outcome,
+    Processor,
+    parking_for,
+)
 from outbox.inbox_store import InboxStore, ParkedStore
 from tests.fixtures.faults import (
     RelayProcess,
@@ -603,6 +610,26 @@ def test_inbox__retry_that_dies_before_commit_leaves_the_message_parked(
     with running(inbox):
         wait_for(lambda: inbox.stats.duplicates_skipped == 1, 20, "the copy to be skipped")
     assert effects(consumer_dsn) == []
+
+
+def test_inbox__a_failure_of_a_copy_whose_original_was_applied_parks_nothing(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """Copy B fails while copy A of the same message commits: B must not park (and so
+    block) a message whose effect exists; it counts as a duplicate."""
+    processor = _processor(consumer_dsn, topology, record)
+    [message_id] = new_ids(1)
+    message = _message(message_id, topology.queue)
+    try:
+        assert processor.process(message)[0] is Outcome.HANDLED
+        failure = processor.store.record_failure(
+            message_id, "B failed", max_attempts=1, parking=parking_for(message, "B failed")
+        )
+    finally:
+        processor.store.close()
+    assert (failure.parked, failure.duplicate) == (False, True)
+    assert scalar(consumer_dsn, "SELECT count(*) FROM inbox_parked") == 0
+    assert scalar(consumer_dsn, "SELECT count(*) FROM inbox_attempts") == 0
 
 
 def test_inbox__a_message_without_message_id_is_parked_without_calling_the_handler(
