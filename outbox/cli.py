@@ -574,6 +574,319 @@ def dead_letters_purge(
         sys.exit(int(ExitCode.FAILURE))
 
 
+# -- the consumer side: outbox consume, outbox parked ---------------------------------
+def inbox_table_option(func: F) -> F:
+    from outbox.inbox import DEFAULT_INBOX_TABLE
+
+    return _option(
+        "--inbox-table",
+        "OUTBOX_INBOX_TABLE",
+        default=DEFAULT_INBOX_TABLE,
+        help="Inbox table in the consumer's database; its companions are "
+        "<table>_attempts and <table>_parked.",
+    )(func)
+
+
+def consumer_server_options(func: F) -> F:
+    for decorator in reversed(
+        [
+            _option(
+                "--dsn",
+                "OUTBOX_DSN",
+                default=DEFAULT_DSN,
+                help="The consumer's PostgreSQL: the handler's effects and the inbox.",
+            ),
+            _option(
+                "--amqp-url",
+                "OUTBOX_AMQP_URL",
+                default=DEFAULT_AMQP_URL,
+                help="RabbitMQ connection URL (';'-separated URLs: failover).",
+            ),
+            inbox_table_option,
+            _option(
+                "--connect-timeout",
+                "OUTBOX_CONNECT_TIMEOUT",
+                default=10.0,
+                type=float,
+                help="Seconds to wait when connecting to either server.",
+            ),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+@cli.command()
+@click.argument("handler", required=False, envvar="OUTBOX_HANDLER")
+@_option("--queue", "OUTBOX_QUEUE", default=None, help="The queue to consume.")
+@consumer_server_options
+@_option(
+    "--consumer-name",
+    "OUTBOX_CONSUMER_NAME",
+    default=None,
+    help="Name the inbox records ids under (default: the queue); consumers of "
+    "consistent-hash shard queues share one.",
+)
+@_option(
+    "--prefetch",
+    "OUTBOX_PREFETCH",
+    default=10,
+    type=click.IntRange(min=1),
+    help="Unacked messages the broker hands this consumer at once (1 for ordered queues).",
+)
+@_option(
+    "--max-attempts",
+    "OUTBOX_MAX_ATTEMPTS",
+    default=5,
+    type=click.IntRange(min=1),
+    help="Failed handler calls after which a message is parked.",
+)
+@_option(
+    "--retry-delay",
+    "OUTBOX_RETRY_DELAY",
+    default=0.1,
+    type=float,
+    help="Seconds before a failed message goes back to the queue; doubles per attempt.",
+)
+@_option(
+    "--retry-delay-max",
+    "OUTBOX_RETRY_DELAY_MAX",
+    default=5.0,
+    type=float,
+    help="Longest retry delay (s).",
+)
+@_option(
+    "--inbox-retention",
+    "OUTBOX_INBOX_RETENTION",
+    default="7d",
+    help="Keep message ids this long (e.g. 7d, 12h); an older redelivery is applied again.",
+)
+@_option(
+    "--bind",
+    "OUTBOX_BIND",
+    multiple=True,
+    help="EXCHANGE:BINDING_KEY (repeatable): declare the queue (durable) and the exchange "
+    "(durable topic) if missing, and bind them.",
+)
+@_option(
+    "--backoff-initial",
+    "OUTBOX_BACKOFF_INITIAL",
+    default=0.2,
+    type=float,
+    help="First reconnect delay (s) after an outage; doubles up to --backoff-max.",
+)
+@_option("--backoff-max", "OUTBOX_BACKOFF_MAX", default=30.0, type=float, help="Longest delay.")
+@_option(
+    "--metrics-port",
+    "OUTBOX_METRICS_PORT",
+    default=0,
+    type=click.IntRange(0, 65535),
+    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
+)
+@_option(
+    "--metrics-address",
+    "OUTBOX_METRICS_ADDRESS",
+    default="0.0.0.0",
+    help="Address the metrics and health endpoints listen on.",
+)
+@_option(
+    "--log-level",
+    "OUTBOX_LOG_LEVEL",
+    default="info",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+@_option("--log-format", "OUTBOX_LOG_FORMAT", default="text", type=click.Choice(["text", "json"]))
+@click.option("--print-sql", is_flag=True, help="Print the inbox tables' SQL and exit.")
+@known_errors
+def consume(
+    handler: str | None,
+    queue: str | None,
+    inbox_retention: str,
+    bind: tuple[str, ...],
+    metrics_port: int,
+    metrics_address: str,
+    log_level: str,
+    log_format: str,
+    print_sql: bool,
+    **options: Any,
+) -> None:
+    """Consume QUEUE with exactly-once effects: HANDLER (MODULE:FUNCTION, or
+    OUTBOX_HANDLER) is called as FUNCTION(conn, message) inside the transaction that
+    records message.message_id in the inbox; a message already there is acked and
+    skipped.  Runs until SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox import inbox
+    from outbox.deadletters import parse_age
+    from outbox.inbox_store import render_sql
+
+    if print_sql:
+        click.echo(render_sql(options["inbox_table"]), nl=False)
+        return
+    if not handler:
+        raise click.UsageError("give the handler as MODULE:FUNCTION (or set OUTBOX_HANDLER)")
+    if not queue:
+        raise click.UsageError("give the queue to consume: --queue (or OUTBOX_QUEUE)")
+    try:
+        settings = inbox.ConsumerSettings(
+            queue=queue,
+            inbox_retention=parse_age(inbox_retention),
+            bindings=inbox.parse_bindings(bind),
+            **options,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure(log_level, log_format)
+    for noisy in ("amqp", "kombu"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    consumer = inbox.Inbox(inbox.load_handler(handler), settings)
+    consumer.install_signal_handlers()
+    endpoints = None
+    try:
+        consumer.start()
+        if metrics_port:
+            from outbox.inbox_metrics import ConsumerEndpoints
+
+            try:
+                endpoints = ConsumerEndpoints(
+                    consumer, port=metrics_port, address=metrics_address
+                ).start()
+            except OSError as exc:
+                raise click.UsageError(
+                    f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
+                ) from exc
+            emit(log, "consumer.endpoints", address=metrics_address, port=endpoints.port)
+        stats = consumer.run()
+    finally:
+        if endpoints is not None:
+            endpoints.close()
+        consumer.close()
+    summary = (
+        f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "
+        f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked"
+    )
+    if log_format == "json":
+        emit(
+            log,
+            "consumer.summary",
+            handled=stats.handled,
+            duplicates_skipped=stats.duplicates_skipped,
+            handler_failures=stats.handler_failures,
+            parked=stats.parked,
+        )
+    else:
+        click.echo(summary, err=True)
+
+
+@cli.group("parked")
+def parked() -> None:
+    """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
+
+
+def _parked_store(dsn: str, inbox_table: str, connect_timeout: float) -> Any:
+    from outbox.inbox_store import ParkedStore
+
+    return ParkedStore(dsn, inbox_table, connect_timeout=connect_timeout)
+
+
+@parked.command("list")
+@consumer_server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
+@known_errors
+def parked_list(
+    as_json: bool,
+    limit: int,
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Parked messages, oldest first: message id, error, attempts, queue and origin."""
+    from outbox.parked import as_dict, render
+
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        rows = parked_store.entries(limit)
+    finally:
+        parked_store.close()
+    if as_json:
+        click.echo(json.dumps({"parked": [as_dict(r) for r in rows]}, indent=2, default=str))
+    else:
+        click.echo(render(rows))
+
+
+@parked.command("retry")
+@consumer_server_options
+@click.option("--all", "everything", is_flag=True, help="Retry every parked message.")
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def parked_retry(
+    everything: bool,
+    message_ids: tuple[str, ...],
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Send parked messages back to the queue they came from (same message_id), once
+    the handler or the data is fixed.  Exits 1 if a MESSAGE_ID is not parked."""
+    from outbox.parked import retry
+
+    if everything == bool(message_ids):
+        raise click.UsageError("give either --all or one or more MESSAGE_IDs")
+    ids = None if everything else list(message_ids)
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        retried = retry(parked_store, amqp_url, ids, connect_timeout=connect_timeout)
+    finally:
+        parked_store.close()
+    click.echo(f"{len(retried)} parked messages sent back to their queues")
+    missing = sorted(set(ids or []) - set(retried))
+    if missing:
+        click.echo("not parked: " + " ".join(missing), err=True)
+        sys.exit(int(ExitCode.FAILURE))
+
+
+@parked.command("purge")
+@consumer_server_options
+@click.option("--all", "everything", is_flag=True, help="Delete every parked message.")
+@click.option(
+    "--older-than",
+    envvar="OUTBOX_PARKED_MAX_AGE",
+    show_envvar=True,
+    default=None,
+    help="Only those parked longer ago than this (e.g. 30d, 12h, 900s).",
+)
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def parked_purge(
+    everything: bool,
+    older_than: str | None,
+    message_ids: tuple[str, ...],
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
+    Their ids stay in the inbox until retention, so a late copy is still skipped."""
+    from outbox.deadletters import parse_age
+
+    if everything and message_ids:
+        raise click.UsageError("give --all or MESSAGE_IDs, not both")
+    if not (everything or message_ids or older_than):
+        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
+    try:
+        age = parse_age(older_than) if older_than else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        purged = parked_store.purge(list(message_ids) if message_ids else None, age)
+    finally:
+        parked_store.close()
+    click.echo(f"{purged} parked messages purged")
+
+
 def own_servers_options(func: F) -> F:
     """``--dsn`` (optional: a private PostgreSQL is started without it) and ``--amqp-url``."""
     func = click.option(
@@ -604,11 +917,21 @@ def own_servers_options(func: F) -> F:
     type=click.IntRange(1, 10_000_000),
     help="Messages to send.",
 )
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Instead: exactly-once effects with `outbox consume`, duplicates and a kill -9.",
+)
 @known_errors
-def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
+def demo(dsn: str | None, amqp_url: str, rows: int, consume: bool) -> None:
     """Show the relay end to end: write rows, relay them, consume and check them."""
     from outbox.demo import run_demo
 
+    if consume:
+        from outbox.demo_inbox import run_inbox_demo
+
+        ok = run_inbox_demo(dsn=dsn, amqp_url=amqp_url, rows=rows, echo=click.echo)
+        sys.exit(0 if ok else int(ExitCode.FAILURE))
     ok = run_demo(dsn=dsn, amqp_url=amqp_url, rows=rows, echo=click.echo)
     sys.exit(0 if ok else int(ExitCode.FAILURE))
 
@@ -700,6 +1023,18 @@ def demo(dsn: str | None, amqp_url: str, rows: int) -> None:
 @click.option(
     "--bursts/--no-bursts", default=True, show_default=True, help="Run the bursty-writers load."
 )
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
+)
+@click.option(
+    "--prefetch",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Prefetch of both consumers.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @known_errors
 def bench(
@@ -708,10 +1043,36 @@ def bench(
     relays: str,
     batch_sizes: str,
     as_json: bool,
+    consume: bool,
+    prefetch: int,
     **options: Any,
 ) -> None:
-    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost."""
+    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
+    (with --consume: the consumer's inbox against a bare kombu consumer)."""
     from outbox.bench import BenchOptions, render, run_bench
+
+    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    if consume:
+        from outbox import bench_consume
+
+        consume_report = bench_consume.run_consume_bench(
+            bench_consume.ConsumeBenchOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                rows=options["rows"],
+                payload=options["payload"],
+                repeats=options["repeats"],
+                prefetch=prefetch,
+                window=options["window"],
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(consume_report, indent=2)
+            if as_json
+            else bench_consume.render(consume_report)
+        )
+        sys.exit(0 if consume_report["every_message_once"] else int(ExitCode.FAILURE))
 
     def numbers(text: str, option: str, most: int) -> tuple[int, ...]:
         try:
@@ -730,7 +1091,6 @@ def bench(
         batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),
         **options,
     )
-    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
     report = run_bench(bench_options, echo)
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -1,4 +1,4 @@
-"""One small HTTP server per relay: ``/metrics``, ``/healthz`` and ``/readyz``.
+"""One small HTTP server per process: ``/metrics``, ``/healthz`` and ``/readyz``.
 
 It runs in a daemon thread next to the relay loop and only reads the relay's
 state; the one database query it makes runs on a connection of its own
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from outbox import health
 from outbox.metrics import DATABASE_CACHE_SECONDS, DatabaseFigures, registry_for
@@ -23,6 +24,56 @@ if TYPE_CHECKING:
 METRICS_PATH = "/metrics"
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
+
+
+class HealthServer:
+    """``/metrics`` from a registry, ``/healthz`` and ``/readyz`` from two checks, in a
+    daemon thread; ``port=0`` picks a free port (see ``.port``).  The relay and
+    ``outbox consume`` each serve one."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        liveness: Callable[[], health.Check],
+        readiness: Callable[[], health.Check],
+        *,
+        port: int,
+        address: str = "0.0.0.0",
+    ) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == METRICS_PATH:
+                    self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path in (LIVENESS_PATH, READINESS_PATH):
+                    check = liveness() if path == LIVENESS_PATH else readiness()
+                    self._answer(200 if check.ok else 503, check.body().encode())
+                else:
+                    self._answer(404, b"not found\n")
+
+            def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # probes every few seconds would drown the process's own events
+
+        self._server = ThreadingHTTPServer((address, port), Handler)
+        self._server.daemon_threads = True
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="outbox-endpoints", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 class Endpoints:
@@ -46,43 +97,17 @@ class Endpoints:
         )
         self.registry = registry_for(relay, self.database)
         self.liveness_limit = health.liveness_limit(settings)
-        endpoints = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == METRICS_PATH:
-                    self._answer(200, generate_latest(endpoints.registry), CONTENT_TYPE_LATEST)
-                elif path in (LIVENESS_PATH, READINESS_PATH):
-                    check = endpoints.liveness() if path == LIVENESS_PATH else endpoints.readiness()
-                    self._answer(200 if check.ok else 503, check.body().encode())
-                else:
-                    self._answer(404, b"not found\n")
-
-            def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # probes every few seconds would drown the relay's own events
-
-        self._server = ThreadingHTTPServer((address, port), Handler)
-        self._server.daemon_threads = True
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="outbox-endpoints", daemon=True
+        self._server = HealthServer(
+            self.registry, self.liveness, self.readiness, port=port, address=address
         )
+        self.port = self._server.port
 
     def start(self) -> Endpoints:
-        self._thread.start()
+        self._server.start()
         return self
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
         self.database.close()
 
     def liveness(self) -> health.Check:

@@ -21,6 +21,8 @@ POINTS = (
     "after_publish",
     "after_ledger",
     "before_commit_prepared",
+    # outbox consume (inbox.py): a message's effect committed, its ack not sent yet.
+    "consume_after_commit",
 )
 
 _spec = os.environ.get("OUTBOX_CRASH_AT", "")

@@ -1,4 +1,7 @@
-"""Load ``queries.sql`` into composed statements for one outbox table."""
+"""Load ``queries.sql`` into composed statements for one outbox table.
+
+``inbox.sql`` (the consumer's inbox, ``outbox.inbox_store``) uses the same loader.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +14,14 @@ from psycopg import sql
 _BLOCK = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 
 
-@cache
 def _raw_blocks() -> dict[str, str]:
-    text = resources.files("outbox").joinpath("queries.sql").read_text("utf-8")
+    return load_blocks("queries.sql")
+
+
+@cache
+def load_blocks(filename: str) -> dict[str, str]:
+    """The named blocks of one SQL file of the package, comments stripped."""
+    text = resources.files("outbox").joinpath(filename).read_text("utf-8")
     parts = _BLOCK.split(text)
     # parts = [preamble, name1, body1, name2, body2, ...]
     blocks: dict[str, str] = {}

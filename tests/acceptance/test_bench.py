@@ -63,3 +63,46 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     assert all(b["duplicates"] == 0 and b["rolled_back"] == 0 for b in report["bursts"])
     assert all(b["delivered_min"] == 300 for b in report["bursts"])
     assert set(report["idle"]) == {"seconds", "cpu_percent_of_a_core", "db_transactions_per_s"}
+
+
+def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
+    pg_server: str, amqp_url: str
+) -> None:
+    result = run_cli(
+        "bench",
+        "--consume",
+        "--json",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--rows",
+        "300",
+        "--payload",
+        "64",
+        "--repeats",
+        "2",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["every_message_once"] is True
+    consume = report["consume"]
+    assert len(consume["bare_msg_per_s"]) == len(consume["inbox_effects_per_s"]) == 2
+    assert consume["bare_median"] > 0 and consume["inbox_median"] > 0
+    assert abs(consume["ratio"] - consume["inbox_median"] / consume["bare_median"]) < 0.01
+    assert report["prefetch"] == 10 and report["rows"] == 300
+    text = run_cli(
+        "bench",
+        "--consume",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--rows",
+        "50",
+        "--repeats",
+        "1",
+        timeout=180,
+    )
+    assert text.returncode == 0 and "every message had exactly one effect" in text.stdout
