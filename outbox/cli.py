@@ -377,10 +377,11 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
     settings = _settings(**options)
     batch_store = store.BatchStore(settings.dsn, settings.table, application_name="outbox-resolve")
     try:
+        # Privileges first: reading the schema version needs one of them.
+        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
         migrate.refuse_newer(
             migrate.current_version(batch_store.conn, settings.table), settings.table
         )
-        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
         results = resolve_pass(batch_store, settings, dry_run=dry_run)
     finally:
         batch_store.close()
