@@ -18,7 +18,8 @@ import json
 import uuid
 from collections.abc import Iterable
 
-from outbox.publisher import Message, read_stream
+from outbox.frames import Message
+from outbox.publisher import read_stream
 
 FORMAT_VERSION = 1
 

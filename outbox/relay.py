@@ -97,6 +97,7 @@ from collections.abc import Callable, Sequence
 
 from outbox import backoff, faults, ledger, replication
 from outbox.config import Settings
+from outbox.confirms import Outcome, Pending
 from outbox.durations import Durations
 from outbox.errors import (
     BrokerUnavailable,
@@ -108,10 +109,11 @@ from outbox.errors import (
     PreparedSlotsExhausted,
 )
 from outbox.events import emit
+from outbox.frames import Message
 from outbox.gid import Gid
 from outbox.liveness import Liveness
 from outbox.message import DeadLetter, OutboxRow
-from outbox.publisher import Message, Outcome, Pending, Publisher
+from outbox.publisher import Publisher
 from outbox.store import BatchStore, WakeupListener
 from outbox.triage import Triage
 

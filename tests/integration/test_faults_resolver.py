@@ -17,9 +17,11 @@ from psycopg import sql
 
 from outbox import ledger
 from outbox.config import Settings
+from outbox.confirms import Outcome
 from outbox.errors import DatabaseUnavailable
+from outbox.frames import Message
 from outbox.gid import Gid, new_relay_id
-from outbox.publisher import Message, Outcome, Publisher
+from outbox.publisher import Publisher
 from outbox.relay import Relay
 from outbox.store import BatchStore, ControlSession
 from tests.fixtures.faults import (

@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from outbox import ledger
-from outbox.publisher import Outcome, Publisher
+from outbox.confirms import Outcome
+from outbox.publisher import Publisher
 from tests.fixtures.faults import RabbitNode
 
 LEDGER = "outbox.ledger.recovery"
