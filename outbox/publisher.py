@@ -105,7 +105,6 @@ class Publisher:
         *,
         connect_timeout: float = 10.0,
         blocked_timeout: float = 60.0,
-        on_blocked: Callable[[bool], None] | None = None,
         ca_file: str | None = None,
     ) -> None:
         self._params, self._address = connection_parameters(
@@ -114,7 +113,6 @@ class Publisher:
         # Tear the connection down if an alarm blocks it for this long.
         self._params.blocked_connection_timeout = blocked_timeout
         self._connect_timeout = connect_timeout
-        self._on_blocked = on_blocked
         self._conn: SelectConnection | None = None
         self._channel: Any = None
         self._opened = False
@@ -177,8 +175,6 @@ class Publisher:
     def _set_blocked(self, blocked: bool) -> None:
         self.blocked = blocked
         log.warning("broker.blocked" if blocked else "broker.unblocked")
-        if self._on_blocked:
-            self._on_blocked(blocked)
 
     def _on_open(self, _conn: Any) -> None:
         self._opened = True
