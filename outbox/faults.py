@@ -2,7 +2,7 @@
 
 Set ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's environment and the relay
 kills itself with SIGKILL the n-th time (default the first) it reaches that
-point.  The points are the step boundaries of ``relay.py``; when the variable is
+point.  The points are the step boundaries of ``batches.py``; when the variable is
 unset, ``reached`` is one dictionary lookup.  Pipelined, the n-th occurrence
 counts across batches: ``after_prepare:2`` is batch 2's PREPARE while batch 1
 awaits its confirms.  Before an armed crash the relay lets the broker confirm
@@ -32,13 +32,35 @@ if _point and _point not in POINTS:
     raise SystemExit(f"OUTBOX_CRASH_AT: unknown point {_point!r}; one of {', '.join(POINTS)}")
 
 
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# What an armed point does when reached; the unit tests of the batch loop replace it
+# with an exception, to look at what the "crash" left behind in memory.
+crash = _kill
+
+
+def arm(point: str, nth: int = 1) -> None:
+    """Arm ``point`` for its ``nth`` occurrence (what OUTBOX_CRASH_AT does at import)."""
+    global _point, _remaining
+    if point not in POINTS:
+        raise ValueError(f"unknown crash point {point!r}")
+    _point, _remaining = point, nth
+
+
+def disarm() -> None:
+    global _point, _remaining
+    _point, _remaining = "", 0
+
+
 def reached(point: str) -> None:
     global _remaining
     if point != _point:
         return
     _remaining -= 1
     if _remaining == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+        crash()
 
 
 def armed(point: str) -> bool:

@@ -47,10 +47,6 @@ class Gid:
     def __str__(self) -> str:
         return f"{PREFIX}:{self.table}:{self.relay_id}:{self.seq}"
 
-    @property
-    def lock_key(self) -> int:
-        return lock_key(self.relay_id)
-
 
 def parse(text: str) -> Gid | None:
     """The gid's parts, or None for a prepared transaction that is not a relay batch."""

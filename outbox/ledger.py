@@ -5,7 +5,12 @@ being consumed).  After every message of a batch is confirmed (or recorded as a
 dead letter), the relay appends ``{"gid": …}`` to it and waits for that confirm;
 only then does it run COMMIT PREPARED.  A gid in the ledger is therefore positive
 evidence that the whole batch is safe on the broker, and a resolver commits only
-gids it finds there (DESIGN.md, invariant 2).
+gids it finds there (README, "The guarantee").
+
+This module owns the ledger: the record format, the probe, and reading the
+finished gids back (``finished_gids``, over ``publisher.read_stream``, the one
+place that reads a stream with pika).  Records are published to the default
+exchange with the stream's name as routing key.
 
 Retention is the stream's ``x-max-age`` (7 days by default): far longer than any
 batch stays in doubt.
@@ -18,24 +23,26 @@ import json
 import uuid
 from collections.abc import Iterable
 
-from outbox.publisher import Message, read_stream
+from outbox.frames import Message
+from outbox.publisher import read_stream
 
 FORMAT_VERSION = 1
 
 
-def record(gid: str, *, rows: int, dead: int, relay_id: str) -> Message:
+def record(gid: str, *, queue: str, rows: int, dead: int, relay_id: str) -> Message:
+    """The evidence that batch ``gid`` is wholly on the broker, for the stream ``queue``."""
     body = json.dumps(
         {"v": FORMAT_VERSION, "gid": gid, "rows": rows, "dead": dead, "relay": relay_id},
         separators=(",", ":"),
     ).encode()
-    return Message(exchange="", routing_key="", body=body, message_id=f"ledger:{gid}")
+    return Message(exchange="", routing_key=queue, body=body, message_id=f"ledger:{gid}")
 
 
-def probe() -> Message:
+def probe(queue: str) -> Message:
     """A record with no gid: proves the ledger takes writes (``gids_in`` skips it)."""
     body = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
     return Message(
-        exchange="", routing_key="", body=body, message_id=f"ledger-probe:{uuid.uuid4()}"
+        exchange="", routing_key=queue, body=body, message_id=f"ledger-probe:{uuid.uuid4()}"
     )
 
 

@@ -1,4 +1,4 @@
-"""The only module that talks to RabbitMQ (pika).
+"""The only module that does I/O with RabbitMQ (pika).
 
 ``Publisher`` wraps a pika ``SelectConnection`` whose I/O loop is driven from the
 relay's own thread: ``publish`` writes a whole batch without waiting, then runs the
@@ -17,211 +17,53 @@ A channel closed by the broker (404 missing exchange, 406 message too large)
 leaves every unconfirmed message in doubt (``Outcome.UNKNOWN``); the next batch
 opens a fresh channel.
 
-Bookkeeping never keys on ``message_id``: rows may share one.  A confirm names
-its delivery tag; a ``basic.return`` names no tag, but the broker returns
-unroutable messages in publish order, each before its own ack, so a return
-belongs to the first unconfirmed message after the previous return whose
-exchange, routing key, message id and body it carries (``match_return``).
+The pure parts live elsewhere: the frames' bytes in ``outbox.frames``, which
+message a confirm or a return is about in ``outbox.confirms``.  pika's two private
+members that the fast path needs are used only through ``_Wire`` below.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import datetime
-import enum
 import logging
 import ssl
 import struct
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pika
-import pika.data
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.adapters.utils import connection_workflow
 
 from outbox import urls
+from outbox.confirms import Confirms, Delivery, Outcome, Pending
 from outbox.errors import BrokerUnavailable, InvalidSetting, OutboxError
+from outbox.frames import FLUSH_BYTES, FrameTooLarge, Message, encode_publish
 
 log = logging.getLogger("outbox.publisher")
 
 
-class Outcome(enum.Enum):
-    ACCEPTED = "accepted"  # confirmed (ack) and routed
-    RETURNED = "returned"  # unroutable: basic.return before the ack
-    NACKED = "nacked"  # the broker could not take it (transient)
-    REJECTED = "rejected"  # pika cannot encode it (e.g. a header value): never publishable
-    UNKNOWN = "unknown"  # no confirm: channel or connection lost, or timed out
+class _Wire:
+    """pika's private members that the publisher's fast path needs, in one place.
 
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    exchange: str
-    routing_key: str
-    body: bytes
-    message_id: str
-    content_type: str | None = None
-    headers: Mapping[str, Any] | None = None
-    timestamp: datetime.datetime | None = None
-
-
-@dataclasses.dataclass
-class Delivery:
-    outcome: Outcome = Outcome.UNKNOWN
-    reason: str = ""
-    # Written to the socket: an UNKNOWN outcome then means "maybe on the broker",
-    # which a rollback turns into a possible duplicate.
-    sent: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class Pending:
-    """Messages handed to the broker by ``send`` whose confirms may still be due."""
-
-    deliveries: list[Delivery]
-    outstanding: int = 0  # sent and neither confirmed nor given up
-
-    @property
-    def settled(self) -> bool:
-        return self.outstanding == 0
-
-
-class Unconfirmed(NamedTuple):
-    """One message on the channel, by delivery tag, until its confirm arrives (a
-    tuple: one is made per message on the hot path)."""
-
-    pending: Pending
-    delivery: Delivery
-    message: Message
-
-
-def match_return(
-    unconfirmed: Mapping[int, Unconfirmed],
-    after_tag: int,
-    exchange: str,
-    routing_key: str,
-    message_id: str | None,
-    body: bytes,
-) -> int | None:
-    """The delivery tag a ``basic.return`` belongs to, or None.
-
-    The broker handles a channel's publishes in order and returns an unroutable
-    one at once, before its ack, so returns arrive in publish order: the message
-    is the first unconfirmed one after the previously returned tag that carries
-    the same exchange, routing key, message id and body.  Rows sharing a
-    ``message_id`` are told apart by position, never merged.  Only two messages
-    identical in all four, one routed and one not (a binding changed between two
-    publishes), could be swapped, and their contents are the same.
+    pika sends a message as three frame objects, one ``send()`` each; we hand it
+    whole runs of frames we encoded ourselves (``outbox.frames``).  That takes the
+    largest body frame the connection negotiated (``_body_max_length``) and the
+    call at the end of pika's own send path (``_output_marshaled_frames``).
+    ``tests/unit/test_pika_private.py`` pins both, so a pika upgrade that changes
+    them fails the suite instead of the relay.
     """
-    for tag, entry in unconfirmed.items():
-        if tag <= after_tag:
-            continue
-        message = entry.message
-        if (
-            entry.delivery.outcome is Outcome.UNKNOWN
-            and not entry.delivery.reason
-            and message.exchange == exchange
-            and message.routing_key == routing_key
-            and message.message_id == message_id
-            and message.body == body
-        ):
-            return tag
-    return None
 
+    @staticmethod
+    def body_max(conn: SelectConnection) -> int:
+        return int(conn._body_max_length)
 
-# -- frames, encoded by hand -----------------------------------------------------
-# pika builds a Basic.Publish, a BasicProperties and three Frame objects per
-# message and hands each frame to its transport separately (one send() each).
-# Profiling the relay showed that to be about half of its CPU time.  We encode
-# the same bytes directly (``encode_publish``, checked against pika's own
-# marshalling by the unit tests) and write a whole run of messages at once.
-_FRAME_END = b"\xce"
-_BASIC_PUBLISH = struct.pack(">HHH", 60, 40, 0)  # class basic, method publish, ticket
-_FLAG_CONTENT_TYPE = 1 << 15
-_FLAG_HEADERS = 1 << 13
-_FLAG_DELIVERY_MODE = 1 << 12
-_FLAG_MESSAGE_ID = 1 << 7
-_FLAG_TIMESTAMP = 1 << 6
-# Flush to the socket (and read confirms) after this many bytes of a batch, so the
-# broker works on the start of a batch while we encode the rest.
-FLUSH_BYTES = 128 * 1024
-
-
-def _short_string(value: str) -> bytes:
-    data = value.encode("utf-8")
-    if len(data) > 255:
-        raise ValueError(f"AMQP short string longer than 255 bytes: {value[:40]!r}…")
-    return bytes((len(data),)) + data
-
-
-def _frame(kind: int, channel: int, payload: bytes) -> bytes:
-    return struct.pack(">BHI", kind, channel, len(payload)) + payload + _FRAME_END
-
-
-class FrameTooLarge(ValueError):
-    """The properties (headers included) do not fit in one frame of the connection."""
-
-
-def amqp_timestamp(moment: datetime.datetime) -> int:
-    """Seconds since 1970 as AMQP carries them (unsigned 64 bits), or ValueError."""
-    seconds = int(moment.timestamp())
-    if seconds < 0:
-        raise ValueError(f"timestamp {moment.isoformat()} is before 1970")
-    return seconds
-
-
-def encode_publish(
-    channel: int,
-    message: Message,
-    *,
-    mandatory: bool,
-    body_max: int,
-    frame_max: int | None = None,
-) -> bytes:
-    """The frames of one persistent ``basic.publish`` (method, header, body).
-
-    Properties and headers travel in one content-header frame: one larger than
-    the connection's ``frame_max`` makes the broker close the whole connection
-    (501 FRAME_ERROR), so it raises ``FrameTooLarge`` instead.
-    """
-    method = _frame(
-        1,
-        channel,
-        _BASIC_PUBLISH
-        + _short_string(message.exchange)
-        + _short_string(message.routing_key)
-        + (b"\x01" if mandatory else b"\x00"),
-    )
-    flags = _FLAG_DELIVERY_MODE | _FLAG_MESSAGE_ID
-    props = []
-    if message.content_type is not None:
-        flags |= _FLAG_CONTENT_TYPE
-        props.append(_short_string(message.content_type))
-    if message.headers is not None:
-        flags |= _FLAG_HEADERS
-        table: list[bytes] = []
-        pika.data.encode_table(table, dict(message.headers))
-        props.append(b"".join(table))
-    props.append(b"\x02")  # delivery_mode: persistent
-    props.append(_short_string(message.message_id))
-    if message.timestamp is not None:
-        flags |= _FLAG_TIMESTAMP
-        props.append(struct.pack(">Q", amqp_timestamp(message.timestamp)))
-    body = message.body
-    header = _frame(2, channel, struct.pack(">HHQH", 60, 0, len(body), flags) + b"".join(props))
-    if frame_max is not None and len(header) > frame_max:
-        raise FrameTooLarge(
-            f"properties and headers need a frame of {len(header)} bytes, more than the "
-            f"broker's frame_max ({frame_max}); AMQP sends them in one frame"
-        )
-    frames = [method, header]
-    for start in range(0, len(body), body_max):
-        frames.append(_frame(3, channel, body[start : start + body_max]))
-    return b"".join(frames)
+    @staticmethod
+    def write(conn: SelectConnection, data: bytes) -> None:
+        conn._output_marshaled_frames([data])
 
 
 def connection_parameters(
@@ -263,7 +105,6 @@ class Publisher:
         *,
         connect_timeout: float = 10.0,
         blocked_timeout: float = 60.0,
-        on_blocked: Callable[[bool], None] | None = None,
         ca_file: str | None = None,
     ) -> None:
         self._params, self._address = connection_parameters(
@@ -272,16 +113,13 @@ class Publisher:
         # Tear the connection down if an alarm blocks it for this long.
         self._params.blocked_connection_timeout = blocked_timeout
         self._connect_timeout = connect_timeout
-        self._on_blocked = on_blocked
         self._conn: SelectConnection | None = None
         self._channel: Any = None
         self._opened = False
         self._failure: str | None = None
         self._channel_closed: str | None = None
-        self._next_tag = 1
         # Several batches may be in flight on the channel, in delivery-tag order.
-        self._unconfirmed: collections.OrderedDict[int, Unconfirmed] = collections.OrderedDict()
-        self._last_returned_tag = 0
+        self._confirms = Confirms()
         self._done: Callable[[], bool] | None = None
         self.blocked = False
 
@@ -337,8 +175,6 @@ class Publisher:
     def _set_blocked(self, blocked: bool) -> None:
         self.blocked = blocked
         log.warning("broker.blocked" if blocked else "broker.unblocked")
-        if self._on_blocked:
-            self._on_blocked(blocked)
 
     def _on_open(self, _conn: Any) -> None:
         self._opened = True
@@ -377,9 +213,7 @@ class Publisher:
                 f"cannot open a RabbitMQ channel: {self._failure or 'timed out'}"
             )
         self._channel = state["channel"]
-        self._give_up_unconfirmed("channel replaced before its confirms arrived")
-        self._next_tag = 1
-        self._last_returned_tag = 0
+        self._confirms.new_channel("channel replaced before its confirms arrived")
 
     def _confirming(self, state: dict[str, Any]) -> None:
         state["confirming"] = True
@@ -390,16 +224,8 @@ class Publisher:
             return
         self._channel = None
         self._channel_closed = _describe(reason)
-        self._give_up_unconfirmed(f"channel closed: {self._channel_closed}")
+        self._confirms.give_up(f"channel closed: {self._channel_closed}")
         self._poke()
-
-    def _give_up_unconfirmed(self, reason: str) -> None:
-        """Every unconfirmed message is in doubt from now on (``Outcome.UNKNOWN``)."""
-        for entry in self._unconfirmed.values():
-            if not entry.delivery.reason:
-                entry.delivery.reason = reason
-            entry.pending.outstanding -= 1
-        self._unconfirmed.clear()
 
     def close(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
@@ -447,7 +273,7 @@ class Publisher:
         conn = self._conn
         assert conn is not None
         pending = Pending([Delivery() for _ in messages])
-        number, body_max = channel.channel_number, conn._body_max_length
+        number, body_max = channel.channel_number, _Wire.body_max(conn)
         frame_max = self.frame_max
         chunk: list[bytes] = []
         chunk_indexes: list[int] = []
@@ -500,9 +326,9 @@ class Publisher:
         self._run_until(lambda: pending.settled or self._failure is not None, timeout)
         if not pending.settled:
             if self._failure is not None:
-                self._give_up_unconfirmed(f"connection lost: {self._failure}")
+                self._confirms.give_up(f"connection lost: {self._failure}")
             else:
-                self._give_up_unconfirmed("no confirm before the publish timeout")
+                self._confirms.give_up("no confirm before the publish timeout")
                 self._abandon_channel()
         for delivery in pending.deliveries:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
@@ -511,7 +337,7 @@ class Publisher:
 
     def wait_for_confirms(self, timeout: float) -> bool:
         """Serve the connection until nothing sent is unconfirmed (or ``timeout``)."""
-        return self._run_until(lambda: not self._unconfirmed or self._failure is not None, timeout)
+        return self._run_until(lambda: not self._confirms or self._failure is not None, timeout)
 
     def _write(
         self,
@@ -528,20 +354,13 @@ class Publisher:
             for index in indexes:
                 pending.deliveries[index].reason = reason
             return False
-        for index in indexes:
-            delivery = pending.deliveries[index]
-            delivery.sent = True
-            self._unconfirmed[self._next_tag] = Unconfirmed(pending, delivery, messages[index])
-            self._next_tag += 1
-        pending.outstanding += len(indexes)
-        # pika's own path (Connection._send_message) ends in this call, once per
-        # frame; we make it once per run of messages.
-        conn._output_marshaled_frames([b"".join(chunk)])
+        self._confirms.track(pending, indexes, messages)
+        _Wire.write(conn, b"".join(chunk))
         return True
 
     def _abandon_channel(self) -> None:
         channel, self._channel = self._channel, None
-        self._give_up_unconfirmed("channel abandoned after a confirm timeout")
+        self._confirms.give_up("channel abandoned after a confirm timeout")
         if channel is not None and channel.is_open:
             try:
                 channel.close()
@@ -550,43 +369,20 @@ class Publisher:
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
-        accepted = isinstance(method, pika.spec.Basic.Ack)
-        if method.multiple:
-            tags = []
-            for tag in self._unconfirmed:
-                if tag > method.delivery_tag:
-                    break
-                tags.append(tag)
-        else:
-            tags = [method.delivery_tag] if method.delivery_tag in self._unconfirmed else []
-        for tag in tags:
-            entry = self._unconfirmed.pop(tag)
-            pending, delivery = entry.pending, entry.delivery
-            pending.outstanding -= 1
-            if not accepted:
-                delivery.outcome = Outcome.NACKED
-                delivery.reason = "nacked by the broker"
-            elif delivery.outcome is not Outcome.RETURNED:
-                delivery.outcome = Outcome.ACCEPTED
+        self._confirms.confirm(
+            method.delivery_tag,
+            multiple=method.multiple,
+            accepted=isinstance(method, pika.spec.Basic.Ack),
+        )
         self._poke()
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
-        tag = match_return(
-            self._unconfirmed,
-            self._last_returned_tag,
+        self._confirms.returned(
             method.exchange,
             method.routing_key,
             properties.message_id,
             body,
-        )
-        if tag is None:
-            return  # a late return for a message already given up: it stays in doubt
-        self._last_returned_tag = tag
-        delivery = self._unconfirmed[tag].delivery
-        delivery.outcome = Outcome.RETURNED
-        delivery.reason = (
-            f"unroutable: exchange {method.exchange!r} has no queue bound for "
-            f"routing key {method.routing_key!r} ({method.reply_code} {method.reply_text})"
+            f"{method.reply_code} {method.reply_text}",
         )
 
     # -- topology --------------------------------------------------------------

@@ -4,8 +4,10 @@ Three sources of proof, none of them a transient failure:
 
 - the row itself (``message.problem_with``: names too long, payload too large,
   headers AMQP cannot carry);
-- the broker's topology: the row's exchange does not exist (a passive declare,
-  trusted for ``EXCHANGE_CACHE_SECONDS``);
+- the broker's topology: the row's exchange does not exist (the caller asks the
+  broker about the names ``exchanges_to_check`` gives, by a passive declare, and
+  passes the missing ones to ``sort_out``; a name found is trusted for
+  ``EXCHANGE_CACHE_SECONDS``);
 - what a channel close taught us (``message.refusal_in``): an exchange that
   refuses publishes (403), or the broker's real maximum message size (406).  The
   batch that hit the close is rolled back once as in doubt; from the next attempt
@@ -13,33 +15,29 @@ Three sources of proof, none of them a transient failure:
 - what isolating suspects taught us (``isolation.Suspects``): a row the broker
   refused when it was published alone, for a reason nobody foresaw, and rows
   returned in a batch that was then rolled back.
+
+Pure: no I/O, a clock only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from outbox.events import emit
 from outbox.isolation import Suspects
 from outbox.message import DeadLetter, OutboxRow, problem_with, refusal_in
 
-log = logging.getLogger("outbox.relay")
+log = logging.getLogger("outbox.triage")
 
 # How long a verified exchange (or a learnt refusal) is trusted before it is checked again.
 EXCHANGE_CACHE_SECONDS = 60.0
 
 
 class Triage:
-    def __init__(
-        self,
-        max_message_bytes: int,
-        exchange_exists: Callable[[str], bool],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, max_message_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_message_bytes = max_message_bytes
-        self._exchange_exists = exchange_exists
         self._clock = clock
         self._exchanges_seen: dict[str, float] = {}  # exchange → trusted until
         self._exchanges_refused: dict[str, tuple[str, float]] = {}  # → (reason, until)
@@ -49,11 +47,31 @@ class Triage:
         """Check every exchange again (a new connection, or one was deleted: 404)."""
         self._exchanges_seen.clear()
 
-    def sort_out(self, rows: Sequence[OutboxRow]) -> tuple[list[DeadLetter], list[OutboxRow]]:
-        """Split rows into those that can never be published and the rest."""
+    def exchanges_to_check(self, names: Iterable[str]) -> set[str]:
+        """The exchanges among ``names`` whose existence is not known (or too old)."""
+        now = self._clock()
+        return {
+            name
+            for name in names
+            # The default exchange always exists; names too long fail statically.
+            if name != ""
+            and len(name.encode()) <= 255
+            and self._exchanges_seen.get(name, 0.0) <= now
+        }
+
+    def exchanges_found(self, names: Iterable[str]) -> None:
+        """The broker confirmed these exchanges exist: trust that for a while."""
+        until = self._clock() + EXCHANGE_CACHE_SECONDS
+        for name in names:
+            self._exchanges_seen[name] = until
+
+    def sort_out(
+        self, rows: Sequence[OutboxRow], missing: Collection[str] = ()
+    ) -> tuple[list[DeadLetter], list[OutboxRow]]:
+        """Split rows into those that can never be published and the rest; ``missing``
+        are the exchanges the broker said do not exist."""
         dead: list[DeadLetter] = []
         good: list[OutboxRow] = []
-        missing = self._missing_exchanges({r.exchange for r in rows})
         now = self._clock()
         for row in rows:
             reason = problem_with(row, self.max_message_bytes)
@@ -95,17 +113,3 @@ class Triage:
             if refusal.max_message_bytes is not None:
                 self.max_message_bytes = min(self.max_message_bytes, refusal.max_message_bytes)
             emit(log, "broker.refusal_learned", logging.WARNING, reason=refusal.reason)
-
-    def _missing_exchanges(self, names: set[str]) -> set[str]:
-        now = self._clock()
-        missing = set()
-        for name in names:
-            if name == "" or len(name.encode()) > 255:
-                continue  # the default exchange always exists; long names fail statically
-            if self._exchanges_seen.get(name, 0.0) > now:
-                continue
-            if self._exchange_exists(name):
-                self._exchanges_seen[name] = now + EXCHANGE_CACHE_SECONDS
-            else:
-                missing.add(name)
-        return missing

@@ -17,9 +17,11 @@ from psycopg import sql
 
 from outbox import ledger
 from outbox.config import Settings
+from outbox.confirms import Outcome
 from outbox.errors import DatabaseUnavailable
+from outbox.frames import Message
 from outbox.gid import Gid, new_relay_id
-from outbox.publisher import Message, Outcome, Publisher
+from outbox.publisher import Publisher
 from outbox.relay import Relay
 from outbox.store import BatchStore, ControlSession
 from tests.fixtures.faults import (
@@ -149,8 +151,8 @@ def test_relay__with_stale_heartbeat_rolls_back_instead_of_committing(
             with pytest.raises(DatabaseUnavailable, match="heartbeat is stale"):
                 # Pipelined, the first step only publishes; the second records evidence.
                 for _ in range(in_flight(settings)):
-                    relay.process_one_batch()
-            gid = str(Gid("outbox", relay.relay_id, relay._seq))
+                    relay.batches.step()
+            gid = str(Gid("outbox", relay.relay_id, relay.batches._seq))
     finally:
         relay.close()
 
@@ -172,9 +174,8 @@ def test_resolver__two_resolvers_at_once_finish_each_batch_exactly_once(
         evidence[gid] = i % 2 == 0
         if evidence[gid]:  # publish the batch and its ledger record, then "crash"
             [d] = publisher.publish([Message(topology.exchange, "k", b"x", ids[0])], 10)
-            record = dataclasses.replace(
-                ledger.record(gid, rows=1, dead=0, relay_id=dead_relay),
-                routing_key=settings.ledger_queue,
+            record = ledger.record(
+                gid, queue=settings.ledger_queue, rows=1, dead=0, relay_id=dead_relay
             )
             [r] = publisher.publish([record], 10)
             assert d.outcome is r.outcome is Outcome.ACCEPTED

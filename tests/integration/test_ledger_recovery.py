@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from outbox import ledger
-from outbox.publisher import Outcome, Publisher
+from outbox.confirms import Outcome
+from outbox.publisher import Publisher
 from tests.fixtures.faults import RabbitNode
 
 LEDGER = "outbox.ledger.recovery"
@@ -93,9 +94,7 @@ def write_records(url: str, count: int) -> set[str]:
         publisher.declare_stream(LEDGER, "7D")
         gids = {f"recovery-{uuid.uuid4().hex[:8]}" for _ in range(count)}
         records = [
-            dataclasses.replace(
-                ledger.record(gid, rows=1, dead=0, relay_id="test"), routing_key=LEDGER
-            )
+            ledger.record(gid, queue=LEDGER, rows=1, dead=0, relay_id="test")
             for gid in sorted(gids)
         ]
         outcomes = {d.outcome for d in publisher.publish(records, timeout=10.0)}
@@ -109,7 +108,7 @@ def publish_probe(url: str) -> None:
     publisher = Publisher(url, connect_timeout=3.0)
     try:
         publisher.connect()
-        probe = dataclasses.replace(ledger.probe(), routing_key=LEDGER)
+        probe = ledger.probe(LEDGER)
         [delivery] = publisher.publish([probe], timeout=3.0)
         if delivery.outcome is not Outcome.ACCEPTED:
             raise RuntimeError(f"ledger record {delivery.outcome.value}: {delivery.reason}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from outbox.batches import survives_failure
 from outbox.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -11,7 +12,6 @@ from outbox.errors import (
     OutcomeUnknown,
     PreparedSlotsExhausted,
 )
-from outbox.relay import survives_failure
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 import datetime
 import uuid
 
+from outbox.batches import sort_out
 from outbox.message import OutboxRow
 from outbox.triage import EXCHANGE_CACHE_SECONDS, Triage
 
@@ -39,8 +40,9 @@ def row(exchange: str, payload: bytes = b"x") -> OutboxRow:
 
 
 def test_triage__missing_exchange_is_dead_and_others_pass() -> None:
-    triage = Triage(1024, FakeBroker({"orders"}).exchange_exists)
-    dead, good = triage.sort_out([row("orders"), row("nope"), row("")])
+    broker = FakeBroker({"orders"})
+    triage = Triage(1024)
+    dead, good = sort_out(triage, broker, [row("orders"), row("nope"), row("")])
     assert [r.exchange for r in good] == ["orders", ""]
     assert [(d.row.exchange, d.reason) for d in dead] == [
         ("nope", "exchange 'nope' does not exist")
@@ -49,36 +51,38 @@ def test_triage__missing_exchange_is_dead_and_others_pass() -> None:
 
 def test_triage__trusts_a_verified_exchange_until_the_cache_expires() -> None:
     broker, clock = FakeBroker({"orders"}), Clock()
-    triage = Triage(1024, broker.exchange_exists, clock)
-    triage.sort_out([row("orders")])
-    triage.sort_out([row("orders")])
+    triage = Triage(1024, clock)
+    sort_out(triage, broker, [row("orders")])
+    sort_out(triage, broker, [row("orders")])
     assert broker.checks == ["orders"]
     clock.now += EXCHANGE_CACHE_SECONDS + 1
-    triage.sort_out([row("orders")])
+    sort_out(triage, broker, [row("orders")])
     assert broker.checks == ["orders", "orders"]
     triage.forget_exchanges()
-    triage.sort_out([row("orders")])
+    sort_out(triage, broker, [row("orders")])
     assert len(broker.checks) == 3
 
 
 def test_triage__a_learnt_refusal_dead_letters_that_exchange_for_a_while() -> None:
     clock = Clock()
-    triage = Triage(1024, FakeBroker({"audit.x", "orders"}).exchange_exists, clock)
+    broker = FakeBroker({"audit.x", "orders"})
+    triage = Triage(1024, clock)
     triage.learn(
         [
             "channel closed: 403 ACCESS_REFUSED - cannot publish to internal "
             "exchange 'audit.x' in vhost '/'"
         ]
     )
-    dead, good = triage.sort_out([row("audit.x"), row("orders")])
+    dead, good = sort_out(triage, broker, [row("audit.x"), row("orders")])
     assert [d.row.exchange for d in dead] == ["audit.x"] and len(good) == 1
     clock.now += EXCHANGE_CACHE_SECONDS + 1
-    dead, good = triage.sort_out([row("audit.x")])
+    dead, good = sort_out(triage, broker, [row("audit.x")])
     assert dead == [] and len(good) == 1
 
 
 def test_triage__learns_the_brokers_real_message_size_limit() -> None:
-    triage = Triage(10_000, FakeBroker(set()).exchange_exists)
+    broker = FakeBroker(set())
+    triage = Triage(10_000)
     triage.learn(
         [
             "channel closed: 406 PRECONDITION_FAILED - message size 5000 is larger "
@@ -87,12 +91,13 @@ def test_triage__learns_the_brokers_real_message_size_limit() -> None:
         ]
     )
     assert triage.max_message_bytes == 4096
-    dead, good = triage.sort_out([row("", b"x" * 5000), row("", b"x" * 10)])
+    dead, good = sort_out(triage, broker, [row("", b"x" * 5000), row("", b"x" * 10)])
     assert len(dead) == 1 and "5000 bytes" in dead[0].reason and len(good) == 1
 
 
 def test_triage__suspects_are_isolated_and_a_convicted_one_is_dead() -> None:
-    triage = Triage(1024, FakeBroker({"orders"}).exchange_exists)
+    broker = FakeBroker({"orders"})
+    triage = Triage(1024)
     rows = [row_with_id(i) for i in range(4)]
     reason = "channel closed: 406 PRECONDITION_FAILED - invalid message"
     for r in rows[1:3]:
@@ -102,7 +107,7 @@ def test_triage__suspects_are_isolated_and_a_convicted_one_is_dead() -> None:
 
     triage.suspects.refused(2, reason, alone=True)
     triage.suspects.refused(2, reason, alone=True)
-    dead, good = triage.sort_out(rows)
+    dead, good = sort_out(triage, broker, rows)
     assert [d.row.id for d in dead] == [2] and "refused it 2 times" in dead[0].reason
     assert [r.id for r in good] == [0, 1, 3]
 

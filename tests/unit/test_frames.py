@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pika import frame, spec
 
-from outbox.publisher import Message, encode_publish
+from outbox.frames import Message, encode_publish
 
 short = st.text(max_size=60)
 header_values = st.recursive(

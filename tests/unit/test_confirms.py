@@ -9,17 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.publisher import (
-    Delivery,
-    FrameTooLarge,
-    Message,
-    Outcome,
-    Pending,
-    Unconfirmed,
-    amqp_timestamp,
-    encode_publish,
-    match_return,
-)
+from outbox.confirms import Delivery, Outcome, Pending, Unconfirmed, match_return
+from outbox.frames import FrameTooLarge, Message, amqp_timestamp, encode_publish
 
 SHARED = "33333333-3333-3333-3333-333333333331"
 

@@ -1,0 +1,29 @@
+"""Counters of one relay process: exported as metrics, shown in logs and by the bench."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from outbox.durations import Durations
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters of one relay process (exported as metrics, shown in logs)."""
+
+    batches_committed: int = 0
+    batches_rolled_back: int = 0
+    batches_resolved: int = 0
+    messages_published: int = 0
+    dead_letters: int = 0
+    reconnects: int = 0
+    # Messages accepted, or sent and never confirmed, in batches then rolled back.
+    duplicates_possible: int = 0
+    batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches
+    claim_seconds: Durations = dataclasses.field(default_factory=Durations)  # every claim
+    slowest_claim: float = 0.0  # seconds
+    largest_claim: int = 0  # rows; never more than batch_size
+    # For health checks: when the loop last went round, and why its last pass failed.
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str | None = None

@@ -1,0 +1,346 @@
+"""The batch loop against in-memory fakes of the store and the broker: the schedule at
+depth 1 and 2, every crash point of the crash table, and every failure path.
+
+The same cases run against the real servers in ``tests/integration/test_faults_*.py``;
+these run in milliseconds and say exactly which step went wrong.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from outbox import faults
+from outbox.batches import Batches, State
+from outbox.config import Settings
+from outbox.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    DeadLettersUnwritable,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+)
+from outbox.stats import Stats
+from resolver.decide import Action, Owner, decide
+from tests.fixtures.fakes import FakeBroker, FakeStore, Journal, Routing, make_rows
+
+BATCH = 10
+
+
+class Crashed(Exception):
+    """The relay process 'died' at an armed crash point."""
+
+
+@pytest.fixture(autouse=True)
+def _crashes_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    def crash() -> None:
+        raise Crashed
+
+    monkeypatch.setattr(faults, "crash", crash)
+    yield
+    faults.disarm()
+
+
+def make_batches(
+    store: FakeStore,
+    broker: FakeBroker,
+    *,
+    depth: int,
+    relay_id: str = "r1",
+    may_commit: bool = True,
+) -> Batches:
+    settings = Settings(batch_size=BATCH, pipeline=depth == 2, ledger_queue="ledger")
+    batches = Batches(settings, broker, Stats(), may_commit=lambda: may_commit)
+    batches.store = store
+    batches.relay_id = relay_id
+    return batches
+
+
+def drain(batches: Batches) -> None:
+    while batches.step():
+        pass
+    batches.finish_in_flight()
+
+
+def duplicates(broker: FakeBroker, store_rows: int) -> int:
+    counts = collections.Counter(broker.row_messages())
+    assert len(counts) == store_rows, "a committed row never arrived"
+    return sum(n - 1 for n in counts.values())
+
+
+both_depths = pytest.mark.parametrize("depth", [1, 2], ids=["serial", "pipelined"])
+
+
+# -- the schedule --------------------------------------------------------------------
+def test_step__serial_finishes_one_batch_in_order() -> None:
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(15), journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=1)
+    assert batches.step() == 10
+    assert journal == [
+        "claim 10",
+        "prepare obx:outbox:r1:1",
+        "send 10",
+        "confirmed 10",
+        "ledger 1",
+        "commit obx:outbox:r1:1",
+    ]
+    assert batches.in_flight == {}
+
+
+def test_step__pipelined_overlaps_two_batches_in_the_documented_order() -> None:
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(25), journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=2)
+    assert batches.step() == 10
+    assert journal == ["claim 10", "prepare obx:outbox:r1:1", "send 10"]
+    assert [b.state for b in batches.in_flight.values()] == [State.SENT]
+    journal.clear()
+    assert batches.step() == 10
+    # claim+PREPARE N+1 while N persists; N's evidence; publish N+1; commit N
+    assert journal == [
+        "claim 10",
+        "prepare obx:outbox:r1:2",
+        "confirmed 10",
+        "ledger 1",
+        "send 10",
+        "commit obx:outbox:r1:1",
+    ]
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 25) == 0
+    assert batches.stats.batches_committed == 3 and batches.stats.messages_published == 25
+
+
+@both_depths
+def test_step__nothing_claimable_claims_nothing(depth: int) -> None:
+    store, broker = FakeStore([]), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    assert batches.step() == 0
+    assert broker.delivered == [] and store.claim is None
+
+
+# -- the crash table -----------------------------------------------------------------
+CRASH_TABLE = [
+    # point, nth occurrence, depth, duplicates after resolving and draining
+    ("after_claim", 1, 1, 0),
+    ("after_prepare", 1, 1, 0),
+    ("mid_publish", 1, 1, 5),
+    ("after_publish", 1, 1, 10),
+    ("after_ledger", 1, 1, 0),
+    ("before_commit_prepared", 1, 1, 0),
+    ("after_claim", 1, 2, 0),
+    ("after_prepare", 1, 2, 0),
+    ("mid_publish", 1, 2, 5),
+    ("after_publish", 1, 2, 10),
+    ("after_ledger", 1, 2, 10),  # batch 1 committed from evidence, batch 2 rolled back
+    ("before_commit_prepared", 1, 2, 10),
+    ("after_claim", 2, 2, 10),  # batch 1 published, no evidence yet
+    ("after_prepare", 2, 2, 10),
+    ("mid_publish", 2, 2, 5),  # batch 1 committed, half of batch 2 out
+]
+
+
+@pytest.mark.parametrize(("point", "nth", "depth", "expected"), CRASH_TABLE)
+def test_crash_table__resolved_and_drained_with_the_documented_duplicates(
+    point: str, nth: int, depth: int, expected: int
+) -> None:
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    dead = make_batches(store, broker, depth=depth, relay_id="dead")
+    faults.arm(point, nth)
+    with pytest.raises(Crashed):
+        drain(dead)
+    faults.disarm()
+
+    store.claim = None  # the dead process's open transaction ends with its session
+    assert len(store.prepared) <= depth, "a crash leaves at most `depth` batches prepared"
+    for gid in list(store.prepared):  # a resolver pass, deciding from the ledger
+        decision = decide(Owner.DEAD, gid in broker.ledger_gids())
+        store.finish(gid, commit=decision.action is Action.COMMIT)
+
+    drain(make_batches(store, broker, depth=depth, relay_id="next"))
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 30) == expected
+
+
+# -- failure paths -------------------------------------------------------------------
+@both_depths
+def test_failure__prepare_cut_off_publishes_nothing_and_is_settled_by_lookup(depth: int) -> None:
+    store, broker = FakeStore(make_rows(5)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["prepare"] = OutcomeUnknown("connection lost during PREPARE")
+    with pytest.raises(OutcomeUnknown):
+        batches.step()
+    assert broker.delivered == []
+    [batch] = batches.in_flight.values()
+    assert batch.state is State.IN_DOUBT
+    store.claim = None  # the session died with the PREPARE: the server never ran it
+    batches.settle()
+    assert batches.in_flight == {} and batches.stats.batches_rolled_back == 1
+    drain(batches)
+    assert duplicates(broker, 5) == 0
+
+
+@both_depths
+def test_failure__nack_rolls_back_counts_duplicates_and_retries(depth: int) -> None:
+    nacked: set[str] = set()
+
+    def nack_once(message: object) -> bool:
+        key = getattr(message, "message_id", "")
+        if key.startswith("ledger") or nacked:
+            return False
+        nacked.add(key)
+        return True
+
+    store = FakeStore(make_rows(10))
+    broker = FakeBroker(routing=Routing(nack=nack_once))
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable, match="not confirmed"):
+        for _ in range(depth):
+            batches.step()
+    assert store.prepared == {} and batches.in_flight == {}
+    assert batches.stats.batches_rolled_back == 1
+    assert batches.stats.duplicates_possible == 9  # the others were accepted
+    drain(batches)
+    assert duplicates(broker, 10) == 9
+
+
+@both_depths
+def test_failure__ledger_not_confirmed_rolls_back_and_probes_before_the_next(depth: int) -> None:
+    failing = {"on": True}
+    store = FakeStore(make_rows(10))
+    broker = FakeBroker(
+        routing=Routing(nack=lambda m: failing["on"] and m.message_id.startswith("ledger"))
+    )
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable, match="ledger"):
+        for _ in range(depth):
+            batches.step()
+    assert batches.ledger_doubtful and store.prepared == {}
+    with pytest.raises(BrokerUnavailable, match="takes no records"):
+        batches.step()  # the probe fails: nothing is claimed or published
+    assert len(broker.row_messages()) == 10
+    failing["on"] = False
+    drain(batches)
+    assert duplicates(broker, 10) == 10
+
+
+@both_depths
+def test_failure__stale_heartbeat_rolls_back_instead_of_writing_evidence(depth: int) -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth, may_commit=False)
+    with pytest.raises(DatabaseUnavailable, match="heartbeat is stale"):
+        for _ in range(depth):
+            batches.step()
+    assert broker.ledger_gids() == set() and store.prepared == {}
+
+
+def test_failure__published_batch_outlives_a_database_failure_of_the_next_prepare() -> None:
+    """Pipelined: N is published, N+1's PREPARE finds no slot.  N stays in flight, is
+    finished on the next step, and costs no duplicate."""
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    store.fail_next["prepare"] = PreparedSlotsExhausted("every slot is in use")
+    with pytest.raises(PreparedSlotsExhausted):
+        batches.step()
+    [kept] = [b for b in batches.in_flight.values() if b.state is State.SENT]
+    assert kept.kept
+    store.claim = None  # the failed PREPARE rolled its claim back
+    drain(batches)
+    assert duplicates(broker, 20) == 0
+
+
+def test_failure__broker_loss_puts_the_published_batch_in_doubt() -> None:
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.lose_connection_on_confirm = True
+    with pytest.raises(BrokerUnavailable, match="lost RabbitMQ"):
+        batches.step()
+    # batch 1 (no confirm) was rolled back at once; batch 2 (prepared) is in doubt
+    assert all(b.state is State.IN_DOUBT for b in batches.in_flight.values())
+    batches.settle()
+    assert store.prepared == {}
+    broker.connected = True
+    drain(batches)
+    assert duplicates(broker, 20) == 10
+
+
+def test_failure__broker_loss_after_the_next_batch_went_out_puts_both_in_doubt() -> None:
+    """Pipelined: N's ledger confirm is lost after N+1 was published.  The broker
+    failure puts N+1's confirms in doubt too: it is not kept, it is rolled back."""
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.lose_connection_on_ledger_confirm = True
+    with pytest.raises(BrokerUnavailable, match="could not record"):
+        batches.step()
+    [second] = batches.in_flight.values()  # N was rolled back at once
+    assert (second.state, second.kept) == (State.IN_DOUBT, False)
+    batches.settle()
+    broker.connected = True
+    drain(batches)
+    assert store.prepared == {}
+    assert duplicates(broker, 30) == 20
+
+
+@both_depths
+def test_failure__commit_prepared_cut_off_is_committed_after_lookup(depth: int) -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["finish"] = OutcomeUnknown("connection lost during COMMIT PREPARED")
+    with pytest.raises(OutcomeUnknown):
+        drain(batches)
+    [batch] = batches.in_flight.values()
+    assert (batch.state, batch.evidence) == (State.IN_DOUBT, True)
+    batches.settle()
+    assert store.rows == {} and batches.stats.batches_committed == 1
+    assert duplicates(broker, 10) == 0
+
+
+@both_depths
+def test_failure__unwritable_dead_letters_roll_back_once_then_publish_nothing(
+    depth: int,
+) -> None:
+    rows = make_rows(4) + make_rows(1, start=5, key="nowhere")
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["record_dead_letters"] = DeadLettersUnwritable("INSERT refused")
+    with pytest.raises(DeadLettersUnwritable):
+        for _ in range(depth):
+            batches.step()
+    assert store.prepared == {} and len(broker.row_messages()) == 4
+    drain(batches)  # the dead letter is known now: recorded before anything is sent
+    assert [d.row.id for d in store.dead_letters] == [5]
+    assert duplicates(broker, 4) == 4
+
+
+# -- dead letters and budgets ------------------------------------------------------
+@both_depths
+def test_dead_letters__unroutable_and_missing_exchange_never_block_good_rows(depth: int) -> None:
+    rows = (
+        make_rows(3) + make_rows(1, start=4, key="nowhere") + make_rows(1, start=5, exchange="gone")
+    )
+    rows += make_rows(3, start=6)
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    reasons = {d.row.id: d.reason for d in store.dead_letters}
+    assert set(reasons) == {4, 5}
+    assert "unroutable" in reasons[4] and "does not exist" in reasons[5]
+    assert duplicates(broker, 6) == 0
+
+
+def test_claim__byte_budget_is_passed_to_the_store() -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=1)
+    batches.settings = dataclasses.replace(batches.settings, batch_max_bytes=12)
+    # "row 1", "row 2", … are 5 bytes each: the rows starting at 0, 5 and 10 bytes fit
+    assert batches.step() == 3
