@@ -577,7 +577,9 @@ def dead_letters_purge(
 
 # -- the consumer side: outbox consume, outbox parked ---------------------------------
 def inbox_table_option(func: F) -> F:
-    from outbox.inbox import DEFAULT_INBOX_TABLE
+    # inbox_store, not inbox: the CLI must not import kombu (which imports Django
+    # when it is installed) unless a consumer command runs.
+    from outbox.inbox_store import DEFAULT_INBOX_TABLE
 
     return _option(
         "--inbox-table",

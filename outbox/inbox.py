@@ -74,7 +74,7 @@ from outbox.inbox_message import (
     parking_for,
     to_inbox_message,
 )
-from outbox.inbox_store import HandlerFailed, InboxStore
+from outbox.inbox_store import DEFAULT_INBOX_TABLE, HandlerFailed, InboxStore
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",
@@ -101,8 +101,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("outbox.inbox")
-
-DEFAULT_INBOX_TABLE = "outbox_inbox"
 
 
 class HandlerNotFound(OutboxError):

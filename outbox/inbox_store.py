@@ -35,6 +35,8 @@ from psycopg.types.json import Jsonb
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady
 from outbox.queries import load_blocks
 
+DEFAULT_INBOX_TABLE = "outbox_inbox"
+
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
 

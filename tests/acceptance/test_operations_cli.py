@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,4 +160,5 @@ def test_status__old_backlog_needs_attention(settings: Settings, topology: Topol
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert report["live_relays"] == 1
-    assert any("oldest outbox row is 3600s old" in p for p in report["attention"])
+    # 3600 s, and a second or two more on a loaded machine
+    assert any(re.search(r"oldest outbox row is 36\d\ds old", p) for p in report["attention"])
