@@ -537,6 +537,11 @@ class Publisher:
             else:
                 self._give_up_unconfirmed("no confirm before the publish timeout")
                 self._abandon_channel()
+        elif any(d.outcome is Outcome.NACKED for d in pending.deliveries):
+            # RabbitMQ 3.10: a channel whose publish to a quorum queue was nacked
+            # because the queue's leader had just died nacks every later publish to
+            # that queue, long after a new leader took over; a new channel does not.
+            self._abandon_channel()
         for delivery in pending.deliveries:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.reason = "not sent: the channel closed"
