@@ -49,7 +49,7 @@ def test_reconnect_delay__one_node_is_the_plain_backoff(
     st.floats(0.01, 60),
     st.floats(0.01, 3600),
 )
-def test_reconnect_delay__several_nodes_never_wait_more_than_a_second(
+def test_reconnect_delay__several_nodes_never_wait_more_than_half_a_second(
     attempt: int, nodes: int, node_lost: bool, initial: float, maximum: float
 ) -> None:
     delay = failover.reconnect_delay(
