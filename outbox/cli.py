@@ -90,8 +90,8 @@ def server_options(func: F) -> F:
                 "OUTBOX_AMQP_URL",
                 default=DEFAULT_AMQP_URL,
                 type=AmqpUrlType(),
-                help="RabbitMQ connection URL (amqp:// or amqps://); several separated by ';' "
-                "(the relay uses the first).",
+                help="RabbitMQ connection URL (amqp:// or amqps://); a cluster's nodes "
+                "separated by ';' (the first that answers is used; on failure, the next).",
             ),
             _option(
                 "--amqp-ca-file",

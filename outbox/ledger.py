@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 import uuid
 from collections.abc import Iterable
 
+from outbox import failover, urls
+from outbox.errors import BrokerUnavailable, InvalidSetting
 from outbox.frames import Message
 from outbox.publisher import read_stream
 
@@ -68,16 +71,52 @@ def finished_gids(
     connect_timeout: float = 10.0,
     ca_file: str | None = None,
 ) -> set[str]:
-    """Every gid recorded in the ledger from ``since`` up to now."""
-    probe = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
-    return gids_in(
-        read_stream(
-            amqp_url,
-            queue,
-            since=since,
-            probe=probe,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            ca_file=ca_file,
+    """Every gid recorded in the ledger from ``since`` up to now.
+
+    Read through the first node of ``amqp_url`` that answers (a ``;`` list of a
+    cluster's nodes), moving on to the next when one fails.  With several nodes,
+    rounds over them are repeated for up to ``timeout`` seconds: when a node dies
+    the streams it led elect new leaders within about a second, and until then a
+    read may fail on every node (RabbitMQ 3.10 closes the connection, 541, on a
+    publish to a stream whose leader just died).  With one node, one try.
+    """
+    try:
+        nodes = [node.text for node in urls.parse_amqp_urls(amqp_url)]
+    except urls.InvalidUrl as exc:
+        raise InvalidSetting(
+            f"the RabbitMQ URL is not valid: {exc}", "check --amqp-url / OUTBOX_AMQP_URL"
+        ) from None
+    deadline = time.monotonic() + timeout
+    round_number = 0
+    while True:
+        failures: list[BrokerUnavailable] = []
+        for node in nodes:
+            probe = json.dumps({"v": FORMAT_VERSION, "probe": str(uuid.uuid4())}).encode()
+            try:
+                return gids_in(
+                    read_stream(
+                        node,
+                        queue,
+                        since=since,
+                        probe=probe,
+                        timeout=timeout,
+                        connect_timeout=connect_timeout,
+                        ca_file=ca_file,
+                    )
+                )
+            except BrokerUnavailable as exc:
+                failures.append(exc)
+        if len(nodes) == 1:
+            raise failures[0]
+        if time.monotonic() >= deadline:
+            raise BrokerUnavailable(
+                f"cannot read the ledger through any RabbitMQ node: "
+                f"{'; '.join(f.message for f in failures)}",
+                failures[-1].hint,
+            )
+        time.sleep(
+            failover.reconnect_delay(
+                round_number, nodes=len(nodes), node_lost=False, initial=0.1, maximum=1.0
+            )
         )
-    )
+        round_number += 1

@@ -38,9 +38,10 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.adapters.utils import connection_workflow
 
-from outbox import urls
+from outbox import failover, urls
 from outbox.confirms import Confirms, Delivery, Outcome, Pending
 from outbox.errors import BrokerUnavailable, InvalidSetting, OutboxError
+from outbox.events import emit
 from outbox.frames import FLUSH_BYTES, FrameTooLarge, Message, encode_publish
 
 log = logging.getLogger("outbox.publisher")
@@ -68,32 +69,34 @@ class _Wire:
 
 def connection_parameters(
     url: str, *, ca_file: str | None = None, connect_timeout: float = 10.0
-) -> tuple[pika.URLParameters, str]:
-    """pika's parameters for the first URL of ``url``, and where it points (no password).
+) -> list[tuple[pika.URLParameters, str]]:
+    """pika's parameters for every URL of ``url`` (a ``;`` list of a cluster's
+    nodes), in order, each with where it points (no password).
 
     An ``amqps://`` URL is verified against the system's CAs (pika's default
     context: certificate and host name), or against ``ca_file``.  The publisher
     and the ledger reader both connect through here.
     """
     try:
-        first = urls.parse_amqp_urls(url)[0]
-        params = pika.URLParameters(first.text)
+        nodes = urls.parse_amqp_urls(url)
+        params = [pika.URLParameters(node.text) for node in nodes]
     except (ValueError, TypeError, SyntaxError) as exc:
         raise InvalidSetting(
             f"the RabbitMQ URL is not valid: {exc}", "check --amqp-url / OUTBOX_AMQP_URL"
         ) from None
-    params.socket_timeout = connect_timeout
-    params.connection_attempts = 1
-    if ca_file is not None and first.scheme == "amqps":
-        try:
-            context = ssl.create_default_context(cafile=ca_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise InvalidSetting(
-                f"cannot load CA certificates from {ca_file!r}: {exc.strerror or exc}",
-                "--amqp-ca-file / OUTBOX_AMQP_CA_FILE must name a readable PEM file",
-            ) from exc
-        params.ssl_options = pika.SSLOptions(context)  # checks the host name of the URL
-    return params, first.describe()
+    for node, node_params in zip(nodes, params, strict=True):
+        node_params.socket_timeout = connect_timeout
+        node_params.connection_attempts = 1
+        if ca_file is not None and node.scheme == "amqps":
+            try:
+                context = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise InvalidSetting(
+                    f"cannot load CA certificates from {ca_file!r}: {exc.strerror or exc}",
+                    "--amqp-ca-file / OUTBOX_AMQP_CA_FILE must name a readable PEM file",
+                ) from exc
+            node_params.ssl_options = pika.SSLOptions(context)  # checks the URL's host name
+    return [(p, node.describe()) for p, node in zip(params, nodes, strict=True)]
 
 
 class Publisher:
@@ -107,11 +110,12 @@ class Publisher:
         blocked_timeout: float = 60.0,
         ca_file: str | None = None,
     ) -> None:
-        self._params, self._address = connection_parameters(
-            url, ca_file=ca_file, connect_timeout=connect_timeout
-        )
-        # Tear the connection down if an alarm blocks it for this long.
-        self._params.blocked_connection_timeout = blocked_timeout
+        # The nodes of one cluster (``outbox.failover``), each with where it points.
+        self._nodes = connection_parameters(url, ca_file=ca_file, connect_timeout=connect_timeout)
+        for params, _address in self._nodes:
+            # Tear the connection down if an alarm blocks it for this long.
+            params.blocked_connection_timeout = blocked_timeout
+        self._node: int | None = None  # the node of the current (or last) connection
         self._connect_timeout = connect_timeout
         self._conn: SelectConnection | None = None
         self._channel: Any = None
@@ -150,27 +154,56 @@ class Publisher:
             self._conn is not None and self._opened and self._conn.is_open and self._failure is None
         )
 
+    @property
+    def nodes(self) -> int:
+        """How many nodes ``--amqp-url`` names."""
+        return len(self._nodes)
+
+    @property
+    def address(self) -> str:
+        """Where the current (or last) connection points, without credentials."""
+        return self._nodes[self._node or 0][1]
+
     def connect(self) -> None:
-        """Open the connection and a confirm-mode channel, or raise BrokerUnavailable."""
+        """Open a connection to the first node that answers (``failover.rotation``)
+        and a confirm-mode channel on it, or raise BrokerUnavailable."""
         self.close()
+        failures = []
+        for node in failover.rotation(len(self._nodes), after=self._node):
+            params, address = self._nodes[node]
+            reason = self._open(params)
+            if reason is None:
+                self._node = node
+                break
+            failures.append(f"{address}: {reason}")
+            emit(log, "broker.node_unreachable", logging.DEBUG, node=address, reason=reason)
+        else:
+            if len(self._nodes) == 1:
+                message = f"cannot connect to RabbitMQ at {failures[0]}"
+            else:
+                message = f"cannot connect to any RabbitMQ node: {'; '.join(failures)}"
+            raise BrokerUnavailable(message, _connect_hint(message))
+        assert self._conn is not None
+        self._conn.add_on_connection_blocked_callback(lambda *_: self._set_blocked(True))
+        self._conn.add_on_connection_unblocked_callback(lambda *_: self._set_blocked(False))
+        self._open_channel()
+
+    def _open(self, params: pika.URLParameters) -> str | None:
+        """Open a connection to one node; None, or why it failed."""
         self._opened = False
         self._failure = None
         self._conn = SelectConnection(
-            self._params,
+            params,
             on_open_callback=self._on_open,
             on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_connection_closed,
         )
         self._run_until(lambda: self._opened or self._failure is not None, self._connect_timeout)
-        if not self._opened:
-            reason = self._failure or "timed out"
-            self.close()
-            raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ at {self._address}: {reason}", _connect_hint(reason)
-            )
-        self._conn.add_on_connection_blocked_callback(lambda *_: self._set_blocked(True))
-        self._conn.add_on_connection_unblocked_callback(lambda *_: self._set_blocked(False))
-        self._open_channel()
+        if self._opened:
+            return None
+        reason = self._failure or "timed out"
+        self.close()
+        return reason
 
     def _set_blocked(self, blocked: bool) -> None:
         self.blocked = blocked
@@ -330,6 +363,11 @@ class Publisher:
             else:
                 self._confirms.give_up("no confirm before the publish timeout")
                 self._abandon_channel()
+        elif any(d.outcome is Outcome.NACKED for d in pending.deliveries):
+            # RabbitMQ 3.10: a channel whose publish to a quorum queue was nacked
+            # because the queue's leader had just died nacks every later publish to
+            # that queue, long after a new leader took over; a new channel does not.
+            self._abandon_channel()
         for delivery in pending.deliveries:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.reason = "not sent: the channel closed"
@@ -532,7 +570,10 @@ def read_stream(
     record (confirmed), then read until we meet it again: everything written
     before the probe has then been seen.
     """
-    params, address = connection_parameters(url, ca_file=ca_file, connect_timeout=connect_timeout)
+    # One node: ``ledger.finished_gids`` moves on to the next when this one fails.
+    [(params, address), *_others] = connection_parameters(
+        url, ca_file=ca_file, connect_timeout=connect_timeout
+    )
     try:
         conn = pika.BlockingConnection(params)
     except pika.exceptions.AMQPError as exc:
@@ -573,14 +614,35 @@ def read_stream(
         # (another reader's probe, a relay's new record), and a stream queue answers a
         # reject by closing the channel (540).  Closing the connection drops them.
     except pika.exceptions.UnroutableError as exc:
+        if _queue_exists(conn, queue):
+            # A stream whose replicas are down or still electing a leader returns
+            # what is published to it: transient, unlike a missing stream.
+            raise BrokerUnavailable(
+                f"the ledger stream {queue!r} takes no records at {address} right now"
+            ) from exc
         raise OutboxError(
             f"the ledger stream {queue!r} does not exist",
             "start a relay once (it declares the stream) or check --ledger-queue",
         ) from exc
     except pika.exceptions.AMQPError as exc:
         raise BrokerUnavailable(
-            f"lost RabbitMQ while reading the ledger: {_describe(exc)}"
+            f"lost RabbitMQ at {address} while reading the ledger: {_describe(exc)}"
         ) from exc
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
             conn.close()
+
+
+def _queue_exists(conn: pika.BlockingConnection, queue: str) -> bool:
+    """Passive declare on a channel of its own: False only for "404 no queue".
+
+    A queue whose home node is down is a 404 too, but "home node … is down or
+    inaccessible": it exists.
+    """
+    try:
+        conn.channel().queue_declare(queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        return not (exc.reply_code == 404 and "no queue" in str(exc.reply_text))
+    except pika.exceptions.AMQPError:
+        pass  # the connection went too: whether it exists is for the next try
+    return True

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from outbox import backoff, replication
+from outbox import failover, replication
 from outbox.batches import RETRYABLE, Batches
 from outbox.config import Settings
 from outbox.errors import (
@@ -169,13 +169,18 @@ class Relay:
             # rolled back and sent again.  Probe the ledger before the first batch.
             self.batches.ledger_doubtful = True
             self.publisher.declare_stream(self.settings.ledger_queue, self.settings.ledger_max_age)
-            emit(log, "broker.connected")
+            emit(log, "broker.connected", node=self.publisher.address)
 
     def _reconnect(self, error: OutboxError) -> None:
         """Back off, then reconnect whatever is broken; never raises for outages."""
         self.stats.reconnects += 1
-        pause = backoff.delay(
-            self._failures, initial=self.settings.backoff_initial, maximum=self.settings.backoff_max
+        # Several RabbitMQ nodes: another may answer at once (``outbox.failover``).
+        pause = failover.reconnect_delay(
+            self._failures,
+            nodes=self.publisher.nodes if isinstance(error, BrokerUnavailable) else 1,
+            node_lost=not self.publisher.connected,
+            initial=self.settings.backoff_initial,
+            maximum=self.settings.backoff_max,
         )
         self._failures += 1
         hint = {"hint": error.hint} if error.hint else {}

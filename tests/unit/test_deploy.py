@@ -7,6 +7,7 @@ commands, the endpoints' paths, the metrics the relay exports).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -19,11 +20,13 @@ from typing import Any
 
 import click
 import kubernetes_validate
+import psycopg
 import pytest
 import tomllib
 import yaml
 from click.testing import CliRunner
 
+from outbox import urls
 from outbox.cli import cli
 from outbox.config import Settings
 from outbox.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
@@ -31,6 +34,8 @@ from outbox.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+CLUSTER = DEPLOY / "cluster"
+COMPOSE_FILES = [DEPLOY / "compose.yaml", CLUSTER / "compose.yaml"]
 SYSTEMD = DEPLOY / "systemd"
 HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -65,8 +70,14 @@ def assert_real_invocation(args: list[str]) -> None:
 
 
 # -- the files ---------------------------------------------------------------------
-def compose() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())  # type: ignore[no-any-return]
+def compose(path: Path = DEPLOY / "compose.yaml") -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+def compose_services() -> Iterator[dict[str, Any]]:
+    """Every service of every compose file."""
+    for path in COMPOSE_FILES:
+        yield from compose(path)["services"].values()
 
 
 def manifests() -> list[dict[str, Any]]:
@@ -153,7 +164,7 @@ def test_deploy__settings_fields_are_all_reachable_by_variable() -> None:
 def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> None:
     invocations = [
         svc["command"]
-        for svc in compose()["services"].values()
+        for svc in compose_services()
         if "image" in svc and svc["image"] == RELAY_IMAGE
     ]
     for spec in pod_specs():
@@ -166,14 +177,17 @@ def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> 
                 invocations.append(args)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     invocations.append(yaml.safe_load(re.search(r"^CMD (.*)$", dockerfile, re.M)[1]))  # type: ignore[index]
-    assert len(invocations) >= 8
+    assert len(invocations) >= 11
     for args in invocations:
         assert_real_invocation(args)
 
 
 # -- ports and probes ------------------------------------------------------------------
-def test_deploy__compose_relays_publish_their_metrics_port_and_probe_a_health_path() -> None:
-    services = compose()["services"]
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_deploy__compose_relays_publish_their_metrics_port_and_probe_a_health_path(
+    path: Path,
+) -> None:
+    services = compose(path)["services"]
     relays = {n: s for n, s in services.items() if s.get("command") == ["relay"]}
     assert len(relays) == 2, "the compose file runs two relays"
     host_ports = set()
@@ -189,8 +203,9 @@ def test_deploy__compose_relays_publish_their_metrics_port_and_probe_a_health_pa
     assert len(host_ports) == 2
 
 
-def test_deploy__compose_services_files_and_order() -> None:
-    doc = compose()
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_deploy__compose_services_files_and_order(path: Path) -> None:
+    doc = compose(path)
     services = doc["services"]
     for name, service in services.items():
         for dependency, condition in service.get("depends_on", {}).items():
@@ -204,12 +219,12 @@ def test_deploy__compose_services_files_and_order() -> None:
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("."):
-                assert (DEPLOY / source).exists(), f"{name} mounts missing {source}"
+                assert (path.parent / source).exists(), f"{name} mounts missing {source}"
             else:
                 assert source in doc["volumes"]
         build = service.get("build")
         if build:
-            assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (
+            assert (path.parent / build["context"] / build["dockerfile"]).resolve() == (
                 DEPLOY / "Dockerfile"
             )
     assert services["outbox-init"]["command"] == ["init"]
@@ -276,7 +291,7 @@ def test_deploy__dockerfile_exposes_the_metrics_port_and_copies_existing_sources
 
 
 def test_deploy__images_are_the_relay_image_or_pinned_official_ones() -> None:
-    images = [s["image"] for s in compose()["services"].values()]
+    images = [s["image"] for s in compose_services()]
     for spec in pod_specs():
         images += [c["image"] for c in spec["containers"]]
     assert RELAY_IMAGE in images
@@ -303,10 +318,79 @@ def test_deploy__broker_max_message_size_matches_the_relays_limit() -> None:
     assert int(limit) == Settings().max_message_bytes
     assert configmap_data()["OUTBOX_MAX_MESSAGE_BYTES"] == limit
     assert env_file(SYSTEMD / "outbox.env")["OUTBOX_MAX_MESSAGE_BYTES"] == limit
-    for service in compose()["services"].values():
+    for service in compose_services():
         env = service.get("environment", {})
         if "OUTBOX_MAX_MESSAGE_BYTES" in env:
             assert env["OUTBOX_MAX_MESSAGE_BYTES"] == limit
+
+
+# -- the cluster example -----------------------------------------------------------------
+def cluster_services(image: str) -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = compose(CLUSTER / "compose.yaml")["services"]
+    return {n: s for n, s in services.items() if s["image"].startswith(f"{image}:")}
+
+
+def postgres_flags(command: list[str] | str) -> dict[str, str]:
+    """The ``-c name=value`` settings of a postgres command line (list or shell text)."""
+    words = shlex.split(command.replace("\\\n", " ")) if isinstance(command, str) else command
+    return dict(w.split("=", 1) for prev, w in itertools.pairwise(words) if prev == "-c")
+
+
+def test_deploy__cluster_relays_know_every_rabbitmq_node_and_every_postgres_host() -> None:
+    rabbits = cluster_services("rabbitmq")
+    postgres = cluster_services("postgres")
+    relays = cluster_services("outbox-relay")
+    assert len(rabbits) == 3 and len(postgres) == 2
+    hostnames = {s["hostname"] for s in rabbits.values()}
+    assert hostnames == set(rabbits)  # each node is reachable by its service name
+    relay_env = [s["environment"] for s in relays.values() if s["command"] == ["relay"]]
+    assert len(relay_env) == 2
+    for env in relay_env:
+        nodes = urls.parse_amqp_urls(env["OUTBOX_AMQP_URL"])
+        assert sorted(n.host for n in nodes) == sorted(hostnames)
+        assert {n.port for n in nodes} == {5672}
+        conninfo = psycopg.conninfo.conninfo_to_dict(env["OUTBOX_DSN"])
+        assert set(str(conninfo["host"]).split(",")) == set(postgres)
+        assert conninfo["target_session_attrs"] == "read-write"
+        Settings(dsn=env["OUTBOX_DSN"], amqp_url=env["OUTBOX_AMQP_URL"])  # both valid
+
+
+def test_deploy__cluster_rabbitmq_nodes_form_one_cluster() -> None:
+    rabbits = cluster_services("rabbitmq")
+    formation = settings_file(CLUSTER / "rabbitmq-cluster.conf")
+    assert formation["cluster_formation.peer_discovery_backend"] == "classic_config"
+    listed = {v for k, v in formation.items() if k.startswith("cluster_formation.classic_")}
+    assert listed == {f"rabbit@{s['hostname']}" for s in rabbits.values()}
+    assert len({s["environment"]["RABBITMQ_ERLANG_COOKIE"] for s in rabbits.values()}) == 1
+    for name, service in rabbits.items():
+        targets = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"]}
+        assert targets["/etc/rabbitmq/conf.d/90-outbox.conf"] == "../rabbitmq.conf", name
+        assert targets["/etc/rabbitmq/conf.d/91-cluster.conf"] == "./rabbitmq-cluster.conf", name
+
+
+def test_deploy__cluster_standby_is_synchronous_and_can_take_over_prepared_batches() -> None:
+    postgres = cluster_services("postgres")
+    primary, standby = postgres["postgres-primary"], postgres["postgres-standby"]
+    init = (CLUSTER / "primary-init.sh").read_text()
+    [synchronous] = re.findall(r"synchronous_standby_names = '(\w+)'", init)
+    assert "/docker-entrypoint-initdb.d/" in " ".join(primary["volumes"])
+    [script] = standby["command"]
+    assert f"application_name={synchronous}" in script
+    assert "pg_basebackup" in script and " -R " in script
+    primary_flags = postgres_flags(primary["command"])
+    # On the command line the image's set-up server would wait for the standby forever.
+    assert "synchronous_standby_names" not in primary_flags
+    assert settings_file(DEPLOY / "postgresql.conf").items() <= primary_flags.items()
+    standby_flags = postgres_flags(script.split("exec gosu postgres", 1)[1])
+    for name in ("max_prepared_transactions", "max_connections"):
+        assert int(standby_flags[name]) >= int(primary_flags[name]), name
+    # The first write (outbox init) waits for the synchronous standby: start it after.
+    init_service = compose(CLUSTER / "compose.yaml")["services"]["outbox-init"]
+    assert init_service["depends_on"] == {"postgres-standby": {"condition": "service_healthy"}}
+    result = subprocess.run(["sh", "-n", str(CLUSTER / "primary-init.sh")], capture_output=True)
+    assert result.returncode == 0, result.stderr
+    result = subprocess.run(["bash", "-n", "-c", script.replace("$$", "$")], capture_output=True)
+    assert result.returncode == 0, result.stderr
 
 
 # -- systemd -------------------------------------------------------------------------------
