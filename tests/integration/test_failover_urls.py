@@ -47,9 +47,7 @@ def record(topology: Topology, gid: str) -> None:
     publisher.connect()
     try:
         publisher.declare_stream(topology.ledger, "1h")
-        entry = dataclasses.replace(
-            ledger.record(gid, rows=1, dead=0, relay_id="test"), routing_key=topology.ledger
-        )
+        entry = ledger.record(gid, queue=topology.ledger, rows=1, dead=0, relay_id="test")
         [delivery] = publisher.publish([entry], timeout=10)
         assert delivery.outcome is Outcome.ACCEPTED
     finally:
