@@ -195,6 +195,11 @@ def survives_failure(error: OutboxError) -> bool:
     return not isinstance(error, BrokerUnavailable)
 
 
+def _sent(batch: Batch) -> int:
+    """Messages of ``batch`` written to the broker (confirmed or not)."""
+    return sum(1 for pending in batch.sent for d in pending.deliveries if d.sent)
+
+
 def to_message(row: OutboxRow) -> Message:
     return Message(
         exchange=row.exchange,
@@ -535,6 +540,9 @@ class Batches:
                 self._count_committed(batch)
             else:
                 self.stats.batches_rolled_back += 1
+                if outcome == "rolled_back":
+                    # What went out for it is on the broker, or may be: sent again.
+                    self.stats.duplicates_possible += _sent(batch)
             emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome=outcome)
             del self.in_flight[batch.gid]
 

@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -26,7 +25,7 @@ from outbox import health
 from outbox.endpoints import HealthServer
 from outbox.errors import OutboxError
 from outbox.inbox_store import InboxStore
-from outbox.metrics import DATABASE_CACHE_SECONDS
+from outbox.metrics import DATABASE_CACHE_SECONDS, histogram
 
 if TYPE_CHECKING:
     from outbox.inbox import ConsumerSettings, Inbox
@@ -95,15 +94,10 @@ class ConsumerCollector(Collector):
             ("inbox_pruned", stats.pruned, "Inbox ids deleted by retention."),
         ):
             yield CounterMetricFamily(f"outbox_consumer_{name}", doc, value=value)
-        durations = stats.handler_seconds.snapshot()
-        yield HistogramMetricFamily(
+        yield histogram(
             "outbox_consumer_handler_duration_seconds",
             "Handler calls, successful or not (the transaction's commit not included).",
-            buckets=[
-                ("+Inf" if bound == float("inf") else repr(bound), count)
-                for bound, count in durations.buckets
-            ],
-            sum_value=durations.total,
+            stats.handler_seconds,
         )
         yield GaugeMetricFamily(
             "outbox_consumer_broker_up",

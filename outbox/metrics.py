@@ -123,12 +123,12 @@ class RelayCollector(Collector):
             "Messages accepted by the broker in batches that were then rolled back.",
             value=stats.duplicates_possible,
         )
-        yield _histogram(
+        yield histogram(
             "outbox_batch_duration_seconds",
             "Claim to COMMIT PREPARED of committed batches.",
             stats.batch_seconds,
         )
-        yield _histogram(
+        yield histogram(
             "outbox_claim_duration_seconds",
             "The claim statement (SELECT ... FOR UPDATE SKIP LOCKED and DELETE), every claim.",
             stats.claim_seconds,
@@ -170,7 +170,8 @@ class RelayCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))
 
 
-def _histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:
+def histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:
+    """A Prometheus histogram of a ``Durations`` (relay and consumer alike)."""
     snapshot = durations.snapshot()
     return HistogramMetricFamily(
         name,

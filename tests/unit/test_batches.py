@@ -282,6 +282,8 @@ def test_failure__broker_loss_after_the_next_batch_went_out_puts_both_in_doubt()
     [second] = batches.in_flight.values()  # N was rolled back at once
     assert (second.state, second.kept) == (State.IN_DOUBT, False)
     batches.settle()
+    # N's 10 accepted messages, and N+1's 10 sent ones rolled back while settling
+    assert batches.stats.duplicates_possible == 20
     broker.connected = True
     drain(batches)
     assert store.prepared == {}
