@@ -85,8 +85,17 @@ class RunningRelays:
     def alive(self) -> bool:
         return all(thread.is_alive() for thread in self.threads)
 
-    def first_commit_after(self, moment: float, relay: int) -> Commit | None:
-        return next((c for c in self.commits if c.at > moment and c.relay == relay), None)
+    def first_commit_after(
+        self, moment: float, relay: int, *, not_through: str | None = None
+    ) -> Commit | None:
+        return next(
+            (
+                c
+                for c in self.commits
+                if c.at > moment and c.relay == relay and c.node != not_through
+            ),
+            None,
+        )
 
     @property
     def stats(self) -> list[Stats]:
@@ -179,6 +188,10 @@ def cluster_settings(
     )
 
 
+# How long after the kill a batch evidenced before it may still be committed.
+STRAGGLER_SECONDS = 2.0
+
+
 @pytest.mark.slow
 def test_node_kill__relays_keep_publishing_through_the_other_nodes(
     healthy_cluster: RabbitCluster, cluster_settings: Settings, cluster_topology: Topology
@@ -204,7 +217,10 @@ def test_node_kill__relays_keep_publishing_through_the_other_nodes(
             killed = time.monotonic()
             healthy_cluster.crash(first)
             wait_for(
-                lambda: all(relays.first_commit_after(killed, i) for i in range(RELAYS)),
+                lambda: all(
+                    relays.first_commit_after(killed, i, not_through=url_of(first.url))
+                    for i in range(RELAYS)
+                ),
                 30,
                 "every relay to commit through another node",
             )
@@ -223,9 +239,16 @@ def test_node_kill__relays_keep_publishing_through_the_other_nodes(
         relays.stop()
     committed += writers.committed
 
-    resumed = [relays.first_commit_after(killed, i) for i in range(RELAYS)]
-    assert all(c is not None and c.node != url_of(first.url) for c in resumed), resumed
-    assert {c.node for c in during} <= {url_of(n.url) for n in healthy_cluster.nodes[1:]}
+    dead = url_of(first.url)
+    resumed = [relays.first_commit_after(killed, i, not_through=dead) for i in range(RELAYS)]
+    assert all(c is not None for c in resumed), resumed
+    # A batch whose ledger record was confirmed through the first node just before the
+    # kill may still commit (COMMIT PREPARED, in PostgreSQL) just after it: correct, and
+    # not a publish through a dead node.  Nothing later may name that node.
+    stragglers = [c for c in during if c.node == dead]
+    assert all(c.at < killed + STRAGGLER_SECONDS for c in stragglers), stragglers
+    others = {url_of(n.url) for n in healthy_cluster.nodes[1:]}
+    assert {c.node for c in during} <= others | {dead}
     # Publishing went on for the whole outage, not just once.
     assert during[-1].at - during[0].at > 0.5 * (answered - killed), (during[0], during[-1])
     # One outage: at most the batches in flight of each relay (README, "The guarantee").
