@@ -94,7 +94,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn, Protocol
 
-from outbox import faults, ledger
+from outbox import faults, ledger, ordering
 from outbox.config import Settings
 from outbox.confirms import Delivery, Outcome, Pending
 from outbox.errors import (
@@ -132,7 +132,9 @@ RETRYABLE: tuple[type[OutboxError], ...] = (
 class BatchStorePort(Protocol):
     """What a batch needs from PostgreSQL (``store.BatchStore``)."""
 
-    def claim_batch(self, limit: int, max_bytes: int = ...) -> list[OutboxRow]: ...
+    def claim_batch(
+        self, limit: int, max_bytes: int = ..., *, hold_keys: bool = ...
+    ) -> list[OutboxRow]: ...
     def abandon_claim(self) -> None: ...
     def prepare(self, gid: str) -> None: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
@@ -201,13 +203,16 @@ def _sent(batch: Batch) -> int:
 
 
 def to_message(row: OutboxRow) -> Message:
+    headers = row.headers
+    if row.ordering_key is not None:
+        headers = {**(headers or {}), ordering.ORDERING_KEY_HEADER: row.ordering_key}
     return Message(
         exchange=row.exchange,
         routing_key=row.routing_key,
         body=row.payload,
         message_id=str(row.message_id),
         content_type=row.content_type,
-        headers=row.headers,
+        headers=headers,
         timestamp=row.created_at,
     )
 
@@ -251,14 +256,20 @@ class Batches:
 
     # -- the schedule ------------------------------------------------------------
     def step(self) -> int:
-        """One step of the loop (module docstring, "the schedule"); returns rows claimed."""
+        """One step of the loop (module docstring, "the schedule"); returns the rows
+        it moved on: claimed, or else committed.  0: there was nothing to do.
+
+        A step that claims nothing may still commit the batch kept from the step
+        before, which frees the next rows of its ordering keys: that is progress,
+        and the loop claims again at once instead of waiting for a wake-up."""
         try:
+            finished = 0
             kept = self._waiting()
             if kept is not None and kept.kept:
                 # Published before a database failure that it survived: finish it
                 # before preparing another (which may be what failed, e.g. no slot).
                 self._finish(kept)
-                kept = None
+                finished, kept = len(kept.rows), None
             batch = self._claim_and_prepare()
             if kept is not None:
                 self._record(kept)
@@ -266,9 +277,10 @@ class Batches:
                 self._send(batch)
             if kept is not None:
                 self._commit(kept)
+                finished += len(kept.rows)
             if batch is not None and (self.depth == 1 or batch.unpublishable is not None):
                 self._finish(batch)  # unpublishable: nothing was sent; roll back, back off
-            return len(batch.rows) if batch else 0
+            return len(batch.rows) if batch else finished
         except RETRYABLE as exc:
             self.fail(exc)
             raise
@@ -303,7 +315,11 @@ class Batches:
         if self.ledger_doubtful:
             self._probe_ledger()
         claim_started = time.monotonic()
-        rows = store.claim_batch(self.settings.batch_size, self.settings.batch_max_bytes)
+        rows = store.claim_batch(
+            self.settings.batch_size,
+            self.settings.batch_max_bytes,
+            hold_keys=self.settings.hold_keys,
+        )
         self._observe_claim(time.monotonic() - claim_started, len(rows))
         if not rows:
             store.abandon_claim()
@@ -337,12 +353,44 @@ class Batches:
 
     def _publish(self, batch: Batch) -> None:
         batch.dead, good = sort_out(self.triage, self.broker, batch.rows)
+        if self.settings.hold_keys:
+            held, good = ordering.hold(good, ordering.blockers(batch.dead))
+            batch.dead += held
         if self._dead_letters_failing and batch.dead and not self._record_dead_first(batch):
             return
-        suspects, others = self.triage.isolate(good)
-        batch.good = suspects + others
+        waves = ordering.waves(good)
+        first_returned: dict[str, int] = {}
+        for number, wave in enumerate(waves):
+            if first_returned and self.settings.hold_keys:
+                held, wave = ordering.hold(wave, first_returned)
+                batch.dead += held
+            sent, before = len(batch.sent), len(batch.good)
+            if not self._send_wave(batch, wave):
+                return
+            if number == len(waves) - 1:
+                break
+            # The next wave holds later rows of these keys: only once these are in.
+            timeout = self.settings.publish_timeout
+            confirmed = [d for p in batch.sent[sent:] for d in self.broker.confirmed(p, timeout)]
+            deliveries = list(zip(batch.good[before:], confirmed, strict=True))
+            if any(d.outcome in (Outcome.NACKED, Outcome.UNKNOWN) for _, d in deliveries):
+                return  # ``_record`` rolls the batch back; later waves never go out
+            returned = [
+                DeadLetter(row, d.reason)
+                for row, d in deliveries
+                if d.outcome in (Outcome.RETURNED, Outcome.REJECTED)
+            ]
+            for key, first in ordering.blockers(returned).items():
+                first_returned.setdefault(key, first)
+
+    def _send_wave(self, batch: Batch, rows: Sequence[OutboxRow]) -> bool:
+        """Publish rows of which no two share a key; suspects first, alone.  False
+        when a suspect was refused (nothing more may go out)."""
+        suspects, others = self.triage.isolate(rows)
+        batch.good += suspects
         if suspects and not self._send_alone(batch, suspects):
-            return
+            return False
+        batch.good += others
         messages = [to_message(r) for r in others]
         if faults.armed("mid_publish") and len(messages) > 1:
             half = len(messages) // 2
@@ -354,6 +402,7 @@ class Batches:
             if len(messages) > 1:
                 faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
             batch.sent.append(self.broker.send(messages))
+        return True
 
     def _send_alone(self, batch: Batch, suspects: Sequence[OutboxRow]) -> bool:
         """Publish each suspect alone, waiting for its confirm; False at the first

@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 import click
 
 from outbox import migrate, privileges, redaction, store, urls
-from outbox.config import DAY, DEFAULT_AMQP_URL, DEFAULT_DSN, LIMITS, Settings
+from outbox.config import (
+    DAY,
+    DEFAULT_AMQP_URL,
+    DEFAULT_DSN,
+    LIMITS,
+    ORDERING_DEAD_LETTERS,
+    Settings,
+)
 from outbox.errors import ExitCode, OutboxError
 from outbox.events import configure, emit, json_line
 from outbox.options import (
@@ -234,6 +241,14 @@ def tuning_options(func: F) -> F:
                 default=defaults.max_message_bytes,
                 type=limited("max_message_bytes"),
                 help="Largest payload the broker accepts (max_message_size).",
+            ),
+            _option(
+                "--ordering-dead-letters",
+                "OUTBOX_ORDERING_DEAD_LETTERS",
+                default=defaults.ordering_dead_letters,
+                type=click.Choice(list(ORDERING_DEAD_LETTERS)),
+                help="A dead letter with an ordering key: 'block' holds the key's later "
+                "messages back with it (no gap), 'skip' lets them go on.",
             ),
         ]
     ):
@@ -450,11 +465,11 @@ def _dead_letter_store(options: dict[str, Any]) -> store.DeadLetterStore:
     return open_store(_settings(**options))
 
 
-def _message_ids(texts: Sequence[str]) -> Any:
+def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any:
     from outbox.deadletters import parse_ids
 
     try:
-        return parse_ids(texts)
+        return parse_ids(texts, ordering_keys)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
@@ -487,28 +502,48 @@ def dead_letters_list(
         click.echo(render(rows))
 
 
+_ORDERING_KEY_OPTION = click.option(
+    "--ordering-key",
+    "ordering_keys",
+    multiple=True,
+    metavar="KEY",
+    help="Every dead letter of this ordering key (repeatable).",
+)
+
+
 @dead_letters.command("retry")
 @server_options
 @click.option("--all", "everything", is_flag=True, help="Retry every dead letter.")
+@_ORDERING_KEY_OPTION
 @click.argument("message_ids", nargs=-1)
 @known_errors
 def dead_letters_retry(
-    everything: bool, message_ids: tuple[str, ...], log_level: str, log_format: str, **options: Any
+    everything: bool,
+    ordering_keys: tuple[str, ...],
+    message_ids: tuple[str, ...],
+    log_level: str,
+    log_format: str,
+    **options: Any,
 ) -> None:
     """Put dead letters back into the outbox (same row id and message_id) once the cause
-    is fixed.  A MESSAGE_ID selects every row carrying it; a number selects one row id.
+    is fixed.  A MESSAGE_ID selects every row carrying it; a number selects one row id;
+    --ordering-key every dead letter of a key (a key held back by a dead letter is
+    released this way, its messages in their original order).
 
-    Exits 1 if a given MESSAGE_ID or row id is not a dead letter.
+    Exits 1 if a given MESSAGE_ID, row id or key has no dead letter.
     """
-    if everything == bool(message_ids):
-        raise click.UsageError("give either --all or one or more MESSAGE_IDs (or row ids)")
-    selection = _message_ids(message_ids)
+    selection = _message_ids(message_ids, ordering_keys)
+    if everything == bool(selection):
+        raise click.UsageError(
+            "give either --all or one or more MESSAGE_IDs (or row ids, or --ordering-key)"
+        )
     dl_store = _dead_letter_store(options)
     try:
         moved = dl_store.retry(
             everything=everything,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
         )
     finally:
         dl_store.close()
@@ -530,39 +565,45 @@ def dead_letters_retry(
     type=Age(),
     help="Only those that failed longer ago than this (e.g. 30d, 12h, 900s).",
 )
+@_ORDERING_KEY_OPTION
 @click.argument("message_ids", nargs=-1)
 @known_errors
 def dead_letters_purge(
     everything: bool,
     older_than: str | None,
+    ordering_keys: tuple[str, ...],
     message_ids: tuple[str, ...],
     log_level: str,
     log_format: str,
     **options: Any,
 ) -> None:
     """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs (every
-    row carrying the id) or row ids.
+    row carrying the id), row ids or --ordering-key KEY (every dead letter of the key).
 
     Exits 1 if a given id was not purged (not a dead letter, or younger than
     --older-than).
     """
     from outbox.deadletters import parse_age
 
-    if everything and message_ids:
-        raise click.UsageError("give --all or MESSAGE_IDs, not both")
-    if not (everything or message_ids or older_than):
-        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
+    named = bool(message_ids or ordering_keys)
+    if everything and named:
+        raise click.UsageError("give --all or MESSAGE_IDs (or --ordering-key), not both")
+    if not (everything or named or older_than):
+        raise click.UsageError(
+            "say what to purge: --all, --older-than AGE, MESSAGE_IDs or --ordering-key"
+        )
     try:
         age = parse_age(older_than) if older_than else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    selection = _message_ids(message_ids)
+    selection = _message_ids(message_ids, ordering_keys)
     dl_store = _dead_letter_store(options)
     try:
         purged = dl_store.purge(
-            everything=not message_ids,
+            everything=not named,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
             older_than=age,
         )
     finally:

@@ -67,6 +67,8 @@ LIMITS: dict[str, Limit] = {
     "statement_timeout": Limit(0, DAY, above=True),
 }
 
+ORDERING_DEAD_LETTERS = ("block", "skip")
+
 DEFAULT_DSN = "postgresql://localhost/postgres"
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
 
@@ -118,6 +120,15 @@ class Settings:
     # CA certificate(s) (PEM) that amqps:// brokers must be signed by; None: the
     # system's trusted CAs.  (PostgreSQL takes sslrootcert= in the DSN.)
     amqp_ca_file: str | None = None
+    # What a dead letter does to the later messages of its ordering key: "block"
+    # (they follow it into the dead letters until it is retried or purged: no gap)
+    # or "skip" (they go on; a retried dead letter arrives after them).
+    ordering_dead_letters: str = "block"
+
+    @property
+    def hold_keys(self) -> bool:
+        """Dead letters hold their ordering key's later rows back."""
+        return self.ordering_dead_letters == "block"
 
     def __repr__(self) -> str:
         def shown(value: object) -> str:
@@ -149,6 +160,10 @@ class Settings:
             raise ValueError(
                 "ledger_max_age must be a whole number and a unit of Y, M, D, h, m or s "
                 "(RabbitMQ's x-max-age), e.g. 7D"
+            )
+        if self.ordering_dead_letters not in ORDERING_DEAD_LETTERS:
+            raise ValueError(
+                f"ordering_dead_letters must be one of {', '.join(ORDERING_DEAD_LETTERS)}"
             )
         problem = queue_name_problem(self.ledger_queue)
         if problem:

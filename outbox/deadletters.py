@@ -5,7 +5,8 @@ headers, the original row ``id``, ``message_id`` and ``created_at``) plus why it
 failed.  ``retry`` moves rows back into the outbox in one statement, so a row is
 always in exactly one of the two tables; consumers see the original
 ``message_id``.  Dead letters are selected by ``message_id`` (every row carrying
-it: rows may share one) or by row id.
+it: rows may share one), by row id, or by ordering key (every dead letter of the
+key, which is how a key held back by a dead letter is released).
 """
 
 from __future__ import annotations
@@ -33,21 +34,29 @@ def parse_age(text: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """The dead letters named on the command line: by message_id and by row id."""
+    """The dead letters named on the command line: by message_id, row id or key."""
 
     message_ids: tuple[uuid.UUID, ...] = ()
     row_ids: tuple[int, ...] = ()
+    ordering_keys: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.message_ids or self.row_ids or self.ordering_keys)
 
     def not_found(self, touched: Sequence[dict[str, Any]]) -> list[str]:
-        """The names that matched no dead letter among ``touched`` (id, message_id)."""
+        """The names that matched no dead letter among ``touched`` (id, message_id,
+        ordering_key)."""
         messages = {r["message_id"] for r in touched}
         rows = {r["id"] for r in touched}
-        return [str(m) for m in self.message_ids if m not in messages] + [
-            str(r) for r in self.row_ids if r not in rows
-        ]
+        keys = {r.get("ordering_key") for r in touched}
+        return (
+            [str(m) for m in self.message_ids if m not in messages]
+            + [str(r) for r in self.row_ids if r not in rows]
+            + [f"ordering key {k!r}" for k in self.ordering_keys if k not in keys]
+        )
 
 
-def parse_ids(texts: Sequence[str]) -> Selection:
+def parse_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Selection:
     """Each text is a message id (a UUID) or an outbox row id (a whole number)."""
     message_ids: list[uuid.UUID] = []
     row_ids: list[int] = []
@@ -61,7 +70,7 @@ def parse_ids(texts: Sequence[str]) -> Selection:
             raise ValueError(
                 f"{text!r} is not a message id (a UUID) or a row id (a whole number)"
             ) from None
-    return Selection(tuple(message_ids), tuple(row_ids))
+    return Selection(tuple(message_ids), tuple(row_ids), tuple(ordering_keys))
 
 
 def as_dict(row: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +80,7 @@ def as_dict(row: dict[str, Any]) -> dict[str, Any]:
         "message_id": str(row["message_id"]),
         "exchange": row["exchange"],
         "routing_key": row["routing_key"],
+        "ordering_key": row["ordering_key"],
         "reason": row["reason"],
         "attempts": row["attempts"],
         "failed_at": row["failed_at"].isoformat(),
@@ -91,6 +101,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             f"failed {row['failed_at']:%Y-%m-%d %H:%M:%S%z}  "
             f"attempts={row['attempts']}  to exchange={row['exchange']!r} "
             f"routing_key={row['routing_key'][:80]!r}  {row['payload_bytes']} bytes"
+            + (f"  ordering_key={row['ordering_key'][:80]!r}" if row["ordering_key"] else "")
         )
         lines.append(f"    reason: {row['reason']}")
     return "\n".join(lines)

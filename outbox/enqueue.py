@@ -28,12 +28,24 @@ from psycopg.types.json import Jsonb
 from outbox.queries import table_identifiers
 from outbox.tracing import with_trace_context
 
-_COLUMNS = ("message_id", "exchange", "routing_key", "payload", "headers", "content_type")
+_COLUMNS = (
+    "message_id",
+    "exchange",
+    "routing_key",
+    "payload",
+    "headers",
+    "content_type",
+    "ordering_key",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class OutgoingMessage:
-    """A message for ``enqueue_many``; ``message_id`` is generated when omitted."""
+    """A message for ``enqueue_many``; ``message_id`` is generated when omitted.
+
+    Messages sharing an ``ordering_key`` reach the broker in the order they were
+    written (README, "Per-key ordering"); None puts no constraint on the message.
+    """
 
     exchange: str
     routing_key: str
@@ -41,6 +53,7 @@ class OutgoingMessage:
     headers: Mapping[str, Any] | None = None
     content_type: str | None = None
     message_id: uuid.UUID | None = None
+    ordering_key: str | None = None
 
 
 def _params(message: OutgoingMessage) -> tuple[Any, ...]:
@@ -51,6 +64,10 @@ def _params(message: OutgoingMessage) -> tuple[Any, ...]:
             f"payload must be bytes, not {type(message.payload).__name__}; "
             "use enqueue_json for objects"
         )
+    if message.ordering_key is not None and not isinstance(message.ordering_key, str):
+        raise TypeError(
+            f"ordering_key must be a str or None, not {type(message.ordering_key).__name__}"
+        )
     headers = with_trace_context(message.headers)
     return (
         message.message_id or uuid.uuid4(),
@@ -59,6 +76,7 @@ def _params(message: OutgoingMessage) -> tuple[Any, ...]:
         bytes(message.payload),
         Jsonb(dict(headers)) if headers is not None else None,
         message.content_type,
+        message.ordering_key,
     )
 
 
@@ -92,10 +110,13 @@ def enqueue(
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """Write one message in the caller's transaction; returns its ``message_id``."""
-    message = OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    message = OutgoingMessage(
+        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
+    )
     params = _params(message)
     conn.execute(_insert(table, returning=False), params)
     return params[0]  # type: ignore[no-any-return]
@@ -120,6 +141,7 @@ def enqueue_json(
     body: Any,
     headers: Mapping[str, Any] | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
@@ -131,6 +153,7 @@ def enqueue_json(
         headers=headers,
         content_type="application/json",
         message_id=message_id,
+        ordering_key=ordering_key,
         table=table,
     )
 
@@ -144,10 +167,13 @@ async def enqueue_async(
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """``enqueue`` for an ``AsyncConnection``."""
-    message = OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    message = OutgoingMessage(
+        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
+    )
     params = _params(message)
     await conn.execute(_insert(table, returning=False), params)
     return params[0]  # type: ignore[no-any-return]
@@ -174,6 +200,7 @@ async def enqueue_json_async(
     body: Any,
     headers: Mapping[str, Any] | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     return await enqueue_async(
@@ -184,5 +211,6 @@ async def enqueue_json_async(
         headers=headers,
         content_type="application/json",
         message_id=message_id,
+        ordering_key=ordering_key,
         table=table,
     )

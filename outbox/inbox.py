@@ -66,7 +66,6 @@ from outbox.events import emit
 from outbox.inbox_broker import Broker, QueueMissing, QueuePublisher
 from outbox.inbox_message import (
     KEPT_PROPERTIES,
-    ORDERING_KEY_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     InboxMessage,
@@ -75,6 +74,7 @@ from outbox.inbox_message import (
     to_inbox_message,
 )
 from outbox.inbox_store import DEFAULT_INBOX_TABLE, HandlerFailed, InboxStore
+from outbox.ordering import ORDERING_KEY_HEADER
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",

@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from outbox.inbox_store import Parking
+from outbox.ordering import ORDERING_KEY_HEADER
 
-# The relay sets this header from the row's ordering key.
-ORDERING_KEY_HEADER = "x-ordering-key"
 # ``outbox parked retry`` sends a message straight to the queue it was parked from
 # (through the default exchange) and keeps where it first came from in these.
 ORIGINAL_EXCHANGE_HEADER = "x-outbox-original-exchange"

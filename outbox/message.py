@@ -54,6 +54,11 @@ class OutboxRow:
     # Columns that could not be loaded (their field above holds a placeholder):
     # such a row is a dead letter naming the column.
     unloadable: Mapping[str, Unloadable] = dataclasses.field(default_factory=dict)
+    # Rows sharing a key are published in id order (``outbox.ordering``).
+    ordering_key: str | None = None
+    # The id of an earlier dead letter of the same key, when dead letters hold their
+    # key back: this row follows it into the dead letters (``ordering.held``).
+    held_by: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

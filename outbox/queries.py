@@ -39,6 +39,8 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "dead_letters": sql.Identifier(f"{table}_dead_letters"),
         "dead_letters_pkey": sql.Identifier(f"{table}_dead_letters_pkey"),
         "dead_letters_message_id": sql.Identifier(f"{table}_dead_letters_message_id"),
+        "outbox_ordering_key": sql.Identifier(f"{table}_ordering_key"),
+        "dead_letters_ordering_key": sql.Identifier(f"{table}_dead_letters_ordering_key"),
         "schema_version": sql.Identifier(f"{table}_schema_version"),
         "notify_function": sql.Identifier(f"{table}_notify"),
         "notify_trigger": sql.Identifier(f"{table}_notify"),

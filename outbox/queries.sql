@@ -5,13 +5,29 @@
 -- claim_batch --
 -- Lock and delete up to `limit` committed rows nobody else holds.  The delete only
 -- becomes final with COMMIT PREPARED; ROLLBACK PREPARED puts every row back.
--- The locking sub-select is an ARRAY(…) InitPlan: PostgreSQL evaluates it exactly
--- once, whatever the statistics say.  Written as `id IN (SELECT … SKIP LOCKED)` it
--- becomes a semi-join, and on a table whose statistics say "nearly empty" (the
--- normal state of an outbox, analyzed between bursts) the planner may put it on the
--- inner side of a nested loop: rescanned once per outer row, each rescan locking
--- other rows, so one claim took 50 s and deleted 19,994 rows under LIMIT 1000.
--- tests/integration/test_claim_plan.py pins this plan.
+-- The locking sub-selects live in one ARRAY(…) InitPlan: PostgreSQL evaluates it
+-- exactly once, whatever the statistics say.  Written as `id IN (SELECT … SKIP
+-- LOCKED)` it becomes a semi-join, and on a table whose statistics say "nearly
+-- empty" (the normal state of an outbox, analyzed between bursts) the planner may
+-- put it on the inner side of a nested loop: rescanned once per outer row, each
+-- rescan locking other rows, so one claim took 50 s and deleted 19,994 rows under
+-- LIMIT 1000.  tests/integration/test_claim_plan.py pins this plan.
+--
+-- Rows with an ordering key (README, "Per-key ordering") are taken only as a prefix
+-- of their key: a key's first row in the outbox (its head) and the rows right
+-- behind it, never a row while an earlier row of its key is held by anyone else.
+-- `keyed` is the front of the keyed rows, in id order, locked or not: a key's first
+-- row there is its first row in the outbox, so no index probe per row is needed.
+-- A head held by another batch (prepared, or being claimed) is skipped, and with it
+-- its whole key.  `heads` locks unkeyed rows and free heads; `tails` then locks the
+-- rows behind our heads (no other relay can hold those: it would need the head).
+-- `gaps` is the first row of each key that we did not lock: nothing of that key
+-- at or after it is taken.  A claim therefore holds at most a prefix of each key,
+-- and a key's next rows are claimable only once its batch is committed.
+--
+-- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
+-- of the row's key with a lower id; the relay moves such a row to the dead letters
+-- too, so a blocked key never piles up in front of the others.
 --
 -- The batch also stops at `max_bytes` of payload (the first row always goes, however
 -- large), so the relay's memory does not grow with the payloads; octet_length()
@@ -19,18 +35,50 @@
 -- stay locked until this batch is finished, then the next claim takes them.
 DELETE FROM {outbox}
 WHERE id = ANY (ARRAY (
+    WITH keyed AS MATERIALIZED (
+        SELECT id, ordering_key FROM {outbox}
+        WHERE ordering_key IS NOT NULL
+        ORDER BY id
+        LIMIT %(window)s
+    ), firsts AS MATERIALIZED (
+        SELECT DISTINCT ON (ordering_key) id FROM keyed ORDER BY ordering_key, id
+    ), heads AS MATERIALIZED (
+        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+        WHERE ordering_key IS NULL OR id IN (SELECT id FROM firsts)
+        ORDER BY id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ), tails AS MATERIALIZED (
+        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+        WHERE id IN (
+            SELECT k.id FROM keyed k JOIN heads h ON h.ordering_key = k.ordering_key
+            WHERE k.id > h.id)
+        ORDER BY id
+        LIMIT (SELECT %(limit)s - count(*) FROM heads)
+        FOR UPDATE SKIP LOCKED
+    ), locked AS (
+        SELECT id, ordering_key, size FROM heads
+        UNION ALL
+        SELECT id, ordering_key, size FROM tails
+    ), gaps AS (
+        SELECT ordering_key, min(id) AS gap FROM keyed
+        WHERE id NOT IN (SELECT id FROM locked)
+        GROUP BY ordering_key
+    ), taken AS (
+        SELECT l.id, l.size FROM locked l LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
+        WHERE g.gap IS NULL OR l.id < g.gap
+    )
     SELECT id FROM (
-        SELECT id, sum(size) OVER (ORDER BY id) - size AS before
-        FROM (
-            SELECT id, octet_length(payload) AS size FROM {outbox}
-            ORDER BY id
-            LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ) AS locked
+        SELECT id, sum(size) OVER (ORDER BY id) - size AS before FROM taken
     ) AS sized
     WHERE before < %(max_bytes)s
 ))
-RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+    ordering_key,
+    CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
+        SELECT min(d.id) FROM {dead_letters} d
+        WHERE d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
+    END AS held_by
 
 -- has_claimable_rows --
 SELECT EXISTS (SELECT 1 FROM {outbox} FOR UPDATE SKIP LOCKED) AS claimable
@@ -43,10 +91,10 @@ SELECT EXISTS (SELECT 1 FROM {outbox} FOR UPDATE SKIP LOCKED) AS claimable
 -- 'infinity'): the server parses them back into the same value.
 INSERT INTO {dead_letters}
     (id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
-     reason, gid)
+     ordering_key, reason, gid)
 VALUES
     (%(id)s, %(message_id)s, %(exchange)s, %(routing_key)s, %(payload)s, %(headers)s::jsonb,
-     %(content_type)s, %(created_at)s::timestamptz, %(reason)s, %(gid)s)
+     %(content_type)s, %(created_at)s::timestamptz, %(ordering_key)s, %(reason)s, %(gid)s)
 ON CONFLICT (id) DO UPDATE
 SET reason = EXCLUDED.reason, gid = EXCLUDED.gid, failed_at = now(),
     attempts = {dead_letters}.attempts + 1
@@ -147,7 +195,7 @@ SELECT count(*) AS dead_letters FROM {dead_letters}
 
 -- list_dead_letters --
 -- created_at as text: a dead letter may hold a value Python cannot (infinity).
-SELECT id, message_id, exchange, routing_key, reason, attempts, gid, content_type,
+SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
        octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at
 FROM {dead_letters}
 ORDER BY failed_at, id
@@ -158,28 +206,34 @@ LIMIT %(limit)s
 -- the outbox (same row id, message_id and created_at), never both and never neither.
 -- A row dead-lettered by a batch that was then rolled back is in both tables: the
 -- retry only drops the dead letter (ON CONFLICT DO NOTHING).  Selected by
--- message_id (every row carrying it) or by row id.  The insert fires the wake-up
--- trigger, so idle relays pick the rows up at once.
+-- message_id (every row carrying it), by row id or by ordering key (every dead
+-- letter of the key: they return in their original order, as their ids are kept).
+-- The insert fires the wake-up trigger, so idle relays pick the rows up at once.
 WITH moved AS (
     DELETE FROM {dead_letters}
     WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[])
-    RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+       OR ordering_key = ANY(%(keys)s::text[])
+    RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+              ordering_key
 ), restored AS (
     INSERT INTO {outbox}
-        (id, message_id, exchange, routing_key, payload, headers, content_type, created_at)
+        (id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+         ordering_key)
     OVERRIDING SYSTEM VALUE
-    SELECT id, message_id, exchange, routing_key, payload, headers, content_type, created_at
+    SELECT id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+           ordering_key
     FROM moved
     ON CONFLICT (id) DO NOTHING
 )
-SELECT id, message_id FROM moved
+SELECT id, message_id, ordering_key FROM moved
 
 -- purge_dead_letters --
 DELETE FROM {dead_letters}
-WHERE (%(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[]))
+WHERE (%(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[])
+       OR ordering_key = ANY(%(keys)s::text[]))
   AND (%(older_than)s::float8 IS NULL
        OR failed_at < now() - make_interval(secs => %(older_than)s::float8))
-RETURNING id, message_id
+RETURNING id, message_id, ordering_key
 
 -- metrics_snapshot --
 -- Everything the metrics endpoint reads from the database, in one round trip.  The

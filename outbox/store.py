@@ -104,6 +104,18 @@ def connect(
     return conn
 
 
+# How many keyed rows, in batches, a claim looks at from the front of the outbox to
+# find the keys it may take (``queries.sql``, ``claim_batch``).  Rows of keys held by
+# other batches count too: a key with a larger backlog than this delays the keys
+# behind it until it drains (README, "Per-key ordering").
+KEYED_WINDOW = 10
+
+# The claim's plan must not depend on the statistics (``queries.sql``,
+# ``claim_batch``): a table analyzed while nearly empty made the planner read the
+# whole table, in a sequential scan and a sort, to find the front of the keyed rows.
+# Sent with the claim's BEGIN (no extra round trip); it ends with the transaction.
+PINNED_CLAIM_PLAN = "SET LOCAL enable_seqscan = off"
+
 # How often a backend running one of our statements checks that we are still there.
 CLIENT_CHECK_INTERVAL = "2s"
 
@@ -161,6 +173,8 @@ def _row(record: Row) -> OutboxRow:
         content_type=record["content_type"],
         created_at=EPOCH if "created_at" in unloadable else record["created_at"],
         unloadable=unloadable,
+        ordering_key=record["ordering_key"],
+        held_by=record["held_by"],
     )
 
 
@@ -333,6 +347,7 @@ def _dead_letter_params(letter: DeadLetter, gid: str) -> dict[str, Any]:
         "headers": headers,
         "content_type": row.content_type,
         "created_at": created_at,
+        "ordering_key": row.ordering_key,
         # PostgreSQL text cannot hold NUL; a reason quotes broker and row text.
         "reason": letter.reason.replace("\x00", "\\0"),
         "gid": gid,
@@ -372,19 +387,29 @@ class BatchStore(_Session):
         migrate.require_current(version, self.table)
 
     # -- the batch ---------------------------------------------------------
-    def claim_batch(self, limit: int, max_bytes: int = 2**62) -> list[OutboxRow]:
+    def claim_batch(
+        self, limit: int, max_bytes: int = 2**62, *, hold_keys: bool = True
+    ) -> list[OutboxRow]:
         """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
-        once ``max_bytes`` of payload are in (the first row always comes).
+        once ``max_bytes`` of payload are in (the first row always comes); in id order.
+
+        Rows with an ordering key come as a prefix of their key (``queries.sql``,
+        ``claim_batch``); with ``hold_keys`` a row behind a dead letter of its key
+        says so (``OutboxRow.held_by``).
 
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
+        params = {
+            "limit": limit,
+            "window": limit * KEYED_WINDOW,
+            "max_bytes": max_bytes,
+            "hold": hold_keys,
+        }
         with self._translated("claiming a batch"):
-            self.conn.execute("BEGIN")
-            cur = _tolerant_cursor(self.conn).execute(
-                self.queries["claim_batch"], {"limit": limit, "max_bytes": max_bytes}
-            )
-            return [_row(r) for r in cur.fetchall()]
+            self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
+            cur = _tolerant_cursor(self.conn).execute(self.queries["claim_batch"], params)
+            return sorted((_row(r) for r in cur.fetchall()), key=lambda row: row.id)
 
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
@@ -573,13 +598,20 @@ class DeadLetterStore(_Session):
         everything: bool,
         message_ids: Sequence[uuid.UUID] = (),
         row_ids: Sequence[int] = (),
+        ordering_keys: Sequence[str] = (),
     ) -> list[Row]:
-        """Move dead letters back into the outbox atomically; the (id, message_id) moved."""
+        """Move dead letters back into the outbox atomically; the (id, message_id,
+        ordering_key) moved."""
         self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
         with self._translated("retrying dead letters"):
             return self.conn.execute(
                 self.queries["retry_dead_letters"],
-                {"all": everything, "ids": list(message_ids), "row_ids": list(row_ids)},
+                {
+                    "all": everything,
+                    "ids": list(message_ids),
+                    "row_ids": list(row_ids),
+                    "keys": list(ordering_keys),
+                },
             ).fetchall()
 
     def purge(
@@ -588,6 +620,7 @@ class DeadLetterStore(_Session):
         everything: bool,
         message_ids: Sequence[uuid.UUID] = (),
         row_ids: Sequence[int] = (),
+        ordering_keys: Sequence[str] = (),
         older_than: float | None = None,
     ) -> list[Row]:
         """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
@@ -599,6 +632,7 @@ class DeadLetterStore(_Session):
                     "all": everything,
                     "ids": list(message_ids),
                     "row_ids": list(row_ids),
+                    "keys": list(ordering_keys),
                     "older_than": older_than,
                 },
             ).fetchall()

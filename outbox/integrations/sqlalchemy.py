@@ -89,8 +89,11 @@ def _message(
     headers: Mapping[str, Any] | None,
     content_type: str | None,
     message_id: uuid.UUID | None,
+    ordering_key: str | None,
 ) -> OutgoingMessage:
-    return OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+    return OutgoingMessage(
+        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
+    )
 
 
 def enqueue(
@@ -102,10 +105,13 @@ def enqueue(
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """Write one message in ``target``'s transaction; returns its ``message_id``."""
-    params = _params(_message(exchange, routing_key, payload, headers, content_type, message_id))
+    params = _params(
+        _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
+    )
     _connection(target).exec_driver_sql(insert_sql(table), params)
     return params[0]  # type: ignore[no-any-return]
 
@@ -128,6 +134,7 @@ def enqueue_json(
     body: Any,
     headers: Mapping[str, Any] | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
@@ -139,6 +146,7 @@ def enqueue_json(
         headers=headers,
         content_type="application/json",
         message_id=message_id,
+        ordering_key=ordering_key,
         table=table,
     )
 
@@ -152,10 +160,13 @@ async def enqueue_async(
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     """``enqueue`` for an ``AsyncSession`` or ``AsyncConnection``."""
-    params = _params(_message(exchange, routing_key, payload, headers, content_type, message_id))
+    params = _params(
+        _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
+    )
     await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
     return params[0]  # type: ignore[no-any-return]
 
@@ -180,6 +191,7 @@ async def enqueue_json_async(
     body: Any,
     headers: Mapping[str, Any] | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str = "outbox",
 ) -> uuid.UUID:
     return await enqueue_async(
@@ -190,5 +202,6 @@ async def enqueue_json_async(
         headers=headers,
         content_type="application/json",
         message_id=message_id,
+        ordering_key=ordering_key,
         table=table,
     )

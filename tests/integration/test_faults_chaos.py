@@ -9,13 +9,11 @@ import time
 
 from outbox.config import Settings
 from tests.fixtures.faults import (
-    RelayProcess,
     both_modes,
+    chaos_run,
     check_delivery,
     in_flight,
     insert_rows,
-    relay_sessions,
-    wait_for,
 )
 from tests.fixtures.servers import Topology
 
@@ -42,32 +40,13 @@ def test_chaos__relays_killed_at_random_lose_nothing(
             )
             time.sleep(0.02)
 
-    relays = [RelayProcess(chaos) for _ in range(RELAYS)]
-    thread = threading.Thread(target=writer)
-    thread.start()
-    kills = 0
-    try:
-        deadline = time.monotonic() + CHAOS_SECONDS
-        while time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.3, 1.5))
-            victim = rng.randrange(RELAYS)
-            relays[victim].kill()
-            relays[victim].close()
-            kills += 1
-            relays[victim] = RelayProcess(chaos)
-    finally:
-        stop_writing.set()
-        thread.join()
-        for relay in relays:
-            relay.kill()
-            relay.close()
-    kills += RELAYS
-    wait_for(lambda: relay_sessions(chaos.dsn) == 0, 10, "killed relays' sessions to end")
-    final = RelayProcess(chaos, drain=True)
-    try:
-        assert final.wait(timeout=120) == 0, final.output()
-    finally:
-        final.close()
+    kills = chaos_run(
+        chaos,
+        [threading.Thread(target=writer)],
+        stop_writing,
+        relays=RELAYS,
+        seconds=CHAOS_SECONDS,
+    )
     # Each kill can leave at most one batch (pipelined: two) published but rolled back.
     bound = kills * in_flight(chaos) * BATCH
     report = check_delivery(chaos.dsn, topology, committed, max_duplicates=bound)

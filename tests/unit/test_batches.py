@@ -23,6 +23,7 @@ from outbox.errors import (
     OutcomeUnknown,
     PreparedSlotsExhausted,
 )
+from outbox.message import DeadLetter, OutboxRow
 from outbox.stats import Stats
 from resolver.decide import Action, Owner, decide
 from tests.fixtures.fakes import FakeBroker, FakeStore, Journal, Routing, make_rows
@@ -346,3 +347,97 @@ def test_claim__byte_budget_is_passed_to_the_store() -> None:
     batches.settings = dataclasses.replace(batches.settings, batch_max_bytes=12)
     # "row 1", "row 2", … are 5 bytes each: the rows starting at 0, 5 and 10 bytes fit
     assert batches.step() == 3
+
+
+# -- per-key ordering ------------------------------------------------------------------
+def key_order(broker: FakeBroker, rows: list[OutboxRow]) -> dict[str, list[int]]:
+    """Each key's row ids as first delivered (repeats dropped, as a consumer would)."""
+    by_message = {str(r.message_id): r for r in rows}
+    seen: set[str] = set()
+    order: dict[str, list[int]] = collections.defaultdict(list)
+    for message in broker.delivered:
+        row = by_message.get(message.message_id)
+        if row is None or message.message_id in seen:
+            continue
+        seen.add(message.message_id)
+        assert (message.headers or {}).get("x-ordering-key") == row.ordering_key
+        if row.ordering_key is not None:
+            order[row.ordering_key].append(row.id)
+    return dict(order)
+
+
+@both_depths
+def test_ordering__a_keys_rows_go_in_waves_each_after_the_one_before_is_confirmed(
+    depth: int,
+) -> None:
+    journal: Journal = []
+    rows = make_rows(6, ordering_keys=["a", "a", "b", None, "a", "b"])
+    store, broker = FakeStore(rows, journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    sends = [entry for entry in journal if entry.startswith(("send", "confirmed"))]
+    # wave 0: rows 1 (a), 3 (b), 4; wave 1: 2 (a), 6 (b); wave 2: 5 (a)
+    assert sends == ["send 3", "confirmed 3", "send 2", "confirmed 2", "send 1", "confirmed 1"]
+    assert key_order(broker, rows) == {"a": [1, 2, 5], "b": [3, 6]}
+    assert store.rows == {} and duplicates(broker, 6) == 0
+
+
+@both_depths
+@pytest.mark.parametrize("mode", ["block", "skip"])
+def test_ordering__a_returned_row_holds_its_keys_later_rows_back_or_not(
+    depth: int, mode: str
+) -> None:
+    rows = make_rows(1, ordering_keys=["a"]) + make_rows(1, start=2, key="nowhere")
+    rows += make_rows(3, start=3, ordering_keys=["b", "b", "a"])
+    rows[1] = dataclasses.replace(rows[1], ordering_key="b")  # row 2: b, unroutable
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    batches.settings = dataclasses.replace(batches.settings, ordering_dead_letters=mode)
+    drain(batches)
+    reasons = {d.row.id: d.reason for d in store.dead_letters}
+    if mode == "block":
+        assert key_order(broker, rows) == {"a": [1, 5]}
+        assert set(reasons) == {2, 3, 4}
+        assert "unroutable" in reasons[2] and "(row 2)" in reasons[3] and "(row 2)" in reasons[4]
+    else:
+        assert key_order(broker, rows) == {"a": [1, 5], "b": [3, 4]}
+        assert set(reasons) == {2}
+    assert store.rows == {} and store.prepared == {}
+
+
+@both_depths
+def test_ordering__a_nack_stops_the_batch_before_the_keys_next_row(depth: int) -> None:
+    rows = make_rows(4, ordering_keys=["a", "a", "a", None])
+    nacked: list[str] = []
+
+    def nack_first_of_a(message: object) -> bool:
+        if not nacked and getattr(message, "message_id", "") == str(rows[0].message_id):
+            nacked.append("once")
+            return True
+        return False
+
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(nack=nack_first_of_a))
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable):
+        batches.step()
+        batches.step()
+    # Row 1 was refused: rows 2 and 3 never went out behind it.
+    assert [m.message_id for m in broker.delivered] == [str(rows[3].message_id)]
+    drain(batches)
+    assert key_order(broker, rows) == {"a": [1, 2, 3]}
+
+
+@both_depths
+def test_ordering__a_key_with_an_older_dead_letter_is_held_at_claim(depth: int) -> None:
+    [old] = make_rows(1, ordering_keys=["a"])
+    rows = make_rows(3, start=2, ordering_keys=["a", None, "a"])
+    store, broker = FakeStore(rows), FakeBroker()
+    store.dead_letters.append(DeadLetter(old, "bad earlier"))
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    assert key_order(broker, rows) == {}
+    held = {d.row.id: d.reason for d in store.dead_letters if d.row.id != 1}
+    assert set(held) == {2, 4} and all("(row 1)" in r for r in held.values())
+    assert store.rows == {}

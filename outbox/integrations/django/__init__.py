@@ -92,12 +92,15 @@ def enqueue(
     headers: Mapping[str, Any] | None = None,
     content_type: str | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> uuid.UUID:
     """Write one message in the current ``atomic()`` block of ``using``; returns its id."""
     params = _params(
-        OutgoingMessage(exchange, routing_key, payload, headers, content_type, message_id)
+        OutgoingMessage(
+            exchange, routing_key, payload, headers, content_type, message_id, ordering_key
+        )
     )
     with _in_transaction(using).cursor() as cursor:
         cursor.execute(insert_sql(table or outbox_table()), params)
@@ -125,6 +128,7 @@ def enqueue_json(
     body: Any,
     headers: Mapping[str, Any] | None = None,
     message_id: uuid.UUID | None = None,
+    ordering_key: str | None = None,
     table: str | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> uuid.UUID:
@@ -136,6 +140,7 @@ def enqueue_json(
         headers=headers,
         content_type="application/json",
         message_id=message_id,
+        ordering_key=ordering_key,
         table=table,
         using=using,
     )

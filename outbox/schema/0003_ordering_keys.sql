@@ -1,0 +1,10 @@
+-- 0003: per-key ordering.  Rows sharing a non-NULL ordering_key reach the broker in
+-- id order (README, "Per-key ordering"); NULL keeps the row free of any constraint.
+-- The claim reads the front of the keyed rows through the partial index; dead
+-- letters carry the key so that one can hold its key's later rows back.
+ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS ordering_key text;
+CREATE INDEX IF NOT EXISTS {outbox_ordering_key} ON {outbox} (id)
+    WHERE ordering_key IS NOT NULL;
+ALTER TABLE {dead_letters} ADD COLUMN IF NOT EXISTS ordering_key text;
+CREATE INDEX IF NOT EXISTS {dead_letters_ordering_key} ON {dead_letters} (ordering_key, id)
+    WHERE ordering_key IS NOT NULL;
