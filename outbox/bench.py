@@ -50,6 +50,7 @@ from pika.adapters.select_connection import SelectConnection
 
 from outbox import migrate, store
 from outbox.bench_load import BurstShape, measure_bursts, render_bursts
+from outbox.bench_ordering import measure_ordering, render_ordering
 from outbox.config import Settings
 from outbox.devservers import PostgresCluster
 from outbox.errors import OutboxError
@@ -75,6 +76,7 @@ class BenchOptions:
     burst_pause: float = 1.5
     scaling: bool = True  # the relays x batch sizes grid
     bursts: bool = True  # the bursty-writers load shape
+    ordering: bool = True  # unordered / 1,000 keys / one hot key
 
 
 # -- the bare publisher -------------------------------------------------------------
@@ -319,13 +321,17 @@ def _database(dsn: str | None, echo: Echo) -> Iterator[Database]:
         yield Database(bench_dsn, cluster.dsn, "outbox", "private cluster, fsync on")
 
 
-def _fill(conn: store.Conn, table: str, exchange: str, rows: int, payload: int) -> None:
+def _fill(
+    conn: store.Conn, table: str, exchange: str, rows: int, payload: int, keys: int | None = None
+) -> None:
+    """``rows`` rows; with ``keys``, row i has ordering key i mod keys."""
     conn.execute(
-        f'INSERT INTO "{table}" (exchange, routing_key, payload) '
+        f'INSERT INTO "{table}" (exchange, routing_key, payload, ordering_key) '
         "SELECT %s, 'bench.' || (i %% 16), "
-        "convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8') "
+        "convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8'), "
+        "CASE WHEN %s::int IS NOT NULL THEN 'key-' || (i %% %s::int) END "
         "FROM generate_series(1, %s) AS i",
-        [exchange, payload, rows],
+        [exchange, payload, keys, keys, rows],
     )
 
 
@@ -396,8 +402,18 @@ class Bench:
         self.broker.purge()
         return run
 
-    def relay(self, count: int, batch_size: int | None = None) -> Run:
+    def relay(
+        self,
+        count: int,
+        batch_size: int | None = None,
+        *,
+        keys: int | None = None,
+        rows_share: float = 1.0,
+    ) -> Run:
+        """``count`` relays drain the backlog; ``keys``: its rows' ordering keys
+        (``_fill``), ``rows_share``: a share of ``--rows``."""
         settings = self.settings(batch_size)
+        rows = max(1, round(self.o.rows * rows_share))
         self.broker.purge()
         # The table is left as the previous runs churned it (dead tuples, statistics
         # from whenever autovacuum last looked), as in production: no VACUUM here.
@@ -405,7 +421,7 @@ class Bench:
         try:
             _wait_registered(self.conn, self.db.table, count, relays)
             with self.conn.transaction():
-                _fill(self.conn, self.db.table, self.broker.exchange, self.o.rows, self.o.payload)
+                _fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
             started = time.perf_counter()
             busy0, total0 = _machine_ticks()
             cpu0 = relays.cpu_seconds()
@@ -427,9 +443,7 @@ class Bench:
         delivered = self.broker.depth()
         self.broker.purge()
         busy = (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
-        return Run(
-            "relay", count, settings.batch_size, self.o.rows, seconds, delivered, busy, relay_cpu
-        )
+        return Run("relay", count, settings.batch_size, rows, seconds, delivered, busy, relay_cpu)
 
     def latency(self) -> dict[str, Any]:
         self.broker.purge()
@@ -595,11 +609,13 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
     shape = BurstShape(o.burst_writers, o.burst_rows, o.burst_pause)
     if o.bursts:
         bursts = measure_bursts(bench, o.relays, o.repeats, shape, echo)
+    ordering = measure_ordering(bench, o.repeats, echo) if o.ordering else None
     echo("  latency and idle run ...")
     latency = bench.latency()
     every_row = (
         all(r.delivered == r.rows for r in bare_runs + relay_runs)
         and all(b["delivered_min"] >= b["rows"] for b in bursts)
+        and all(s["delivered_min"] >= s["rows"] for s in (ordering or {}).get("shapes", []))
         and latency["delivered"] == latency["sent"]
     )
     return {
@@ -619,6 +635,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "scaling": scaling,
         "bursts": bursts,
         "burst_shape": dataclasses.asdict(shape),
+        "ordering": ordering,
         "latency": {k: v for k, v in latency.items() if k != "idle"},
         "idle": latency["idle"],
         "every_row_arrived": every_row,
@@ -654,6 +671,8 @@ def render(report: dict[str, Any]) -> str:
         )
     if report["bursts"]:
         lines += render_bursts(report["bursts"], report["burst_shape"], report["repeats"])
+    if report.get("ordering"):
+        lines += render_ordering(report["ordering"], report["repeats"])
     lines += [
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "

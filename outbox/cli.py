@@ -1068,6 +1068,12 @@ def demo(dsn: str | None, amqp_url: str, rows: int, consume: bool) -> None:
     "--bursts/--no-bursts", default=True, show_default=True, help="Run the bursty-writers load."
 )
 @click.option(
+    "--ordering/--no-ordering",
+    default=True,
+    show_default=True,
+    help="Run the per-key ordering shapes (unordered, 1,000 keys, one hot key).",
+)
+@click.option(
     "--consume",
     is_flag=True,
     help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",

@@ -63,6 +63,16 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     assert all(b["duplicates"] == 0 and b["rolled_back"] == 0 for b in report["bursts"])
     assert all(b["delivered_min"] == 300 for b in report["bursts"])
     assert set(report["idle"]) == {"seconds", "cpu_percent_of_a_core", "db_transactions_per_s"}
+    # Per-key ordering: the same 300 rows unordered and over 1,000 keys, a quarter of
+    # them on one hot key; every row arrived.
+    shapes = {s["shape"]: s for s in report["ordering"]["shapes"]}
+    assert [(n, s["rows"]) for n, s in shapes.items()] == [
+        ("unordered", 300),
+        ("1000_keys", 300),
+        ("one_hot_key", 75),
+    ]
+    assert all(s["delivered_min"] == s["rows"] and s["msg_per_s"] > 0 for s in shapes.values())
+    assert shapes["unordered"]["ratio_to_unordered"] == 1.0
 
 
 def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
