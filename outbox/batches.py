@@ -37,6 +37,12 @@ schedule serves both (``step``)::
     5. wait for N's ledger confirm, COMMIT PREPARED N;
     6. depth 1: N+1 goes through 3 and 5 at once (it is the only batch).
 
+When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
+the claim may take them, ``store.claim_batch(own=…)``), 4 and 5 swap: N+1 is
+published only after N is committed, so no row goes out while an earlier row of
+its key is still in the outbox (``outbox.ordering``), and if N fails, N+1, never
+published, is rolled back with it.
+
 Each batch still goes claim → PREPARE → publish → confirms → ledger → COMMIT
 PREPARED in that order, and N+1 is published only after its own PREPARE
 succeeded and after N's messages were all confirmed.
@@ -133,7 +139,12 @@ class BatchStorePort(Protocol):
     """What a batch needs from PostgreSQL (``store.BatchStore``)."""
 
     def claim_batch(
-        self, limit: int, max_bytes: int = ..., *, hold_keys: bool = ...
+        self,
+        limit: int,
+        max_bytes: int = ...,
+        *,
+        hold_keys: bool = ...,
+        own: Sequence[int] = ...,
     ) -> list[OutboxRow]: ...
     def abandon_claim(self) -> None: ...
     def prepare(self, gid: str) -> None: ...
@@ -180,6 +191,10 @@ class Batch:
     kept: bool = False  # published before a failure it survived: finish it first
     dead_recorded: int = 0  # dead letters already stored (``_record_dead_first``)
     isolated: bool = False  # a suspect published alone was refused
+    # Holds later rows of keys the batch before it holds: published after that one
+    # is committed, holding back rows behind its dead letters (``first_dead``).
+    follows: bool = False
+    first_dead: dict[str, int] = dataclasses.field(default_factory=dict)
     unpublishable: OutboxError | None = None  # nothing may be published: roll back
 
 
@@ -270,9 +285,15 @@ class Batches:
                 # before preparing another (which may be what failed, e.g. no slot).
                 self._finish(kept)
                 finished, kept = len(kept.rows), None
-            batch = self._claim_and_prepare()
+            batch = self._claim_and_prepare(kept)
             if kept is not None:
                 self._record(kept)
+            if batch is not None and kept is not None and batch.follows:
+                # Rows of keys that ``kept`` holds: published only once it is committed.
+                self._commit(kept)
+                finished += len(kept.rows)
+                batch.first_dead = ordering.blockers(kept.dead)
+                kept = None
             if batch is not None:
                 self._send(batch)
             if kept is not None:
@@ -304,8 +325,12 @@ class Batches:
         self._commit(batch)
 
     # -- one batch, in order -------------------------------------------------------
-    def _claim_and_prepare(self) -> Batch | None:
-        """Claim rows and PREPARE them (crash table: "claim", "PREPARE")."""
+    def _claim_and_prepare(self, waiting: Batch | None = None) -> Batch | None:
+        """Claim rows and PREPARE them (crash table: "claim", "PREPARE").
+
+        The claim may take the next rows of keys that ``waiting`` (the batch published
+        by the previous step) holds; the new batch then ``follows`` it.
+        """
         store = self._store()
         started = time.monotonic()
         if self.broker.blocked:
@@ -315,10 +340,12 @@ class Batches:
         if self.ledger_doubtful:
             self._probe_ledger()
         claim_started = time.monotonic()
+        held = [r for r in waiting.rows if r.ordering_key is not None] if waiting else []
         rows = store.claim_batch(
             self.settings.batch_size,
             self.settings.batch_max_bytes,
             hold_keys=self.settings.hold_keys,
+            own=[r.id for r in held],
         )
         self._observe_claim(time.monotonic() - claim_started, len(rows))
         if not rows:
@@ -327,6 +354,8 @@ class Batches:
         self._crash_point("after_claim")
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
+        held_keys = {r.ordering_key for r in held}
+        batch.follows = any(r.ordering_key in held_keys for r in rows)
         try:
             store.prepare(batch.gid)
         except OutcomeUnknown:
@@ -354,7 +383,8 @@ class Batches:
     def _publish(self, batch: Batch) -> None:
         batch.dead, good = sort_out(self.triage, self.broker, batch.rows)
         if self.settings.hold_keys:
-            held, good = ordering.hold(good, ordering.blockers(batch.dead))
+            first_dead = {**ordering.blockers(batch.dead), **batch.first_dead}
+            held, good = ordering.hold(good, first_dead)
             batch.dead += held
         if self._dead_letters_failing and batch.dead and not self._record_dead_first(batch):
             return

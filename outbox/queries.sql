@@ -23,7 +23,10 @@
 -- rows behind our heads (no other relay can hold those: it would need the head).
 -- `gaps` is the first row of each key that we did not lock: nothing of that key
 -- at or after it is taken.  A claim therefore holds at most a prefix of each key,
--- and a key's next rows are claimable only once its batch is committed.
+-- and a key's next rows are claimable only once its batch is committed, except
+-- behind the relay's own batch in flight: `own` lists its keyed rows, which count as
+-- taken, and the relay publishes the new batch only after committing that one
+-- (``batches.py``, "the schedule").
 --
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
 -- of the row's key with a lower id; the relay moves such a row to the dead letters
@@ -37,7 +40,7 @@ DELETE FROM {outbox}
 WHERE id = ANY (ARRAY (
     WITH keyed AS MATERIALIZED (
         SELECT id, ordering_key FROM {outbox}
-        WHERE ordering_key IS NOT NULL
+        WHERE ordering_key IS NOT NULL AND id <> ALL (%(own)s::bigint[])
         ORDER BY id
         LIMIT %(window)s
     ), firsts AS MATERIALIZED (

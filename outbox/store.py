@@ -108,7 +108,7 @@ def connect(
 # find the keys it may take (``queries.sql``, ``claim_batch``).  Rows of keys held by
 # other batches count too: a key with a larger backlog than this delays the keys
 # behind it until it drains (README, "Per-key ordering").
-KEYED_WINDOW = 10
+KEYED_WINDOW = 5
 
 # The claim's plan must not depend on the statistics (``queries.sql``,
 # ``claim_batch``): a table analyzed while nearly empty made the planner read the
@@ -388,14 +388,21 @@ class BatchStore(_Session):
 
     # -- the batch ---------------------------------------------------------
     def claim_batch(
-        self, limit: int, max_bytes: int = 2**62, *, hold_keys: bool = True
+        self,
+        limit: int,
+        max_bytes: int = 2**62,
+        *,
+        hold_keys: bool = True,
+        own: Sequence[int] = (),
     ) -> list[OutboxRow]:
         """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
         once ``max_bytes`` of payload are in (the first row always comes); in id order.
 
         Rows with an ordering key come as a prefix of their key (``queries.sql``,
         ``claim_batch``); with ``hold_keys`` a row behind a dead letter of its key
-        says so (``OutboxRow.held_by``).
+        says so (``OutboxRow.held_by``).  ``own``: the keyed rows of this relay's
+        batch in flight, which the new batch may follow within their keys (it is then
+        published only after that batch is committed).
 
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
@@ -405,6 +412,7 @@ class BatchStore(_Session):
             "window": limit * KEYED_WINDOW,
             "max_bytes": max_bytes,
             "hold": hold_keys,
+            "own": list(own),
         }
         with self._translated("claiming a batch"):
             self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")

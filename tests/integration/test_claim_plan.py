@@ -56,7 +56,13 @@ def _fill(conn: psycopg.Connection[Any], rows: int) -> None:
 
 
 def claim_params(limit: int) -> dict[str, Any]:
-    return {"limit": limit, "window": limit * KEYED_WINDOW, "max_bytes": 2**40, "hold": True}
+    return {
+        "limit": limit,
+        "window": limit * KEYED_WINDOW,
+        "max_bytes": 2**40,
+        "hold": True,
+        "own": [],
+    }
 
 
 def _analyzed_empty_after_churn(conn: psycopg.Connection[Any]) -> None:

@@ -117,6 +117,22 @@ def test_claim__a_key_prepared_by_another_relay_is_skipped_until_it_commits(
     assert claimed(second) == [a3]
 
 
+def test_claim__the_next_batch_may_follow_the_relays_own_batch_in_flight(
+    dsn: str, stores: tuple[BatchStore, BatchStore]
+) -> None:
+    a1, a2, a3 = keyed_rows(dsn, ["a", "a", "a"])
+    first, second = stores
+    assert claimed(first, 2) == [a1, a2]
+    first.prepare("obx:test:3")
+    # Another relay must wait for the commit; the relay that holds a1 and a2 may
+    # claim a3 (and publishes it only after committing them).
+    assert claimed(second) == []
+    second.abandon_claim()
+    assert [r.id for r in second.claim_batch(100, own=[a1, a2])] == [a3]
+    second.abandon_claim()
+    assert [r.id for r in second.claim_batch(100, own=[a1])] == []  # a2 is not its own
+
+
 def test_claim__a_batch_rolled_back_by_the_resolver_puts_its_rows_back_in_front(
     dsn: str, stores: tuple[BatchStore, BatchStore]
 ) -> None:

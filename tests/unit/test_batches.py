@@ -441,3 +441,49 @@ def test_ordering__a_key_with_an_older_dead_letter_is_held_at_claim(depth: int) 
     held = {d.row.id: d.reason for d in store.dead_letters if d.row.id != 1}
     assert set(held) == {2, 4} and all("(row 1)" in r for r in held.values())
     assert store.rows == {}
+
+
+def test_ordering__a_batch_behind_its_own_batch_in_flight_goes_out_after_its_commit() -> None:
+    journal: Journal = []
+    rows = make_rows(20, ordering_keys=["a", "b"])  # batches of 10: 5 waves of a and b each
+    store, broker = FakeStore(rows, journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=2)
+    drain(batches)
+    # Batch 2 holds the next rows of a and b: claimed and prepared while batch 1 waits
+    # for the broker, published only after batch 1 is committed.
+    second_prepare = journal.index("prepare obx:outbox:r1:2")
+    first_commit = journal.index("commit obx:outbox:r1:1")
+    second_send = next(
+        i for i, entry in enumerate(journal) if i > second_prepare and entry.startswith("send")
+    )
+    assert second_prepare < first_commit < second_send
+    assert key_order(broker, rows) == {"a": list(range(1, 21, 2)), "b": list(range(2, 21, 2))}
+
+
+def test_ordering__a_following_batch_is_rolled_back_unpublished_when_the_first_fails() -> None:
+    rows = make_rows(20, ordering_keys=["a", "b"])
+    store, broker = FakeStore(rows), FakeBroker()
+    broker.lose_connection_on_ledger_confirm = True  # batch 1 loses its evidence
+    batches = make_batches(store, broker, depth=2)
+    with pytest.raises(BrokerUnavailable):
+        batches.step()
+        batches.step()
+    # Batch 1 was rolled back; batch 2, never published, is in doubt until settled.
+    assert len(broker.row_messages()) == 10
+    assert [b.state for b in batches.in_flight.values()] == [State.IN_DOUBT]
+    broker.connected = True
+    batches.settle()
+    assert store.prepared == {} and len(broker.row_messages()) == 10
+    drain(batches)
+    assert key_order(broker, rows) == {"a": list(range(1, 21, 2)), "b": list(range(2, 21, 2))}
+
+
+def test_ordering__a_following_batch_holds_rows_behind_the_first_ones_dead_letters() -> None:
+    rows = make_rows(20, ordering_keys=["a", "b"])
+    rows[2] = dataclasses.replace(rows[2], routing_key="nowhere")  # row 3, key a
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=2)
+    drain(batches)
+    assert key_order(broker, rows) == {"a": [1], "b": list(range(2, 21, 2))}
+    assert sorted(d.row.id for d in store.dead_letters) == list(range(3, 21, 2))
