@@ -387,18 +387,22 @@ class Bench:
             batch_size=batch_size or defaults.batch_size,
         )
 
-    def bare(self) -> Run:
-        ids = [str(uuid.uuid4()) for _ in self.bodies]
+    def bare(self, *, window: int | None = None, rows_share: float = 1.0) -> Run:
+        """The bare publisher (``window``: unconfirmed messages at most, default
+        ``--window``) on ``rows_share`` of the bodies."""
+        window = window or self.o.window
+        bodies = self.bodies[: max(1, round(len(self.bodies) * rows_share))]
+        ids = [str(uuid.uuid4()) for _ in bodies]
         self.broker.purge()
         seconds = bare_publish(
             self.o.amqp_url,
             self.broker.exchange,
             "bench.bare",
-            self.bodies,
+            bodies,
             ids,
-            window=self.o.window,
+            window=window,
         )
-        run = Run("bare", 0, self.o.window, len(ids), seconds, self.broker.depth())
+        run = Run("bare", 0, window, len(ids), seconds, self.broker.depth())
         self.broker.purge()
         return run
 

@@ -73,6 +73,7 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     ]
     assert all(s["delivered_min"] == s["rows"] and s["msg_per_s"] > 0 for s in shapes.values())
     assert shapes["unordered"]["ratio_to_unordered"] == 1.0
+    assert report["ordering"]["bare_window_1"]["rows"] == 75
 
 
 def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
