@@ -165,6 +165,11 @@ class RelayCollector(Collector):
                 "Age of the oldest prepared batch of this table (0 if none).",
             ),
             ("outbox_dead_letters", "dead_letters", "Rows in the dead-letter table."),
+            (
+                "outbox_dead_letter_ordering_keys",
+                "dead_letter_ordering_keys",
+                "Ordering keys with a dead letter (held back unless ordering_dead_letters=skip).",
+            ),
             ("outbox_live_relays", "live_relays", "Relays whose control session is alive."),
         ):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))

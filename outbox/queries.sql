@@ -194,7 +194,10 @@ SELECT count(*) AS rows,
 FROM {outbox}
 
 -- dead_letter_count --
-SELECT count(*) AS dead_letters FROM {dead_letters}
+-- With ordering keys: how many keys have a dead letter (with
+-- ordering_dead_letters = block, each of them is held back).
+SELECT count(*) AS dead_letters, count(DISTINCT ordering_key) AS ordering_keys
+FROM {dead_letters}
 
 -- list_dead_letters --
 -- created_at as text: a dead letter may hold a value Python cannot (infinity).
@@ -252,6 +255,7 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
                  WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)), 0)::float8
            AS oldest_prepared_age_seconds,
        (SELECT count(*) FROM {dead_letters}) AS dead_letters,
+       (SELECT count(DISTINCT ordering_key) FROM {dead_letters}) AS dead_letter_ordering_keys,
        (SELECT count(*) FROM {relays} r
         JOIN pg_locks l
           ON l.locktype = 'advisory' AND l.granted

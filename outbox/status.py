@@ -47,7 +47,7 @@ def collect(
             }
             for r in store.live_relays()
         ]
-        dead_letters = store.dead_letter_count()
+        dead_letters, dead_keys = store.dead_letter_summary()
         unsafe = replication.warning(store.replication())
     finally:
         store.close()
@@ -60,6 +60,12 @@ def collect(
         )
     if dead_letters:
         problems.append(f"{dead_letters} dead letters: see `outbox dead-letters list`")
+    if dead_keys:
+        problems.append(
+            f"{dead_keys} ordering keys have dead letters, which hold their later messages "
+            "back (unless relays run with --ordering-dead-letters skip): after the fix, "
+            "`outbox dead-letters retry --ordering-key KEY`"
+        )
     live = sum(1 for r in relays if r["alive"])
     if backlog["oldest_age_seconds"] > max_backlog_age:
         # A young backlog with no relay is normal for a moment (a restart, a deploy).
@@ -79,6 +85,7 @@ def collect(
         "relays": relays,
         "live_relays": live,
         "dead_letters": dead_letters,
+        "dead_letter_ordering_keys": dead_keys,
         "attention": problems,
         # Worth knowing, not a failure of the relay: does not change the exit code.
         "warnings": [unsafe] if unsafe else [],
@@ -94,7 +101,12 @@ def render(report: dict[str, Any]) -> str:
         f"{report['oldest_prepared_age_seconds']:.1f}s",
         f"foreign prepared   {len(report['foreign_prepared_transactions'])} (never touched)",
         f"live relays        {report['live_relays']}",
-        f"dead letters       {report['dead_letters']}",
+        f"dead letters       {report['dead_letters']}"
+        + (
+            f" ({report['dead_letter_ordering_keys']} ordering keys)"
+            if report["dead_letter_ordering_keys"]
+            else ""
+        ),
     ]
     for relay in report["relays"]:
         state = "alive" if relay["alive"] else "gone"

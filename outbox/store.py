@@ -574,9 +574,13 @@ class BatchStore(_Session):
             return row
 
     def dead_letter_count(self) -> int:
+        return self.dead_letter_summary()[0]
+
+    def dead_letter_summary(self) -> tuple[int, int]:
+        """Dead letters, and how many ordering keys they belong to."""
         with self._translated("counting dead letters"):
             row = self.conn.execute(self.queries["dead_letter_count"]).fetchone()
-            return int(row["dead_letters"]) if row else 0
+            return (int(row["dead_letters"]), int(row["ordering_keys"])) if row else (0, 0)
 
     def metrics_snapshot(self) -> Row:
         """Backlog, prepared batches, dead letters and live relays in one round trip."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import random
 import threading
 import time
@@ -182,6 +183,9 @@ def test_claim__a_dead_letter_of_the_key_holds_its_later_rows_or_not(
         assert sorted(keys) == ["a", "a", "a", "b", "b"]
         assert [k for k, _ in dead] == ["a"]
     assert remaining_rows(dsn) == 0 and prepared_left(dsn) == []
+    report = json.loads(run_cli("status", "--json", env=settings_env(settings)).stdout)
+    assert report["dead_letter_ordering_keys"] == 1
+    assert any("1 ordering keys have dead letters" in p for p in report["attention"])
 
 
 def test_dead_letters__retry_by_key_brings_the_key_back_in_order(
