@@ -2,10 +2,12 @@
 
 Random mixes of good and bad rows (names and keys valid and invalid, headers of
 random JSON shapes and sizes up to and past the frame limit, payload sizes,
-extreme timestamps, shared message_ids, content types) are committed while ONE
-relay keeps running.  After each mix, once the outbox is empty: every row was
-delivered exactly once or is a dead letter with a reason, never both, never
-neither; nothing is left prepared; the relay is still running.
+extreme timestamps, shared message_ids, content types, ordering keys) are committed
+while ONE relay keeps running.  After each mix, once the outbox is empty: every row
+was delivered exactly once or is a dead letter with a reason, never both, never
+neither; nothing is left prepared; the relay is still running.  Per ordering key
+(dead letters hold their key, the default): the key's messages arrived in id order,
+and after its first dead letter every later row of the key is a dead letter too.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class Row:
     content_type: Part
     payload: bytes
     message_id: uuid.UUID
+    ordering_key: str | None = None
     id: int = 0
 
     @property
@@ -150,6 +153,8 @@ class Row:
 @st.composite
 def rows(draw: st.DrawFn, topology: Topology) -> list[Row]:
     shared = [uuid.uuid4(), uuid.uuid4()]
+    # Fresh key names per mix: a dead letter of an earlier mix would hold them.
+    keys = [None, f"a.{uuid.uuid4().hex[:6]}", f"b.{uuid.uuid4().hex[:6]}"]
     missing = f"{topology.exchange}.missing.{uuid.uuid4().hex[:6]}"
     destinations = [
         (topology.exchange, "k.ok", GOOD),
@@ -183,6 +188,7 @@ def rows(draw: st.DrawFn, topology: Topology) -> list[Row]:
                 draw(content_type),
                 payload,
                 message_id,
+                draw(st.sampled_from(keys)),
             )
         )
     return made
@@ -197,8 +203,8 @@ def insert(dsn: str, batch: list[Row], commits: int) -> None:
                 for row in batch[start : start + step]:
                     [(row.id,)] = conn.execute(
                         "INSERT INTO outbox (message_id, exchange, routing_key, payload, "
-                        "headers, content_type, created_at) VALUES (%s, %s, %s, %s, "
-                        "%s::jsonb, %s, coalesce(%s::timestamptz, now())) RETURNING id",
+                        "headers, content_type, created_at, ordering_key) VALUES (%s, %s, %s, "
+                        "%s, %s::jsonb, %s, coalesce(%s::timestamptz, now()), %s) RETURNING id",
                         [
                             row.message_id,
                             row.exchange,
@@ -207,19 +213,21 @@ def insert(dsn: str, batch: list[Row], commits: int) -> None:
                             row.headers.value,
                             row.content_type.value,
                             row.created_at.value,
+                            row.ordering_key,
                         ],
                     ).fetchall()
 
 
-def take_messages(topology: Topology) -> Counter[tuple[str, bytes]]:
-    """Everything on the queue now, by (message_id, body); the queue is left empty."""
+def take_messages(topology: Topology) -> list[tuple[str, bytes]]:
+    """Everything on the queue now, in order, as (message_id, body); the queue is
+    left empty."""
     channel = topology.channel()
-    got: Counter[tuple[str, bytes]] = Counter()
+    got: list[tuple[str, bytes]] = []
     while True:
         method, props, body = channel.basic_get(topology.queue, auto_ack=True)
         if method is None:
             break
-        got[(props.message_id, body)] += 1
+        got.append((props.message_id, body))
     channel.connection.close()
     return got
 
@@ -250,7 +258,8 @@ def test_every_committed_row_ends_in_exactly_one_place(
 
     assert running_relay.alive, "the relay is still running"
     assert prepared_left(settings.dsn) == [], "nothing left prepared"
-    delivered = take_messages(topology)
+    arrived = take_messages(topology)
+    delivered = Counter(arrived)
     with psycopg.connect(settings.dsn) as conn:
         letters = {
             row_id: (bytes(payload), reason)
@@ -260,13 +269,25 @@ def test_every_committed_row_ends_in_exactly_one_place(
             ).fetchall()
         }
     assert set(delivered) <= {r.key for r in batch}, "a message nobody committed"
+    held = set()  # rows behind a dead letter of their key
+    by_key = {r.key: r for r in batch}
+    for key in {r.ordering_key for r in batch} - {None}:
+        mine = sorted((r for r in batch if r.ordering_key == key), key=lambda r: r.id)
+        blocked = False
+        for row in mine:
+            if blocked:
+                held.add(row.id)
+                assert row.id in letters, f"row {row.id} went out behind a dead letter of {key}"
+            blocked = blocked or row.id in letters
+        ids = [by_key[m].id for m in arrived if by_key[m].ordering_key == key]
+        assert ids == sorted(ids), f"key {key} arrived out of order: {ids}"
     for row in batch:
         copies, letter = delivered[row.key], letters.get(row.id)
         where = f"row {row.id} ({row.verdict}): {copies} delivered, dead letter {letter}"
         assert (copies, letter is None) in ((1, True), (0, False)), where
         if letter is not None:
             assert letter[0] == row.payload and letter[1].strip(), where
-        if row.verdict == GOOD:
+        if row.verdict == GOOD and row.id not in held:
             assert copies == 1, where
         if row.verdict == BAD:
             assert letter is not None, where
