@@ -251,7 +251,15 @@ class Batches:
 
     # -- the schedule ------------------------------------------------------------
     def step(self) -> int:
-        """One step of the loop (module docstring, "the schedule"); returns rows claimed."""
+        """One step of the loop (module docstring, "the schedule").
+
+        Returns the rows claimed, or if none, the rows of a batch this step
+        committed: 0 means there was nothing to do (the relay waits for work).  A
+        claim cut short by the byte budget keeps the rest of its ``LIMIT`` locked
+        until its batch is finished, so at depth 2 the next claim may find nothing
+        although rows wait: the step that commits the batch is progress, and the
+        relay claims again at once.
+        """
         try:
             kept = self._waiting()
             if kept is not None and kept.kept:
@@ -268,7 +276,9 @@ class Batches:
                 self._commit(kept)
             if batch is not None and (self.depth == 1 or batch.unpublishable is not None):
                 self._finish(batch)  # unpublishable: nothing was sent; roll back, back off
-            return len(batch.rows) if batch else 0
+            if batch is not None:
+                return len(batch.rows)
+            return len(kept.rows) if kept is not None else 0
         except RETRYABLE as exc:
             self.fail(exc)
             raise
