@@ -437,6 +437,9 @@ class BatchStore(_Session):
         """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
         once ``max_bytes`` of payload are in (the first row always comes).
 
+        Binary results (``_claim_cursor``): each payload is a view of the driver's
+        result, held once; the result is freed when the batch's rows are dropped.
+
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
