@@ -272,11 +272,13 @@ class Batches:
     # -- the schedule ------------------------------------------------------------
     def step(self) -> int:
         """One step of the loop (module docstring, "the schedule"); returns the rows
-        it moved on: claimed, or else committed.  0: there was nothing to do.
+        it moved on: claimed, or else committed.  0: there was nothing to do (the
+        relay waits for work).
 
         A step that claims nothing may still commit the batch kept from the step
-        before, which frees the next rows of its ordering keys: that is progress,
-        and the loop claims again at once instead of waiting for a wake-up."""
+        before: that frees the next rows of its ordering keys, and the rows a claim
+        cut short by the byte budget kept locked.  That is progress, and the loop
+        claims again at once instead of waiting for a wake-up."""
         try:
             finished = 0
             kept = self._waiting()

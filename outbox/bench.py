@@ -14,6 +14,9 @@ Measures, against the same PostgreSQL and RabbitMQ:
    received (same clock, same process).
 3. **Idle cost.**  The relay left alone: its CPU (``/proc/<pid>/stat``) and the
    transactions its database ran (``pg_stat_database``).
+4. **Memory.**  The relay's peak RSS draining backlogs of 1 KiB, 1 MiB and 8 MiB
+   rows with default settings (``outbox.bench_memory``; ``--memory-only`` with
+   ``--memory-backlogs`` measures any backlog, e.g. ``1000x8MiB+1x64MiB``).
 
 Relays run as subprocesses (``python -m outbox relay``), exactly as deployed: each
 gets its own interpreter and GIL, so 2 or 4 relays measure the design rather than
@@ -48,7 +51,7 @@ from typing import Any
 import pika
 from pika.adapters.select_connection import SelectConnection
 
-from outbox import migrate, store
+from outbox import bench_memory, migrate, store
 from outbox.bench_load import BurstShape, measure_bursts, render_bursts
 from outbox.bench_ordering import measure_ordering, render_ordering
 from outbox.config import Settings
@@ -77,6 +80,11 @@ class BenchOptions:
     scaling: bool = True  # the relays x batch sizes grid
     bursts: bool = True  # the bursty-writers load shape
     ordering: bool = True  # unordered / 1,000 keys / one hot key
+    memory: bool = True  # the relay's peak RSS draining large rows
+    memory_only: bool = False  # nothing else
+    memory_backlogs: tuple[bench_memory.Backlog, ...] = bench_memory.parse_backlogs(
+        bench_memory.DEFAULT_BACKLOGS
+    )
 
 
 # -- the bare publisher -------------------------------------------------------------
@@ -551,6 +559,8 @@ def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
     """Every measurement; returns the figures (``--json`` prints them as they are)."""
     suffix = uuid.uuid4().hex[:8]
     with _database(options.dsn, echo) as db:
+        if options.memory_only:
+            return _measure_memory(options, db, echo)
         broker = Broker(options.amqp_url, suffix)
         bench = Bench(options, db, broker, echo)
         try:
@@ -558,6 +568,21 @@ def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
         finally:
             bench.close()
             broker.delete()
+
+
+def _memory(o: BenchOptions, db: Database, echo: Echo) -> list[dict[str, Any]]:
+    echo("  peak memory of one relay draining large rows ...")
+    runs = bench_memory.measure_all(db.dsn, db.table, o.amqp_url, o.memory_backlogs, echo)
+    return [run.as_dict() for run in runs]
+
+
+def _measure_memory(o: BenchOptions, db: Database, echo: Echo) -> dict[str, Any]:
+    memory = _memory(o, db, echo)
+    return {
+        "machine": {"cpus": os.cpu_count(), "postgres": db.description},
+        "memory": memory,
+        "every_row_arrived": all(m["exactly_once"] for m in memory),
+    }
 
 
 def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[str, Any]:
@@ -616,11 +641,13 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
     ordering = measure_ordering(bench, o.repeats, echo) if o.ordering else None
     echo("  latency and idle run ...")
     latency = bench.latency()
+    memory = _memory(o, db, echo) if o.memory else []
     every_row = (
         all(r.delivered == r.rows for r in bare_runs + relay_runs)
         and all(b["delivered_min"] >= b["rows"] for b in bursts)
         and all(s["delivered_min"] >= s["rows"] for s in (ordering or {}).get("shapes", []))
         and latency["delivered"] == latency["sent"]
+        and all(m["exactly_once"] for m in memory)
     )
     return {
         "machine": {"cpus": os.cpu_count(), "postgres": db.description},
@@ -642,11 +669,21 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "ordering": ordering,
         "latency": {k: v for k, v in latency.items() if k != "idle"},
         "idle": latency["idle"],
+        "memory": memory,
         "every_row_arrived": every_row,
     }
 
 
 def render(report: dict[str, Any]) -> str:
+    if "throughput" not in report:  # --memory-only
+        lines = [
+            f"outbox bench --memory-only: {report['machine']['cpus']} CPUs, "
+            f"PostgreSQL {report['machine']['postgres']}",
+            *bench_memory.render(report["memory"]),
+            "",
+            "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
+        ]
+        return "\n".join(lines)
     t, lat, idle = report["throughput"], report["latency"], report["idle"]
     lines = [
         f"outbox bench: {report['rows']} rows of {report['payload_bytes']} B, "
@@ -684,6 +721,11 @@ def render(report: dict[str, Any]) -> str:
         f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms",
         f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
         f"{idle['db_transactions_per_s']} database transactions/s",
+    ]
+    if report["memory"]:
+        lines += bench_memory.render(report["memory"])
+    lines += [
+        "",
         "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
     ]
     return "\n".join(lines)

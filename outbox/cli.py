@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import click
 
 from outbox import migrate, privileges, redaction, store, urls
+from outbox.bench_memory import DEFAULT_BACKLOGS as DEFAULT_MEMORY_BACKLOGS
 from outbox.config import (
     DAY,
     DEFAULT_AMQP_URL,
@@ -1074,6 +1075,24 @@ def demo(dsn: str | None, amqp_url: str, rows: int, consume: bool) -> None:
     help="Run the per-key ordering shapes (unordered, 1,000 keys, one hot key).",
 )
 @click.option(
+    "--memory/--no-memory",
+    default=True,
+    show_default=True,
+    help="Measure the relay's peak RSS draining large rows.",
+)
+@click.option(
+    "--memory-backlogs",
+    default=DEFAULT_MEMORY_BACKLOGS,
+    show_default=True,
+    help="Backlogs for the peak-RSS runs, each drained by one relay with default "
+    "settings: COUNTxSIZE[+COUNTxSIZE…], comma-separated (e.g. 1000x8MiB+1x64MiB).",
+)
+@click.option(
+    "--memory-only",
+    is_flag=True,
+    help="Instead: only the peak-RSS runs.",
+)
+@click.option(
     "--consume",
     is_flag=True,
     help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
@@ -1095,6 +1114,7 @@ def bench(
     as_json: bool,
     consume: bool,
     prefetch: int,
+    memory_backlogs: str,
     **options: Any,
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
@@ -1133,12 +1153,21 @@ def bench(
             raise click.UsageError(f"{option}: not a list of numbers from 1 to {most}: {text!r}")
         return values
 
+    from outbox.bench_memory import parse_backlogs
+
+    try:
+        backlogs = parse_backlogs(memory_backlogs)
+    except ValueError as exc:
+        raise click.UsageError(f"--memory-backlogs: {exc}") from exc
+    if not backlogs:
+        raise click.UsageError("--memory-backlogs: no backlog given")
     bench_options = BenchOptions(
         # The bare publisher is plain pika: it takes one URL, so all take the first.
         amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
         dsn=dsn,
         relays=numbers(relays, "--relays", 64),
         batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),
+        memory_backlogs=backlogs,
         **options,
     )
     report = run_bench(bench_options, echo)

@@ -24,7 +24,7 @@ import pika.data
 class Message:
     exchange: str
     routing_key: str
-    body: bytes
+    body: bytes | memoryview
     message_id: str
     content_type: str | None = None
     headers: Mapping[str, Any] | None = None
@@ -41,6 +41,16 @@ _FLAG_TIMESTAMP = 1 << 6
 # Flush to the socket (and read confirms) after this many bytes of a batch, so the
 # broker works on the start of a batch while we encode the rest.
 FLUSH_BYTES = 128 * 1024
+# Body frames carrying at least this many bytes are written as views of the
+# message's body, not copies: a large payload is never copied on its way to the
+# socket (pika queues what it writes until the socket takes it, so a copy would
+# be held for the whole transfer).  Smaller bodies are copied into their frames,
+# which keeps the writes of small messages few and large.
+VIEW_BYTES = 16 * 1024
+
+# What ``encode_publish`` returns and the publisher writes, in order: encoded
+# frames (bytes) and views of message bodies between them.
+Piece = bytes | memoryview
 
 
 def _short_string(value: str) -> bytes:
@@ -73,8 +83,10 @@ def encode_publish(
     mandatory: bool,
     body_max: int,
     frame_max: int | None = None,
-) -> bytes:
-    """The frames of one persistent ``basic.publish`` (method, header, body).
+) -> list[Piece]:
+    """The frames of one persistent ``basic.publish`` (method, header, body), as
+    pieces to write in order: one bytes object, or for a large body (see
+    ``VIEW_BYTES``) the frames' headers and ends around views of the body.
 
     Properties and headers travel in one content-header frame: one larger than
     the connection's ``frame_max`` makes the broker close the whole connection
@@ -110,7 +122,34 @@ def encode_publish(
             f"properties and headers need a frame of {len(header)} bytes, more than the "
             f"broker's frame_max ({frame_max}); AMQP sends them in one frame"
         )
-    frames = [method, header]
-    for start in range(0, len(body), body_max):
-        frames.append(_frame(3, channel, body[start : start + body_max]))
-    return b"".join(frames)
+    if min(len(body), body_max) < VIEW_BYTES:
+        frames = [method, header]
+        for start in range(0, len(body), body_max):
+            frames.append(_frame(3, channel, bytes(body[start : start + body_max])))
+        return [b"".join(frames)]
+    view = memoryview(body).cast("B")
+    pieces: list[Piece] = []
+    before = method + header
+    for start in range(0, len(view), body_max):
+        part = view[start : start + body_max]
+        pieces += [before + struct.pack(">BHI", 3, channel, len(part)), part]
+        before = _FRAME_END
+    pieces.append(_FRAME_END)
+    return pieces
+
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+    """Join each run of encoded frames into one bytes object; views stay views."""
+    out: list[Piece] = []
+    run: list[bytes] = []
+    for piece in pieces:
+        if isinstance(piece, memoryview):
+            if run:
+                out.append(run[0] if len(run) == 1 else b"".join(run))
+                run = []
+            out.append(piece)
+        else:
+            run.append(piece)
+    if run:
+        out.append(run[0] if len(run) == 1 else b"".join(run))
+    return out

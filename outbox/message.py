@@ -47,7 +47,9 @@ class OutboxRow:
     message_id: uuid.UUID
     exchange: str
     routing_key: str
-    payload: bytes
+    # As claimed: a read-only view of the driver's result (``outbox.store``), so a
+    # large payload is held once; bytes elsewhere.
+    payload: bytes | memoryview
     headers: dict[str, Any] | None
     content_type: str | None
     created_at: datetime.datetime

@@ -42,7 +42,7 @@ from outbox import failover, urls
 from outbox.confirms import Confirms, Delivery, Outcome, Pending
 from outbox.errors import BrokerUnavailable, InvalidSetting, OutboxError
 from outbox.events import emit
-from outbox.frames import FLUSH_BYTES, FrameTooLarge, Message, encode_publish
+from outbox.frames import FLUSH_BYTES, FrameTooLarge, Message, Piece, coalesce, encode_publish
 
 log = logging.getLogger("outbox.publisher")
 
@@ -63,8 +63,9 @@ class _Wire:
         return int(conn._body_max_length)
 
     @staticmethod
-    def write(conn: SelectConnection, data: bytes) -> None:
-        conn._output_marshaled_frames([data])
+    def write(conn: SelectConnection, pieces: list[Piece]) -> None:
+        # pika queues each piece as it is (a view too) until the socket takes it.
+        conn._output_marshaled_frames(pieces)
 
 
 def connection_parameters(
@@ -308,7 +309,7 @@ class Publisher:
         pending = Pending([Delivery() for _ in messages])
         number, body_max = channel.channel_number, _Wire.body_max(conn)
         frame_max = self.frame_max
-        chunk: list[bytes] = []
+        chunk: list[Piece] = []
         chunk_indexes: list[int] = []
         size = 0
         for index, message in enumerate(messages):
@@ -333,9 +334,9 @@ class Publisher:
                 pending.deliveries[index].outcome = Outcome.REJECTED
                 pending.deliveries[index].reason = f"cannot be encoded as AMQP: {_describe(exc)}"
                 continue
-            chunk.append(data)
+            chunk += data
             chunk_indexes.append(index)
-            size += len(data)
+            size += sum(len(piece) for piece in data)
             if size >= FLUSH_BYTES:
                 if not self._write(channel, pending, chunk, chunk_indexes, messages):
                     break
@@ -381,7 +382,7 @@ class Publisher:
         self,
         channel: Any,
         pending: Pending,
-        chunk: list[bytes],
+        chunk: list[Piece],
         indexes: list[int],
         messages: Sequence[Message],
     ) -> bool:
@@ -393,7 +394,7 @@ class Publisher:
                 pending.deliveries[index].reason = reason
             return False
         self._confirms.track(pending, indexes, messages)
-        _Wire.write(conn, b"".join(chunk))
+        _Wire.write(conn, coalesce(chunk))
         return True
 
     def _abandon_channel(self) -> None:

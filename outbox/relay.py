@@ -8,7 +8,8 @@ the process around it, in the spirit of dramatiq's ``Worker``:
   fails fast, with a clear message and an exit code);
 - ``run`` goes round: reconnect what is broken, settle batches in doubt, resolve
   dead relays' batches now and then, take one step of the batches, and when
-  nothing was claimed wait for a NOTIFY (or the fallback poll);
+  a step neither claimed nor committed anything wait for a NOTIFY (or the
+  fallback poll);
 - a failure (``batches.RETRYABLE``) is logged, backed off and retried forever;
 - SIGTERM/SIGINT/SIGHUP set the ``StopFlag``: the batch in flight is finished,
   nothing more is claimed, the relay unregisters and exits 0.
@@ -229,10 +230,10 @@ class Relay:
                     if self.batches.in_doubt:
                         self.batches.settle()
                     self._maintain()
-                    claimed = self.batches.step()
+                    progress = self.batches.step()
                     self._failures = 0
                     self.stats.last_error = None
-                    if claimed:
+                    if progress:
                         continue
                     if drain and self._drained():
                         break

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
-from psycopg.adapt import Loader
+from psycopg.adapt import Dumper, Loader, PyFormat
 from psycopg.pq import Format
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -157,7 +157,7 @@ def _lost(conn: Conn, exc: Exception) -> bool:
 
 
 def _row(record: Row) -> OutboxRow:
-    """An OutboxRow from a claimed record; never raises (see ``_tolerant_cursor``)."""
+    """An OutboxRow from a claimed record; never raises (see ``_claim_cursor``)."""
     unloadable = {
         column: value
         for column in ("created_at", "headers")
@@ -168,7 +168,7 @@ def _row(record: Row) -> OutboxRow:
         message_id=record["message_id"],
         exchange=record["exchange"],
         routing_key=record["routing_key"],
-        payload=bytes(record["payload"]),
+        payload=record["payload"],  # a view of the driver's result: no copy
         headers=None if "headers" in unloadable else record["headers"],
         content_type=record["content_type"],
         created_at=EPOCH if "created_at" in unloadable else record["created_at"],
@@ -178,8 +178,18 @@ def _row(record: Row) -> OutboxRow:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unloaded:
+    """A binary value Python could not load, as PostgreSQL sent it (``raw``);
+    ``_with_texts`` asks the server for its text, which the dead letter keeps."""
+
+    oid: int
+    raw: bytes
+    error: str
+
+
 class _TolerantLoader(Loader):
-    """Loads like ``inner``, but a value it cannot load becomes ``Unloadable``.
+    """Loads like ``inner``, but a value it cannot load becomes ``_Unloaded``.
 
     psycopg raises DataError for timestamps Python cannot hold ('infinity',
     '-infinity', BC, after year 9999) and the JSON loader RecursionError for
@@ -188,6 +198,7 @@ class _TolerantLoader(Loader):
     """
 
     inner: type[Loader]
+    format = Format.BINARY
 
     def __init__(self, oid: int, context: Any = None) -> None:
         super().__init__(oid, context)
@@ -197,7 +208,7 @@ class _TolerantLoader(Loader):
         try:
             return self._inner.load(data)
         except (psycopg.DataError, ValueError, OverflowError, RecursionError) as exc:
-            return Unloadable(bytes(data).decode("utf-8", "replace"), _first_line(exc))
+            return _Unloaded(self.oid, bytes(data), _first_line(exc))
 
 
 @functools.cache
@@ -205,16 +216,66 @@ def _tolerant(inner: type[Loader]) -> type[Loader]:
     return type(f"Tolerant{inner.__name__}", (_TolerantLoader,), {"inner": inner})
 
 
-def _tolerant_cursor(conn: Conn) -> psycopg.Cursor[Row]:
-    """A cursor on which timestamptz and jsonb values that cannot be loaded come
-    back as ``Unloadable`` instead of failing the whole fetch."""
-    cur = conn.cursor()
+class _PayloadLoader(Loader):
+    """bytea as a read-only view of the driver's result, not a copy of it.
+
+    The view keeps the result alive (psycopg's C implementation hands Python
+    loaders a memoryview that holds a reference to the PGresult); the pure-Python
+    implementation hands over bytes, which are returned as they are.
+    """
+
+    format = Format.BINARY
+
+    def load(self, data: Any) -> Any:
+        return data
+
+
+class _RawDumper(Dumper):
+    """Sends an ``_Unloaded`` value back in the binary form PostgreSQL sent it."""
+
+    format = Format.BINARY
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj.raw)
+
+    def get_key(self, obj: Any, format: PyFormat) -> Any:
+        return (type(self), obj.oid)
+
+    def upgrade(self, obj: Any, format: PyFormat) -> Dumper:
+        dumper = type(self)(type(obj))
+        dumper.connection, dumper.oid = self.connection, obj.oid
+        return dumper
+
+
+def _claim_cursor(conn: Conn) -> psycopg.Cursor[Row]:
+    """A binary cursor: a payload arrives as its bytes, not as hex text twice its
+    size (plus a decoded copy), and stays in the driver's result (``_PayloadLoader``).
+
+    timestamptz and jsonb values that cannot be loaded come back as ``_Unloaded``
+    instead of failing the whole fetch.
+    """
+    cur = conn.cursor(binary=True)
     for type_name in ("timestamptz", "jsonb"):
         info = cur.adapters.types[type_name]
-        inner = cur.adapters.get_loader(info.oid, Format.TEXT)
+        inner = cur.adapters.get_loader(info.oid, Format.BINARY)
         if inner is not None and not issubclass(inner, _TolerantLoader):
             cur.adapters.register_loader(info.oid, _tolerant(inner))
+    cur.adapters.register_loader("bytea", _PayloadLoader)
     return cur
+
+
+def _with_texts(conn: Conn, records: list[Row]) -> list[Row]:
+    """Replace each ``_Unloaded`` value by an ``Unloadable`` holding PostgreSQL's own
+    text of it (one round trip per such value; only bad rows have any)."""
+    for record in records:
+        for column, value in record.items():
+            if isinstance(value, _Unloaded):
+                cur = conn.cursor()
+                cur.adapters.register_dumper(_Unloaded, _RawDumper)
+                row = cur.execute("SELECT %b::text AS text", [value]).fetchone()
+                text = row["text"] if row else ""
+                record[column] = Unloadable(text, value.error)
+    return records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +465,9 @@ class BatchStore(_Session):
         batch in flight, which the new batch may follow within their keys (it is then
         published only after that batch is committed).
 
+        Binary results (``_claim_cursor``): each payload is a view of the driver's
+        result, held once; the result is freed when the batch's rows are dropped.
+
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
@@ -416,8 +480,11 @@ class BatchStore(_Session):
         }
         with self._translated("claiming a batch"):
             self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
-            cur = _tolerant_cursor(self.conn).execute(self.queries["claim_batch"], params)
-            return sorted((_row(r) for r in cur.fetchall()), key=lambda row: row.id)
+            with _claim_cursor(self.conn) as cur:
+                cur.execute(self.queries["claim_batch"], params)
+                records = cur.fetchall()
+            rows = [_row(r) for r in _with_texts(self.conn, records)]
+            return sorted(rows, key=lambda row: row.id)
 
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""

@@ -39,6 +39,8 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
         "50",
         "--burst-pause",
         "0.05",
+        "--memory-backlogs",
+        "50x1KiB,3x1MiB+1x3MiB",
         timeout=240,
     )
     assert result.returncode == 0, result.stderr
@@ -74,6 +76,13 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     assert all(s["delivered_min"] == s["rows"] and s["msg_per_s"] > 0 for s in shapes.values())
     assert shapes["unordered"]["ratio_to_unordered"] == 1.0
     assert report["ordering"]["bare_window_1"]["rows"] == 75
+    # Peak RSS of one relay draining each backlog: figures, not bounds.
+    memory = report["memory"]
+    assert [(m["backlog"], m["rows"]) for m in memory] == [
+        ("50 x 1 KiB", 50),
+        ("3 x 1 MiB + 1 x 3 MiB", 4),
+    ]
+    assert all(m["exactly_once"] and m["peak_rss_bytes"] > 0 for m in memory)
 
 
 def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
@@ -117,3 +126,16 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
         timeout=180,
     )
     assert text.returncode == 0 and "every message had exactly one effect" in text.stdout
+
+
+def test_bench_memory_only__prints_the_peak_rss_of_each_backlog(
+    pg_server: str, amqp_url: str
+) -> None:
+    common = ("bench", "--memory-only", "--dsn", pg_server, "--amqp-url", amqp_url)
+    text = run_cli(*common, "--memory-backlogs", "20x1KiB,2x2MiB+1x5MiB", timeout=180)
+    assert text.returncode == 0, text.stderr
+    assert "| 20 x 1 KiB | 20 KiB |" in text.stdout
+    assert "| 2 x 2 MiB + 1 x 5 MiB | 9 MiB |" in text.stdout
+    assert "every row arrived exactly once" in text.stdout
+    usage = run_cli(*common, "--memory-backlogs", "3 rows of 8MiB")
+    assert usage.returncode == 2 and "1000x8MiB+1x64MiB" in usage.stderr

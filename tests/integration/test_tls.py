@@ -156,10 +156,24 @@ def test_tls__the_postgresql_server_takes_tls_connections_only(tls_servers: TlsS
 def test_tls__relay_drains_over_amqps_and_verify_full(tls_case: TlsCase) -> None:
     settings, topology = tls_case.settings, tls_case.topology
     sent = insert(settings, topology.exchange, 35)
+    # Large bodies go to the TLS socket as views of the claimed payloads.
+    with psycopg.connect(settings.dsn) as conn:
+        large = {
+            bytes([i]) * size: str(
+                conn.execute(
+                    f"INSERT INTO {settings.table} (exchange, routing_key, payload) "
+                    "VALUES (%s, 'k', %s) RETURNING message_id",
+                    [topology.exchange, bytes([i]) * size],
+                ).fetchone()[0]  # type: ignore[index]
+            )
+            for i, size in enumerate([3 * 1024 * 1024 + 5, 200_000, 20_000])
+        }
     result = run_cli("relay", "--drain", env=settings_env(settings))
     assert result.returncode == 0, result.stderr
-    assert "35 published" in result.stderr
-    assert sorted(str(p.message_id) for _, p, _ in topology.messages()) == sorted(sent)
+    assert "38 published" in result.stderr
+    messages = topology.messages()
+    assert sorted(str(p.message_id) for _, p, _ in messages) == sorted(sent + list(large.values()))
+    assert {body: str(p.message_id) for _, p, body in messages if body in large} == large
     status = run_cli("status", env=settings_env(settings))
     assert status.returncode == 0 and "all good" in status.stdout, status.stdout + status.stderr
 

@@ -124,6 +124,25 @@ def test_step__nothing_claimable_claims_nothing(depth: int) -> None:
     assert broker.delivered == [] and store.claim is None
 
 
+@both_depths
+def test_step__a_claim_cut_by_the_byte_budget_is_progress_until_drained(depth: int) -> None:
+    # Each row is over the budget: one per batch.  The claim locks the rest of its
+    # LIMIT until its batch is finished, so at depth 2 the next claim finds nothing;
+    # the step that commits the batch must still count as progress, or the relay
+    # waits for a wake-up (the poll interval) between every two batches.
+    store, broker = FakeStore(make_rows(6)), FakeBroker()
+    settings = Settings(batch_size=BATCH, pipeline=depth == 2, batch_max_bytes=1)
+    batches = Batches(settings, broker, Stats(), may_commit=lambda: True)
+    batches.store, batches.relay_id = store, "r1"
+    steps = 0
+    while batches.step():
+        steps += 1
+        assert steps < 20
+    assert store.rows == {} and batches.in_flight == {}
+    assert batches.stats.batches_committed == 6
+    assert duplicates(broker, 6) == 0
+
+
 # -- the crash table -----------------------------------------------------------------
 CRASH_TABLE = [
     # point, nth occurrence, depth, duplicates after resolving and draining

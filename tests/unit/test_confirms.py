@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.confirms import Delivery, Outcome, Pending, Unconfirmed, match_return
-from outbox.frames import FrameTooLarge, Message, amqp_timestamp, encode_publish
+from outbox.frames import FrameTooLarge, Message, Piece, amqp_timestamp, encode_publish
 
 SHARED = "33333333-3333-3333-3333-333333333331"
 
@@ -90,8 +90,9 @@ def test_encode_publish__properties_over_frame_max_are_refused_not_sent() -> Non
     assert encode_publish(1, small, mandatory=True, body_max=131064, frame_max=131072)
 
 
-def header_frame_length(frames: bytes) -> int:
+def header_frame_length(pieces: list[Piece]) -> int:
     """Length of the second frame (the content header), frame header and end included."""
+    frames = b"".join(pieces)
     method_end = 7 + int.from_bytes(frames[3:7], "big") + 1
     return 7 + int.from_bytes(frames[method_end + 3 : method_end + 7], "big") + 1
 

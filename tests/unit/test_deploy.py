@@ -439,6 +439,7 @@ def exported_metric_names() -> set[str]:
             "prepared_batches",
             "oldest_prepared_age_seconds",
             "dead_letters",
+            "dead_letter_ordering_keys",
             "live_relays",
         ),
         0,

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pika import frame, spec
 
-from outbox.frames import Message, encode_publish
+from outbox.frames import VIEW_BYTES, Message, coalesce, encode_publish
 
 short = st.text(max_size=60)
 header_values = st.recursive(
@@ -69,9 +69,37 @@ def test_encode_publish__matches_pika(
     body_max: int,
 ) -> None:
     message = Message(exchange, routing_key, body, message_id, content_type, headers, timestamp)
-    assert encode_publish(channel, message, mandatory=True, body_max=body_max) == pika_bytes(
-        channel, message, body_max
+    pieces = encode_publish(channel, message, mandatory=True, body_max=body_max)
+    assert b"".join(pieces) == pika_bytes(channel, message, body_max)
+
+
+@given(
+    size=st.sampled_from([VIEW_BYTES - 1, VIEW_BYTES, 131064, 131064 * 3 + 7]),
+    body_max=st.sampled_from([VIEW_BYTES - 1, VIEW_BYTES, 131064]),
+    as_view=st.booleans(),
+)
+def test_encode_publish__a_large_body_travels_as_views_of_itself_never_copied(
+    size: int, body_max: int, as_view: bool
+) -> None:
+    raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    body: bytes | memoryview = memoryview(raw) if as_view else raw
+    message = Message("ex", "k", body, "id", headers={"h": "v"})
+    pieces = encode_publish(7, message, mandatory=True, body_max=body_max)
+    assert b"".join(pieces) == pika_bytes(
+        7, Message("ex", "k", raw, "id", headers={"h": "v"}), body_max
     )
+    views = [p for p in pieces if isinstance(p, memoryview)]
+    if min(size, body_max) < VIEW_BYTES:
+        assert views == [] and len(pieces) == 1  # small: one bytes object
+    else:
+        assert sum(len(v) for v in views) == size
+        assert all(v.obj is raw for v in views), "a view of the body, not of a copy"
+        # Between the views: a frame's end and the next frame's header (8 bytes).
+        assert all(len(p) <= 8 for p in pieces[1:] if not isinstance(p, memoryview))
+    # What the publisher hands to pika: frames joined, views left alone.
+    joined = coalesce([*pieces, *pieces])
+    assert b"".join(joined) == b"".join(pieces) * 2
+    assert [p for p in joined if isinstance(p, memoryview)] == views * 2
 
 
 def test_encode_publish__rejects_a_routing_key_longer_than_255_bytes() -> None:
