@@ -51,12 +51,12 @@ json_leaves = (
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**63 - 1)
-    | st.text(st.characters(blacklist_characters="\x00"), max_size=12)
+    | st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 )
 json_objects = st.dictionaries(
-    st.text(st.characters(blacklist_characters="\x00"), max_size=10).filter(
-        lambda k: k not in ("CC", "BCC")
-    ),
+    st.text(
+        st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10
+    ).filter(lambda k: k not in ("CC", "BCC")),
     st.recursive(
         json_leaves,
         lambda inner: (
