@@ -269,20 +269,26 @@ def _topology(amqp_url: str) -> Iterator[tuple[str, str, str]]:
         f"outbox.bench.memory.{suffix}",
         f"outbox.bench.memory.ledger.{suffix}",
     )
-    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    channel = conn.channel()
-    channel.exchange_declare(exchange, "topic", durable=True)
-    channel.queue_declare(queue, durable=True)
-    channel.queue_bind(queue, exchange, "#")
+
+    def channel() -> Any:
+        return pika.BlockingConnection(pika.URLParameters(amqp_url)).channel()
+
+    # A connection of its own each time: one left idle during a long drain misses
+    # its heartbeats and is closed by the broker.
+    declare = channel()
+    declare.exchange_declare(exchange, "topic", durable=True)
+    declare.queue_declare(queue, durable=True)
+    declare.queue_bind(queue, exchange, "#")
+    declare.connection.close()
     try:
         yield exchange, queue, ledger
     finally:
         with contextlib.suppress(Exception):
-            channel.queue_delete(queue)
-            channel.queue_delete(ledger)
-            channel.exchange_delete(exchange)
-        with contextlib.suppress(Exception):
-            conn.close()
+            cleanup = channel()
+            cleanup.queue_delete(queue)
+            cleanup.queue_delete(ledger)
+            cleanup.exchange_delete(exchange)
+            cleanup.connection.close()
 
 
 def measure(
