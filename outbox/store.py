@@ -640,9 +640,6 @@ class BatchStore(_Session):
             assert row is not None
             return row
 
-    def dead_letter_count(self) -> int:
-        return self.dead_letter_summary()[0]
-
     def dead_letter_summary(self) -> tuple[int, int]:
         """Dead letters, and how many ordering keys they belong to."""
         with self._translated("counting dead letters"):
