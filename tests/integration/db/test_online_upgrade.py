@@ -1,0 +1,248 @@
+"""``outbox init`` upgrades a schema online (issue 19, item 3).
+
+The reproductions of the issue, on a database at schema 1 (made by release 0.1.0's
+own ``outbox init``) holding one prepared batch of a relay that died:
+
+- the current ``outbox init`` used to wait on ``ALTER TABLE outbox`` with no
+  ``lock_timeout``, and every application INSERT queued behind it (70 s and
+  counting): now it resolves the dead relay's batch first and no INSERT waits
+  more than about a second;
+- when it cannot settle the batch (here: the broker, which holds the evidence, is
+  unreachable) it retries under ``lock_timeout``, says which gid it waits for and
+  what settles it, while the application's INSERTs go on;
+- a killed ``outbox init`` used to leave its backend in the lock queue, with the
+  INSERTs behind it: now the server notices the dead client and lets go.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pika
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox import migrate
+from outbox.config import Settings
+from tests.fixtures.application import Application
+from tests.fixtures.faults import prepared_left, rows_left, wait_for
+from tests.fixtures.releases import extract, release, release_trees, run_release
+from tests.fixtures.servers import Topology, run_cli, settings_env
+
+__all__ = ["release_trees"]  # the fixture, used by name
+
+# The issue's bound: no application INSERT waits more than about 1 s while init runs.
+# `outbox init` waits at most its lock_timeout (0.5 s) for a lock; the rest is margin
+# for a loaded 2-core machine.
+INSERT_BOUND = 1.5
+
+UNREACHABLE_AMQP = "amqp://guest:guest@127.0.0.1:9/%2F"
+
+
+def schema_version(dsn: str) -> int | None:
+    with psycopg.connect(dsn) as conn:
+        return migrate.current_version(conn, "outbox")  # type: ignore[arg-type]
+
+
+def declare_ledger(topology: Topology) -> None:
+    channel = topology.channel()
+    channel.queue_declare(topology.ledger, durable=True, arguments={"x-queue-type": "stream"})
+    channel.connection.close()
+
+
+def dead_relays_batch(dsn: str, rows: int) -> str:
+    """Claim and prepare ``rows`` rows as a relay does, then let that relay be gone:
+    no control session holds its lock, its gid is in no ledger."""
+    gid = f"obx:outbox:{secrets.token_hex(16)}:1"
+    conn = psycopg.connect(dsn)
+    conn.execute(
+        "DELETE FROM outbox WHERE id = ANY(ARRAY(SELECT id FROM outbox ORDER BY id LIMIT %s))",
+        [rows],
+    )
+    conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    conn.close()
+    return gid
+
+
+def finish_prepared(dsn: str) -> None:
+    """Roll back what a test left prepared (a database with one cannot be dropped)."""
+    for gid in prepared_left(dsn):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+
+@pytest.fixture
+def schema_1(empty_dsn: str, release_trees: pathlib.Path) -> Iterator[str]:
+    """A database that release 0.1.0's ``outbox init`` created (schema 1), 20 rows in it."""
+    tree = extract(release("0.1.0"), release_trees)
+    done = run_release(tree, "init", env=settings_env(Settings(dsn=empty_dsn)))
+    assert done.returncode == 0, done.stderr
+    assert schema_version(empty_dsn) == 1
+    with psycopg.connect(empty_dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) "
+            "SELECT 'before', 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, 20) i"
+        )
+    yield empty_dsn
+    finish_prepared(empty_dsn)
+
+
+class Init:
+    """The current ``outbox init`` as a subprocess, its output read as it comes."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        script = os.path.join(os.path.dirname(sys.executable), "outbox")
+        self.process = subprocess.Popen(
+            [script, "init"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            pytest.fail(f"outbox init did not finish within {timeout}s; it said:\n{self.output}")
+        self._reader.join(timeout=5)
+        return code
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def init_process() -> Iterator[list[Init]]:
+    started: list[Init] = []
+    yield started
+    for init in started:
+        init.close()
+
+
+def init_backends(dsn: str, *, waiting: bool = False) -> list[int]:
+    """Backends of `outbox init` on this database (only those waiting for a lock)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [
+            int(row[0])
+            for row in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'outbox-init'"
+                " AND (NOT %s OR wait_event_type = 'Lock')",
+                [waiting],
+            ).fetchall()
+        ]
+
+
+def timed_insert(dsn: str, timeout: float = 10.0) -> float:
+    """Seconds one application INSERT takes (bounded by ``timeout``)."""
+    started = time.monotonic()
+    with psycopg.connect(dsn) as conn:
+        conn.execute(f"SET statement_timeout = {int(timeout * 1000)}")
+        conn.execute("INSERT INTO outbox (exchange, routing_key) VALUES ('after', 'k')")
+    return time.monotonic() - started
+
+
+def test_init__resolves_a_dead_relays_batch_and_never_freezes_inserts(
+    schema_1: str, topology: Topology
+) -> None:
+    declare_ledger(topology)
+    gid = dead_relays_batch(schema_1, rows=5)
+    env = settings_env(
+        Settings(dsn=schema_1, amqp_url=topology.amqp_url, ledger_queue=topology.ledger)
+    )
+    with Application(schema_1, "app", statement_timeout=10) as app:
+        app.wait_for_rows(20)
+        started = time.monotonic()
+        try:
+            done = run_cli("init", env=env, timeout=40)
+        except subprocess.TimeoutExpired:
+            done = None
+        finished = time.monotonic()
+        time.sleep(0.2)
+    slowest = app.slowest(started, finished)
+    print(f"slowest INSERT while outbox init ran: {slowest:.3f}s ({len(app.writes)} writes)")
+    assert done is not None, "outbox init still waited after 40 s"
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert slowest < INSERT_BOUND, f"an INSERT waited {slowest:.1f}s behind outbox init"
+    assert not app.errors, app.errors[:3]
+    assert schema_version(schema_1) == migrate.LATEST_VERSION
+    assert prepared_left(schema_1) == []
+    # No ledger record: rolled back, so its 5 rows are back, nothing lost.
+    assert rows_left(schema_1) == 20 + len(app.committed)
+    assert gid in done.stdout + done.stderr
+
+
+def test_init__says_which_batch_it_waits_for_while_inserts_go_on(
+    schema_1: str, init_process: list[Init]
+) -> None:
+    gid = dead_relays_batch(schema_1, rows=5)
+    # The ledger is unreachable: init cannot tell whether the batch may be
+    # committed, so it must wait for it without holding the application up.
+    env = settings_env(Settings(dsn=schema_1, amqp_url=UNREACHABLE_AMQP, connect_timeout=2))
+    with Application(schema_1, "app", statement_timeout=10) as app:
+        app.wait_for_rows(20)
+        started = time.monotonic()
+        init = Init(env)
+        init_process.append(init)
+        wait_for(lambda: any(gid in line for line in init.lines), 20, f"a line naming {gid}")
+        time.sleep(2)  # a few more lock timeouts and retries
+        waited = time.monotonic()
+        with psycopg.connect(schema_1, autocommit=True) as conn:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        assert init.wait(timeout=20) == 0, init.output
+        app.wait_for_rows(len(app.writes) + 20)
+    slowest = app.slowest(started, waited)
+    print(f"slowest INSERT while outbox init waited: {slowest:.3f}s; init said:\n{init.output}")
+    assert slowest < INSERT_BOUND, f"an INSERT waited {slowest:.1f}s behind outbox init"
+    assert not app.errors, app.errors[:3]
+    waiting = next(line for line in init.lines if gid in line)
+    assert "outbox resolve" in waiting and "relay" in waiting, waiting
+    assert schema_version(schema_1) == migrate.LATEST_VERSION
+
+
+def test_init__killed_while_waiting_leaves_no_backend_in_the_lock_queue(
+    schema_1: str, init_process: list[Init]
+) -> None:
+    dead_relays_batch(schema_1, rows=5)
+    env = settings_env(Settings(dsn=schema_1, amqp_url=UNREACHABLE_AMQP, connect_timeout=2))
+    init = Init(env)
+    init_process.append(init)
+    wait_for(lambda: init_backends(schema_1, waiting=True), 20, "outbox init waiting for a lock")
+    init.process.send_signal(signal.SIGKILL)
+    init.process.wait()
+    killed = time.monotonic()
+    deadline = killed + 6
+    while init_backends(schema_1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = init_backends(schema_1)
+    gone_after = time.monotonic() - killed
+    assert not left, f"the killed outbox init's backend {left} still waits in the lock queue"
+    insert = timed_insert(schema_1)
+    print(f"killed init's backend gone after {gone_after:.2f}s; an INSERT then took {insert:.3f}s")
+    assert insert < INSERT_BOUND
