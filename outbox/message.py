@@ -47,7 +47,7 @@ class OutboxRow:
     message_id: uuid.UUID
     exchange: str
     routing_key: str
-    # As claimed: a read-only view of the driver's result (``outbox.db.store``), so a
+    # As claimed: a read-only view of the driver's result (``outbox.db.rows``), so a
     # large payload is held once; bytes elsewhere.
     payload: bytes | memoryview
     headers: dict[str, Any] | None

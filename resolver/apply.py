@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from outbox import gid as gids
 from outbox.amqp import ledger
 from outbox.config import Settings
-from outbox.db.store import BatchStore, PreparedBatch, RelayLiveness
+from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
 from resolver.decide import Action, Decision, Owner, decide, owner_state

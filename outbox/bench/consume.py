@@ -37,7 +37,7 @@ from kombu.entity import Queue
 from kombu.messaging import Consumer
 
 from outbox.bench.run import Broker, Database, _database, bare_publish
-from outbox.db import store
+from outbox.db import session
 from outbox.errors import OutboxError
 
 Echo = Callable[[str], None]
@@ -64,7 +64,7 @@ class ConsumeBench:
         self, options: ConsumeBenchOptions, db: Database, broker: Broker, echo: Echo
     ) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
-        self.conn = store.connect(db.dsn, application_name="outbox-bench")
+        self.conn = session.connect(db.dsn, application_name="outbox-bench")
         self.conn.execute(
             "CREATE TABLE IF NOT EXISTS bench_effects (message_id text, "
             "at timestamptz NOT NULL DEFAULT clock_timestamp())"

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from outbox.db import store
+from outbox.db import session
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class _Writers:
         with self._lock:
             pauses = [shape.pause * self._rng.uniform(0.5, 1.5) for _ in range(self.commits[n])]
         try:
-            conn = store.connect(db.dsn, application_name=f"outbox-bench-writer-{n}")
+            conn = session.connect(db.dsn, application_name=f"outbox-bench-writer-{n}")
         except BaseException as exc:
             self.errors.append(exc)
             return

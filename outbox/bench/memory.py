@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from outbox.config import Settings
-from outbox.db import store
+from outbox.db import session
 from outbox.errors import OutboxError
 
 Echo = Callable[[str], None]
@@ -130,7 +130,7 @@ class MemoryRun:
         }
 
 
-def fill(conn: store.Conn, table: str, exchange: str, backlog: Backlog) -> dict[str, int]:
+def fill(conn: session.Conn, table: str, exchange: str, backlog: Backlog) -> dict[str, int]:
     """Commit the backlog; returns {message_id (str): payload size}.
 
     Each size's random payload crosses the wire once; the server copies it for
@@ -303,7 +303,7 @@ def measure(
     """Commit ``backlog``, drain it with one relay (default settings unless
     ``settings`` overrides some), read every message back."""
     with _topology(amqp_url) as (exchange, queue, ledger):
-        conn = store.connect(dsn, application_name="outbox-bench-memory")
+        conn = session.connect(dsn, application_name="outbox-bench-memory")
         try:
             conn.execute(f'DELETE FROM "{table}"')
             echo(f"  committing {backlog.describe()} ...")

@@ -55,7 +55,7 @@ from outbox.bench import memory as bench_memory
 from outbox.bench.load import BurstShape, measure_bursts, render_bursts
 from outbox.bench.ordering import measure_ordering, render_ordering
 from outbox.config import Settings
-from outbox.db import migrate, store
+from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
 from outbox.errors import OutboxError
 
@@ -308,7 +308,7 @@ def _database(dsn: str | None, echo: Echo) -> Iterator[Database]:
     suffix = uuid.uuid4().hex[:8]
     if dsn:
         table = f"outbox_bench_{suffix}"
-        conn = store.connect(dsn, application_name="outbox-bench")
+        conn = session.connect(dsn, application_name="outbox-bench")
         try:
             migrate.migrate(conn, table)
             yield Database(dsn, dsn, table, "the server given by --dsn")
@@ -320,18 +320,18 @@ def _database(dsn: str | None, echo: Echo) -> Iterator[Database]:
         return
     echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")
     with PostgresCluster(durable=True) as cluster:
-        admin = store.connect(cluster.dsn, application_name="outbox-bench")
+        admin = session.connect(cluster.dsn, application_name="outbox-bench")
         admin.execute("CREATE DATABASE bench")
         admin.close()
         bench_dsn = cluster.dsn.rsplit("/", 1)[0] + "/bench"
-        conn = store.connect(bench_dsn, application_name="outbox-bench")
+        conn = session.connect(bench_dsn, application_name="outbox-bench")
         migrate.migrate(conn, "outbox")
         conn.close()
         yield Database(bench_dsn, cluster.dsn, "outbox", "private cluster, fsync on")
 
 
 def _fill(
-    conn: store.Conn, table: str, exchange: str, rows: int, payload: int, keys: int | None = None
+    conn: session.Conn, table: str, exchange: str, rows: int, payload: int, keys: int | None = None
 ) -> None:
     """``rows`` rows; with ``keys``, row i has ordering key i mod keys."""
     conn.execute(
@@ -344,7 +344,7 @@ def _fill(
     )
 
 
-def _wait_registered(conn: store.Conn, table: str, count: int, relays: RelayProcesses) -> None:
+def _wait_registered(conn: session.Conn, table: str, count: int, relays: RelayProcesses) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         relays.check_alive()
@@ -383,7 +383,7 @@ class Run:
 class Bench:
     def __init__(self, options: BenchOptions, db: Database, broker: Broker, echo: Echo) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
-        self.conn = store.connect(db.dsn, application_name="outbox-bench")
+        self.conn = session.connect(db.dsn, application_name="outbox-bench")
         self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]
 
     def settings(self, batch_size: int | None = None) -> Settings:
@@ -470,7 +470,7 @@ class Bench:
             _wait_registered(self.conn, self.db.table, 1, relays)
             time.sleep(0.5)
             count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
-            producer = store.connect(self.db.dsn, application_name="outbox-bench-producer")
+            producer = session.connect(self.db.dsn, application_name="outbox-bench-producer")
             insert = (
                 f'INSERT INTO "{self.db.table}" (message_id, exchange, routing_key, payload) '
                 "VALUES (%s, %s, 'bench.latency', %s)"
@@ -512,8 +512,8 @@ class Bench:
     def _idle(self, relays: RelayProcesses) -> dict[str, Any]:
         """The relay with nothing to do: CPU and database transactions per second."""
         self.conn.close()  # our own session must not count
-        stats = store.connect(self.db.stats_dsn, application_name="outbox-bench-stats")
-        dbname = store.connect(self.db.dsn, application_name="outbox-bench-stats")
+        stats = session.connect(self.db.stats_dsn, application_name="outbox-bench-stats")
+        dbname = session.connect(self.db.dsn, application_name="outbox-bench-stats")
         name = dbname.info.dbname
         dbname.close()
 
@@ -536,7 +536,7 @@ class Bench:
         time.sleep(1.0)
         tx1 = xacts()
         stats.close()
-        self.conn = store.connect(self.db.dsn, application_name="outbox-bench")
+        self.conn = session.connect(self.db.dsn, application_name="outbox-bench")
         seconds = t1 - t0
         return {
             "seconds": round(seconds, 1),

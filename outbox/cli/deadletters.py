@@ -18,7 +18,7 @@ from outbox.cli.common import (
 from outbox.cli.options import (
     Age,
 )
-from outbox.db import store
+from outbox.db import deadletters
 from outbox.errors import ExitCode
 
 
@@ -27,7 +27,7 @@ def dead_letters() -> None:
     """Rows that can never be published as they are: list, retry after a fix, purge."""
 
 
-def _dead_letter_store(options: dict[str, Any]) -> store.DeadLetterStore:
+def _dead_letter_store(options: dict[str, Any]) -> deadletters.DeadLetterStore:
     from outbox.ops.deadletters import open_store
 
     return open_store(settings_from(**options))

@@ -11,7 +11,7 @@ from outbox.cli.common import (
     server_options,
     settings_from,
 )
-from outbox.db import migrate, store
+from outbox.db import migrate, session
 
 
 @click.command()
@@ -24,7 +24,7 @@ def init(print_sql: bool, **options: Any) -> None:
     if print_sql:
         click.echo(migrate.render_sql(settings.table), nl=False)
         return
-    conn = store.connect(settings.dsn, application_name="outbox-init")
+    conn = session.connect(settings.dsn, application_name="outbox-init")
     try:
         before, after = migrate.migrate(conn, settings.table)
     finally:

@@ -13,7 +13,7 @@ from outbox.cli.common import (
     settings_from,
     tuning_options,
 )
-from outbox.db import migrate, privileges, store
+from outbox.db import batches, migrate, privileges
 from outbox.events import configure
 
 
@@ -31,7 +31,9 @@ def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **opt
 
     configure(log_level, log_format)
     settings = settings_from(**options)
-    batch_store = store.BatchStore(settings.dsn, settings.table, application_name="outbox-resolve")
+    batch_store = batches.BatchStore(
+        settings.dsn, settings.table, application_name="outbox-resolve"
+    )
     try:
         # Privileges first: reading the schema version needs one of them.
         batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")

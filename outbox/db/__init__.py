@@ -10,6 +10,8 @@ replication check (``replication``) and throw-away clusters for demos and tests
 May import: the plain modules of ``outbox`` only.
 """
 
-from outbox.db.store import BatchStore, ControlSession, DeadLetterStore, WakeupListener
+from outbox.db.batches import BatchStore
+from outbox.db.deadletters import DeadLetterStore
+from outbox.db.relays import ControlSession, WakeupListener
 
 __all__ = ["BatchStore", "ControlSession", "DeadLetterStore", "WakeupListener"]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pika
 
 from outbox.config import Settings
-from outbox.db import migrate, store
+from outbox.db import migrate, session
 from outbox.demo import reader as consumer
 from outbox.demo.relay import _database, _write_rows
 from outbox.relay.process import Relay
@@ -55,7 +55,7 @@ def run_inbox_demo(
             table=f"outbox_demo_{suffix}",
             ledger_queue=f"outbox.demo.ledger.{suffix}",
         )
-        conn = store.connect(database, application_name="outbox-demo")
+        conn = session.connect(database, application_name="outbox-demo")
         try:
             migrate.migrate(conn, settings.table)
             conn.execute(f"CREATE TABLE {effects} (message_id text, routing_key text, body bytea)")
@@ -143,7 +143,7 @@ def _wait(condition: Callable[[], bool], process: subprocess.Popen[str]) -> None
         time.sleep(0.01)
 
 
-def _count(conn: store.Conn, effects: str) -> int:
+def _count(conn: session.Conn, effects: str) -> int:
     row = conn.execute(f"SELECT count(*) AS n FROM {effects}").fetchone()
     return int(row["n"]) if row else 0
 
@@ -156,7 +156,7 @@ def _depth(amqp_url: str, queue: str) -> int:
         connection.close()
 
 
-def _report(conn: store.Conn, effects: str, sent: set[str], echo: Callable[[str], None]) -> bool:
+def _report(conn: session.Conn, effects: str, sent: set[str], echo: Callable[[str], None]) -> bool:
     rows = conn.execute(f"SELECT message_id FROM {effects}").fetchall()
     counts = Counter(r["message_id"] for r in rows)
     missing = sent - counts.keys()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from outbox import enqueue_json
 from outbox.config import Settings
-from outbox.db import migrate, store
+from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
 from outbox.demo import reader as consumer
 from outbox.relay.process import Relay
@@ -38,7 +38,7 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
             table=f"outbox_demo_{suffix}",
             ledger_queue=f"outbox.demo.ledger.{suffix}",
         )
-        conn = store.connect(database, application_name="outbox-demo")
+        conn = session.connect(database, application_name="outbox-demo")
         try:
             migrate.migrate(conn, settings.table)
             echo(f"created table {settings.table!r}; declaring exchange and queue {queue!r}")
@@ -67,7 +67,7 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
 
 
 def _write_rows(
-    conn: store.Conn, table: str, exchange: str, rows: int, echo: Callable[[str], None]
+    conn: session.Conn, table: str, exchange: str, rows: int, echo: Callable[[str], None]
 ) -> set[str]:
     sent: set[str] = set()
     with conn.transaction():

@@ -40,7 +40,7 @@ DEFAULT_INBOX_TABLE = "outbox_inbox"
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
 
-# SQLSTATE classes that mean the session is gone (as in ``outbox.db.store``).
+# SQLSTATE classes that mean the session is gone (as in ``outbox.db.session``).
 _SESSION_GONE = ("08", "57P01", "57P02", "57P03")
 
 Effect = Callable[["psycopg.Connection[Any]"], None]

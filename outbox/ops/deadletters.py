@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from outbox.config import Settings
-from outbox.db.store import DeadLetterStore
+from outbox.db.deadletters import DeadLetterStore
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -7,7 +7,7 @@ from typing import Any
 from outbox import gid as gids
 from outbox.config import Settings
 from outbox.db import migrate, privileges, replication
-from outbox.db.store import BatchStore
+from outbox.db.batches import BatchStore
 
 
 def collect(

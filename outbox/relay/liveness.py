@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 
-from outbox.db.store import ControlSession
+from outbox.db.relays import ControlSession
 from outbox.errors import DatabaseUnavailable
 from outbox.events import emit
 from outbox.gid import new_relay_id

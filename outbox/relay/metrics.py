@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from outbox.db.store import BatchStore
+from outbox.db.batches import BatchStore
 from outbox.durations import Durations
 from outbox.errors import OutboxError
 from outbox.events import emit

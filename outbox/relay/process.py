@@ -39,7 +39,8 @@ from outbox.amqp import failover
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.db import replication
-from outbox.db.store import BatchStore, WakeupListener
+from outbox.db.batches import BatchStore
+from outbox.db.relays import WakeupListener
 from outbox.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,

@@ -23,8 +23,8 @@ import pytest
 from outbox.amqp import failover, ledger
 from outbox.amqp.publisher import Message, Outcome, Publisher
 from outbox.config import Settings
+from outbox.db.batches import BatchStore
 from outbox.db.devcluster import free_port
-from outbox.db.store import BatchStore
 from outbox.relay.process import Relay, Stats
 from outbox.urls import parse_amqp_urls
 from resolver.apply import Resolution, resolve

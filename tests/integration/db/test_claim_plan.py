@@ -19,8 +19,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox.db.batches import KEYED_WINDOW, PINNED_CLAIM_PLAN, BatchStore
 from outbox.db.queries import Queries
-from outbox.db.store import KEYED_WINDOW, PINNED_CLAIM_PLAN, BatchStore
 
 LIMIT = 100
 ROWS = 3_000

@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.db import migrate
-from outbox.db.store import BatchStore
+from outbox.db.batches import BatchStore
 from outbox.ops import status
 from outbox.relay.process import Relay
 from tests.fixtures.faults import both_modes, prepared_left

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.db.store import BatchStore
+from outbox.db.batches import BatchStore
 from outbox.relay.process import Relay, StopFlag
 from resolver.apply import resolve
 from tests.fixtures.faults import (

@@ -18,8 +18,8 @@ from psycopg import sql
 
 from outbox.config import Settings
 from outbox.db import migrate
+from outbox.db.batches import BatchStore
 from outbox.db.devcluster import PostgresCluster
-from outbox.db.store import BatchStore
 from outbox.gid import Gid, new_relay_id
 from outbox.relay.process import Relay
 from tests.fixtures.faults import (

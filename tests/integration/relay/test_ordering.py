@@ -32,7 +32,7 @@ import pytest
 
 import outbox
 from outbox.config import Settings
-from outbox.db.store import BatchStore
+from outbox.db.batches import BatchStore
 from tests.fixtures.faults import (
     RelayProcess,
     both_modes,

@@ -20,7 +20,8 @@ from outbox.amqp.confirms import Outcome
 from outbox.amqp.frames import Message
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
-from outbox.db.store import BatchStore, ControlSession
+from outbox.db.batches import BatchStore
+from outbox.db.relays import ControlSession
 from outbox.errors import DatabaseUnavailable
 from outbox.gid import Gid, new_relay_id
 from outbox.relay.process import Relay
