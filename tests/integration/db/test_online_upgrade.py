@@ -26,13 +26,12 @@ import threading
 import time
 from collections.abc import Iterator
 
-import pika
 import psycopg
 import pytest
 from psycopg import sql
 
-from outbox import migrate
 from outbox.config import Settings
+from outbox.db import migrate
 from tests.fixtures.application import Application
 from tests.fixtures.faults import prepared_left, rows_left, wait_for
 from tests.fixtures.releases import extract, release, release_trees, run_release

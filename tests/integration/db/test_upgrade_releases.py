@@ -19,8 +19,8 @@ import time
 import psycopg
 import pytest
 
-from outbox import migrate
 from outbox.config import Settings
+from outbox.db import migrate
 from tests.fixtures.application import Application
 from tests.fixtures.faults import check_delivery, rows_left, wait_for
 from tests.fixtures.releases import RELEASES, extract, relays, release, release_trees, run_release
@@ -90,7 +90,8 @@ def test_upgrade__from_release_while_its_relays_run_every_row_once(
         f"upgrade from {version} (schema {old.schema} -> {migrate.LATEST_VERSION}): "
         f"outbox init took {init_seconds:.2f}s; slowest INSERT during the upgrade "
         f"{during * 1000:.0f} ms (before it: {before * 1000:.0f} ms); "
-        f"{len(report.counts)} rows, each delivered once"
+        f"{len(report.counts)} rows, each delivered once; outbox init said:\n"
+        f"{migrated.stderr}{migrated.stdout}"
     )
     assert not app.errors, app.errors[:3]
     assert during < INSERT_BOUND, f"an INSERT waited {during:.2f}s during the upgrade"
