@@ -76,6 +76,8 @@ RETRY_PAUSE_MAX = 2.0
 # How often the server checks, during a statement, that ``outbox init`` is still
 # there (PostgreSQL >= 14); a killed one then leaves the lock queue.
 CLIENT_CHECK_INTERVAL = "1s"
+# Most holders of a lock named in one line.
+SAY_HOLDERS = 3
 # How often the claims of relays queued behind an attempt are looked for (seconds).
 _YIELD_POLL = 0.05
 
@@ -409,15 +411,17 @@ class _Online:
     def _holders(self, step: str) -> Iterator[Holder]:
         """What holds a lock on the outbox's tables (or the migration lock) now.
 
-        Sessions show only when their transaction is older than ``LOCK_TIMEOUT``:
-        the application's short transactions come and go.
+        Sessions show only when their transaction is older than twice
+        ``LOCK_TIMEOUT``: the application's short transactions come and go.
         """
         cur = self.conn.cursor(row_factory=tuple_row)
         rows = cur.execute(
             _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
         ).fetchall()
         for relation, gid, pid, name, state, seconds in rows:
-            if gid is None and float(seconds or 0) < LOCK_TIMEOUT:
+            if gid is None and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT):
+                # A short transaction, one that ended since, or one that waited
+                # behind this attempt (for up to LOCK_TIMEOUT) and runs now.
                 continue
             yield Holder(
                 relation=relation,
@@ -439,7 +443,7 @@ SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
        a.pid,
        a.application_name,
        a.state,
-       extract(epoch FROM now() - coalesce(p.prepared, a.xact_start, a.backend_start))
+       greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start)))
 FROM pg_locks l
 LEFT JOIN pg_class c ON c.oid = l.relation
 LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
@@ -520,7 +524,9 @@ class _YieldToRelays:
 
 def describe_wait(blocked: Blocked, table: str, unsettled: str = "") -> str:
     """What a waiting step waits for, and what settles it, in one line."""
-    parts = [describe_holder(h, table, unsettled) for h in blocked.holders]
+    parts = [describe_holder(h, table, unsettled) for h in blocked.holders[:SAY_HOLDERS]]
+    if len(blocked.holders) > SAY_HOLDERS:
+        parts.append(f"{len(blocked.holders) - SAY_HOLDERS} more")
     if not parts:
         parts = ["locks held for a moment by the application's or the relays' transactions"]
     line = f"{blocked.step}: waiting for " + "; ".join(parts)

@@ -34,7 +34,7 @@ from outbox.config import Settings
 from outbox.db import migrate
 from tests.fixtures.application import Application
 from tests.fixtures.faults import prepared_left, rows_left, wait_for
-from tests.fixtures.releases import extract, release, release_trees, run_release
+from tests.fixtures.releases import extract, relays, release, release_trees, run_release
 from tests.fixtures.servers import Topology, run_cli, settings_env
 
 __all__ = ["release_trees"]  # the fixture, used by name
@@ -245,3 +245,106 @@ def test_init__killed_while_waiting_leaves_no_backend_in_the_lock_queue(
     insert = timed_insert(schema_1)
     print(f"killed init's backend gone after {gone_after:.2f}s; an INSERT then took {insert:.3f}s")
     assert insert < INSERT_BOUND
+
+
+def test_init__takes_its_locks_while_pipelined_relays_drain_a_backlog(
+    empty_dsn: str, topology: Topology, release_trees: pathlib.Path
+) -> None:
+    """Relays of release 0.2.0 (pipelined: each claims its next batch before it
+    commits the one in flight) drain a backlog while the current init adds a column
+    to the outbox.  Queued behind the ALTER, a relay's next claim cannot return, so
+    its batch in flight, which the ALTER waits for, is never committed: the old
+    init froze the application until the relays' own 30 s lock timeout."""
+    tree = extract(release("0.2.0"), release_trees)
+    settings = Settings(
+        dsn=empty_dsn,
+        amqp_url=topology.amqp_url,
+        ledger_queue=topology.ledger,
+        batch_size=200,
+        poll_interval=0.5,
+        heartbeat_interval=0.5,
+        resolve_interval=1.0,
+    )
+    env = settings_env(settings)
+    assert run_release(tree, "init", env=env).returncode == 0
+    with psycopg.connect(empty_dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) "
+            "SELECT %s, 'k', convert_to(i::text, 'UTF8') FROM generate_series(1, 60000) i",
+            [topology.exchange],
+        )
+    with (
+        Application(empty_dsn, topology.exchange, statement_timeout=10) as app,
+        relays(tree, settings, 2) as old_relays,
+    ):
+        wait_for(lambda: rows_left(empty_dsn) < 59000, 30, "the relays to start draining")
+        started = time.monotonic()
+        done = run_cli("init", env=env, timeout=60)
+        took = time.monotonic() - started
+        backlog = rows_left(empty_dsn)
+        time.sleep(0.2)
+        for relay in old_relays:
+            relay.stop()
+    slowest = app.slowest(started, started + took)
+    print(
+        f"init took {took:.2f}s beside draining relays ({backlog} rows still to drain); "
+        f"slowest INSERT {slowest:.3f}s\n{done.stderr}"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Not held up until the relays ran out of work (the old init waited for that, or
+    # for their lock timeout; without cancelling their claims, so did this one).
+    assert backlog > 0, "outbox init took its lock only once the relays had drained the outbox"
+    assert slowest < INSERT_BOUND, f"an INSERT waited {slowest:.1f}s behind outbox init"
+    assert not app.errors, app.errors[:3]
+    assert prepared_left(empty_dsn) == []
+
+
+def test_migrate__rebuilds_an_index_a_killed_concurrent_build_left_invalid(
+    empty_dsn: str,
+) -> None:
+    """A killed CREATE INDEX CONCURRENTLY leaves an invalid index that IF NOT EXISTS
+    would keep for good: the next init drops it and builds it again."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+        conn.execute("ALTER TABLE outbox ADD COLUMN ordering_key text")
+        conn.execute("CREATE INDEX outbox_ordering_key ON outbox (id)")  # as if half built
+        conn.execute(
+            "UPDATE pg_index SET indisvalid = false"
+            " WHERE indexrelid = 'outbox_ordering_key'::regclass"
+        )
+        assert migrate.migrate(conn, "outbox") == (2, migrate.LATEST_VERSION)  # type: ignore[arg-type]
+        row = conn.execute(
+            "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
+            " WHERE i.indexrelid = 'outbox_ordering_key'::regclass"
+        ).fetchone()
+    assert row is not None
+    valid, definition = row
+    assert valid and "WHERE (ordering_key IS NOT NULL)" in definition, definition
+
+
+def test_migrate__names_a_session_that_holds_the_outbox_and_goes_on_once_it_ends(
+    empty_dsn: str,
+) -> None:
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    holder = psycopg.connect(empty_dsn, application_name="a-long-report")
+    holder.execute("SELECT count(*) FROM outbox")  # ACCESS SHARE, kept: idle in transaction
+    pid = holder.info.backend_pid
+    waits: list[migrate.Blocked] = []
+
+    def blocked(wait: migrate.Blocked) -> None:
+        waits.append(wait)
+        if wait.waited > 2:
+            holder.rollback()
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert migrate.migrate(conn, "outbox", on_blocked=blocked) == (
+            2,
+            migrate.LATEST_VERSION,
+        )  # type: ignore[arg-type]
+    holder.close()
+    named = [w for w in waits if any(h.pid == pid for h in w.holders)]
+    assert named, [migrate.describe_wait(w, "outbox") for w in waits]
+    line = migrate.describe_wait(named[-1], "outbox")
+    assert f"session pid {pid} (a-long-report, idle in transaction" in line, line
+    assert waits[0].step == "migration 0003_ordering_keys.sql"
