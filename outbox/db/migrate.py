@@ -406,7 +406,7 @@ class _Online:
                         relay_claims_cancelled=_YieldToRelays.cancelled,
                     )
                 )
-            time.sleep(_pause(number))
+            time.sleep(retry_pause(number))
 
     def _holders(self, step: str) -> Iterator[Holder]:
         """What holds a lock on the outbox's tables (or the migration lock) now.
@@ -467,7 +467,7 @@ def _attempts() -> Iterator[int]:
         yield number
 
 
-def _pause(attempt: int) -> float:
+def retry_pause(attempt: int) -> float:
     """Seconds before attempt ``attempt + 1``: doubling from RETRY_PAUSE_INITIAL, jittered."""
     pause = min(RETRY_PAUSE_MAX, RETRY_PAUSE_INITIAL * 2.0 ** min(attempt - 1, 10))
     return pause * random.uniform(0.5, 1.0)
