@@ -248,6 +248,7 @@ def migrate(
     table: str,
     *,
     on_blocked: OnBlocked | None = None,
+    before_changes: Callable[[], None] | None = None,
     target: int | None = None,
 ) -> tuple[int | None, int]:
     """Apply the missing migrations; returns (version before, version after).
@@ -260,14 +261,16 @@ def migrate(
 
     On a connection in autocommit mode the migration is online (module docstring):
     each time a step gives its place in the lock queue up, ``on_blocked`` hears
-    what holds the lock, and the step is tried again until it succeeds.  Inside a
+    what holds the lock, and the step is tried again until it succeeds;
+    ``before_changes`` runs once before the first change to an existing schema
+    (``outbox init`` resolves dead relays' batches there).  Inside a
     transaction everything runs in that transaction.  ``target`` stops at that
     version (tests build earlier schemas with it).
     """
     target = LATEST_VERSION if target is None else target
     try:
         if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-            return _Online(conn, table, on_blocked).run(target)
+            return _Online(conn, table, on_blocked, before_changes).run(target)
         return _in_transaction(conn, table, target)
     except psycopg.errors.InsufficientPrivilege as exc:
         text = str(exc).strip().splitlines()[0]
@@ -308,11 +311,16 @@ class _Online:
     """One online migration on an autocommit connection (module docstring)."""
 
     def __init__(
-        self, conn: psycopg.Connection[object], table: str, on_blocked: OnBlocked | None
+        self,
+        conn: psycopg.Connection[object],
+        table: str,
+        on_blocked: OnBlocked | None,
+        before_changes: Callable[[], None] | None,
     ) -> None:
         self.conn = conn
         self.table = table
         self.on_blocked = on_blocked
+        self.before_changes = before_changes
         self.tables = [
             f"{table}_schema_version",
             f"{table}_relays",
@@ -341,6 +349,8 @@ class _Online:
             if before is not None and before >= target:
                 return before, before
             _check_may_migrate(conn, self.table)
+            if before is not None and self.before_changes is not None:
+                self.before_changes()
             self._retried(
                 "creating the schema version table",
                 lambda: conn.execute(_version_table_sql(self.table)),

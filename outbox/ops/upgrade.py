@@ -47,10 +47,9 @@ class Upgrade:
             connect_timeout=self.settings.connect_timeout,
         )
         try:
-            version = migrate.current_version(conn, self.settings.table)
-            if version is not None and version < migrate.LATEST_VERSION:
-                self._settle()
-            return migrate.migrate(conn, self.settings.table, on_blocked=self._blocked)
+            return migrate.migrate(
+                conn, self.settings.table, on_blocked=self._blocked, before_changes=self._settle
+            )
         finally:
             conn.close()
 
