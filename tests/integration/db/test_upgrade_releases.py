@@ -71,6 +71,11 @@ def test_upgrade__from_release_while_its_relays_run_every_row_once(
         init_seconds = time.monotonic() - upgrade_started
         assert migrated.returncode == 0, migrated.stdout + migrated.stderr
         assert schema_version(empty_dsn) == migrate.LATEST_VERSION
+        if old.schema < migrate.LATEST_VERSION:
+            # An old relay that (re)starts now refuses the newer schema: exit 5.
+            with relays(tree, settings, 1) as [late]:
+                assert late.process.wait(timeout=60) == 5, late.output()
+                assert "newer than this outbox-relay knows" in late.output(), late.output()
         time.sleep(0.5)  # the old relays go on publishing on the new schema
         with relays(None, settings, 2) as new_relays:
             time.sleep(0.5)  # both versions side by side
