@@ -329,16 +329,33 @@ class _Online:
         ]
 
     def run(self, target: int) -> tuple[int | None, int]:
+        """Migrate under the session settings of an online migration; the
+        connection's own settings are back afterwards (it may be Django's)."""
+        settings = {
+            "statement_timeout": "0",
+            "lock_timeout": f"{round(LOCK_TIMEOUT * 1000)}ms",
+        }
+        if self.conn.info.server_version >= 140000:
+            settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL
+        saved = {name: self._set(name, value) for name, value in settings.items()}
+        try:
+            return self._locked(target)
+        finally:
+            if not self.conn.closed and not self.conn.broken:
+                for name, value in saved.items():
+                    self._set(name, value)
+
+    def _set(self, name: str, value: str) -> str:
+        """Set a session setting; returns the value it had."""
+        cur = self.conn.cursor(row_factory=tuple_row)
+        row = cur.execute(
+            "SELECT current_setting(%s), set_config(%s, %s, false)", [name, name, value]
+        ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def _locked(self, target: int) -> tuple[int | None, int]:
         conn = self.conn
-        conn.execute("SELECT set_config('statement_timeout', '0', false)")
-        conn.execute(
-            "SELECT set_config('lock_timeout', %s, false)", [f"{round(LOCK_TIMEOUT * 1000)}ms"]
-        )
-        if conn.info.server_version >= 140000:
-            conn.execute(
-                "SELECT set_config('client_connection_check_interval', %s, false)",
-                [CLIENT_CHECK_INTERVAL],
-            )
         self._retried(
             "waiting for another outbox init to finish",
             lambda: conn.execute("SELECT pg_advisory_lock(%s, %s)", _lock_key(self.table)),
@@ -359,7 +376,8 @@ class _Online:
                 self._apply(migration)
             return before, target
         finally:
-            conn.execute("SELECT pg_advisory_unlock(%s, %s)", _lock_key(self.table))
+            if not conn.closed and not conn.broken:
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", _lock_key(self.table))
 
     def _apply(self, migration: Migration) -> None:
         def in_transaction() -> None:

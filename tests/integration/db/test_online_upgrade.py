@@ -348,3 +348,16 @@ def test_migrate__names_a_session_that_holds_the_outbox_and_goes_on_once_it_ends
     line = migrate.describe_wait(named[-1], "outbox")
     assert f"session pid {pid} (a-long-report, idle in transaction" in line, line
     assert waits[0].step == "migration 0003_ordering_keys.sql"
+
+
+def test_migrate__gives_the_connection_its_own_settings_back(empty_dsn: str) -> None:
+    """Django lends its connection: its timeouts must be its own again afterwards."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '7s'")
+        conn.execute("SET statement_timeout = '8s'")
+        migrate.migrate(conn, "outbox")  # type: ignore[arg-type]
+        row = conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'),"
+            " current_setting('client_connection_check_interval')"
+        ).fetchone()
+    assert row == ("7s", "8s", "0")
