@@ -1,5 +1,7 @@
-"""PostgreSQL for the relay, the resolver and the tools: the only package that
-runs the outbox's statements (psycopg 3).
+"""PostgreSQL for the relay, the resolver and the operators' tools (psycopg 3): the
+outbox table's statements, except the application's own INSERT (``outbox.enqueue``
+and the integrations, on the application's connection).  The consumer's inbox
+statements live in ``outbox.inbox.store``.
 
 Owns the sessions and their error translation (``store``), the SQL
 (``queries.sql`` through ``queries``), the versioned schema (``migrate`` and
