@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
 
+from outbox import redaction
 from outbox.cli.common import (
     known_errors,
     server_options,
     settings_from,
 )
 from outbox.db import migrate
+from outbox.events import json_line
 from outbox.ops.upgrade import Upgrade
 
 
@@ -26,9 +29,16 @@ def init(print_sql: bool, **options: Any) -> None:
     if print_sql:
         click.echo(migrate.render_sql(settings.table), nl=False)
         return
-    before, after = Upgrade(
-        settings, say=lambda line: click.echo(f"outbox init: {line}", err=True)
-    ).run()
+
+    def say(line: str) -> None:
+        if options.get("log_format") == "json":
+            click.echo(
+                json_line(logging.WARNING, "outbox.init", "init.progress", message=line), err=True
+            )
+        else:
+            click.echo(f"outbox init: {redaction.redact(line)}", err=True)
+
+    before, after = Upgrade(settings, say=say).run()
     if before == after:
         click.echo(f"schema of {settings.table!r} is up to date (version {after})")
     else:

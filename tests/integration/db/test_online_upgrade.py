@@ -16,6 +16,7 @@ own ``outbox init``) holding one prepared batch of a relay that died:
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import secrets
@@ -98,10 +99,10 @@ def schema_1(empty_dsn: str, release_trees: pathlib.Path) -> Iterator[str]:
 class Init:
     """The current ``outbox init`` as a subprocess, its output read as it comes."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *args: str) -> None:
         script = os.path.join(os.path.dirname(sys.executable), "outbox")
         self.process = subprocess.Popen(
-            [script, "init"],
+            [script, "init", *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -197,8 +198,9 @@ def test_init__resolves_a_dead_relays_batch_and_never_freezes_inserts(
     assert gid in done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
 def test_init__says_which_batch_it_waits_for_while_inserts_go_on(
-    schema_1: str, init_process: list[Init]
+    schema_1: str, init_process: list[Init], log_format: str
 ) -> None:
     gid = dead_relays_batch(schema_1, rows=5)
     # The ledger is unreachable: init cannot tell whether the batch may be
@@ -207,7 +209,7 @@ def test_init__says_which_batch_it_waits_for_while_inserts_go_on(
     with Application(schema_1, "app", statement_timeout=10) as app:
         app.wait_for_rows(20)
         started = time.monotonic()
-        init = Init(env)
+        init = Init(env, "--log-format", log_format)
         init_process.append(init)
         wait_for(lambda: any(gid in line for line in init.lines), 20, f"a line naming {gid}")
         time.sleep(2)  # a few more lock timeouts and retries
@@ -221,6 +223,10 @@ def test_init__says_which_batch_it_waits_for_while_inserts_go_on(
     assert slowest < INSERT_BOUND, f"an INSERT waited {slowest:.1f}s behind outbox init"
     assert not app.errors, app.errors[:3]
     waiting = next(line for line in init.lines if gid in line)
+    if log_format == "json":
+        entry = json.loads(waiting)
+        assert entry["event"] == "init.progress", entry
+        waiting = entry["message"]
     assert "outbox resolve" in waiting and "relay" in waiting, waiting
     assert schema_version(schema_1) == migrate.LATEST_VERSION
 
