@@ -46,6 +46,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from importlib import resources
+from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
@@ -133,6 +134,7 @@ class Blocked:
     waited: float  # seconds since the step's first attempt
     holders: tuple[Holder, ...]
     relay_claims_cancelled: int  # relay claims queued behind it, cancelled so far
+    relay_claims_refused: str = ""  # why some could not be cancelled
 
 
 OnBlocked = Callable[[Blocked], None]
@@ -432,6 +434,7 @@ class _Online:
                         waited=time.monotonic() - started,
                         holders=tuple(self._holders(step)),
                         relay_claims_cancelled=_YieldToRelays.cancelled,
+                        relay_claims_refused=_YieldToRelays.refused,
                     )
                 )
             time.sleep(retry_pause(number))
@@ -515,6 +518,7 @@ class _YieldToRelays:
     """
 
     cancelled = 0  # over the process: reported in ``Blocked``
+    refused = ""  # why a claim could not be cancelled (the last time): reported too
 
     def __init__(self, conn: psycopg.Connection[object]) -> None:
         self.pid = conn.info.backend_pid
@@ -536,18 +540,31 @@ class _YieldToRelays:
         try:
             with psycopg.connect(self.conninfo, autocommit=True) as watch:
                 while not self.stop.wait(_YIELD_POLL):
-                    rows = watch.execute(
-                        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity"
+                    queued = watch.execute(
+                        "SELECT pid, usename FROM pg_stat_activity"
                         " WHERE %s = ANY(pg_blocking_pids(pid))"
-                        " AND application_name LIKE 'outbox-relay%%'"
-                        " AND wait_event_type = 'Lock'",
+                        " AND application_name LIKE 'outbox-relay%%'",
                         [self.pid],
                     ).fetchall()
-                    _YieldToRelays.cancelled += sum(1 for (done,) in rows if done)
+                    for pid, role in queued:
+                        self._cancel(watch, pid, role)
         except psycopg.Error:
-            # Without the watch (no second connection, no right to cancel) the
-            # attempt still ends at its lock_timeout: slower, never stuck.
+            # Without the watch (no second connection) each attempt still ends at
+            # its lock_timeout: slower beside busy relays, never stuck.
             return
+
+    def _cancel(self, watch: psycopg.Connection[Any], pid: int, role: str) -> None:
+        try:
+            row = watch.execute("SELECT pg_cancel_backend(%s)", [pid]).fetchone()
+        except pgerrors.InsufficientPrivilege as exc:
+            _YieldToRelays.refused = (
+                f"may not cancel the claims of relays running as {role!r} "
+                f"({str(exc).strip().splitlines()[0]}): run outbox init as that role, "
+                "or GRANT pg_signal_backend to its role"
+            )
+            return
+        if row and row[0]:
+            _YieldToRelays.cancelled += 1
 
 
 def describe_wait(blocked: Blocked, table: str, unsettled: str = "") -> str:
@@ -563,6 +580,8 @@ def describe_wait(blocked: Blocked, table: str, unsettled: str = "") -> str:
             f" ({blocked.relay_claims_cancelled} relay claims queued behind it cancelled "
             "so far; the relays retry them)"
         )
+    if blocked.relay_claims_refused:
+        line += f" (this init {blocked.relay_claims_refused})"
     return line
 
 

@@ -367,3 +367,108 @@ def test_migrate__gives_the_connection_its_own_settings_back(empty_dsn: str) -> 
             " current_setting('client_connection_check_interval')"
         ).fetchone()
     assert row == ("7s", "8s", "0")
+
+
+class Waiter:
+    """A statement run on its own connection in a thread, its outcome kept."""
+
+    def __init__(self, dsn: str, application_name: str, statement: str) -> None:
+        self.conn = psycopg.connect(dsn, application_name=application_name, autocommit=True)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(statement,), daemon=True)
+        self.thread.start()
+
+    def _run(self, statement: str) -> None:
+        try:
+            self.conn.execute(statement)  # type: ignore[arg-type]
+        except psycopg.Error as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+            self.conn.close()
+
+
+def migrate_in_thread(dsn: str, waits: list[migrate.Blocked]) -> threading.Thread:
+    def run() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate.migrate(conn, "outbox", on_blocked=waits.append)  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_migrate__cancels_relay_claims_queued_behind_its_step_never_the_applications(
+    empty_dsn: str,
+) -> None:
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    holder = psycopg.connect(empty_dsn, application_name="a-long-report")
+    holder.execute("SELECT count(*) FROM outbox")  # keeps ACCESS SHARE
+    waits: list[migrate.Blocked] = []
+    migration = migrate_in_thread(empty_dsn, waits)
+    wait_for(lambda: init_backends_waiting(empty_dsn), 10, "the migration waiting for its lock")
+    claim = Waiter(empty_dsn, "outbox-relay", "DELETE FROM outbox WHERE id = -1")
+    application = Waiter(empty_dsn, "the-application", "INSERT INTO outbox DEFAULT VALUES")
+    assert claim.done.wait(5), "the relay's claim queued behind the migration was not cancelled"
+    assert isinstance(claim.error, psycopg.errors.QueryCanceled), claim.error
+    assert application.done.wait(5)
+    assert application.error is None, application.error  # waited, never cancelled
+    holder.rollback()
+    holder.close()
+    migration.join(timeout=20)
+    assert not migration.is_alive()
+    assert schema_version(empty_dsn) == migrate.LATEST_VERSION
+    assert any(w.relay_claims_cancelled for w in waits) or not waits
+
+
+def init_backends_waiting(dsn: str) -> bool:
+    """A backend of this test's process (no application_name) waiting for a lock."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND query LIKE '%%ALTER TABLE%%'"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_migrate__says_when_it_may_not_cancel_the_relays_claims(
+    empty_dsn: str, pg_server: str
+) -> None:
+    """An init whose role may not cancel the relays' backends still finishes (each try
+    ends at its lock_timeout) and says what right it lacks."""
+    role = f"owner_{secrets.token_hex(4)}"
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(sql.Identifier(role)))
+    owner_dsn = psycopg.conninfo.make_conninfo(empty_dsn, user=role)
+    holder = psycopg.connect(empty_dsn, application_name="a-long-report", autocommit=True)
+    try:
+        with psycopg.connect(owner_dsn, autocommit=True) as conn:
+            migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+        holder.execute("BEGIN")
+        holder.execute("SELECT count(*) FROM outbox")
+        waits: list[migrate.Blocked] = []
+        migration = migrate_in_thread(owner_dsn, waits)
+        wait_for(lambda: init_backends_waiting(empty_dsn), 10, "the migration waiting")
+        # The relay runs as the superuser: the tables' owner may not cancel it.
+        claim = Waiter(empty_dsn, "outbox-relay", "DELETE FROM outbox WHERE id = -1")
+        wait_for(lambda: any(w.relay_claims_refused for w in waits), 15, "a refused cancel")
+        holder.execute("ROLLBACK")
+        migration.join(timeout=20)
+        assert not migration.is_alive()
+        assert claim.done.wait(5) and claim.error is None
+        line = migrate.describe_wait(next(w for w in waits if w.relay_claims_refused), "outbox")
+        assert "may not cancel the claims of relays running as 'postgres'" in line, line
+        assert "GRANT pg_signal_backend" in line, line
+    finally:
+        holder.close()
+        with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                [role],
+            )
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(pg_server, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
