@@ -70,6 +70,9 @@ OUTSIDE_A_TRANSACTION = "-- outside a transaction --"
 # How long one attempt at a lock waits in PostgreSQL's queue, with the application's
 # INSERTs queued behind it, before it lets them go and tries again (seconds).
 LOCK_TIMEOUT = 0.5
+# A concurrent index build blocks no INSERT, so it may wait longer before it gives
+# up (each try of a build that gave up starts it again, scanning the table again).
+CONCURRENT_LOCK_TIMEOUT = 5.0
 # Pauses between attempts (seconds): short at first, so that a lock held for a
 # moment is taken at once, growing while something holds it for long.
 RETRY_PAUSE_INITIAL = 0.2
@@ -403,7 +406,11 @@ class _Online:
             self.conn.execute(_composed(self.table, statement))
 
         what = f"index {index.group(1)}" if index else statement.split(" (")[0]
-        self._retried(f"migration {migration.name}: {what}", build)
+        self._set("lock_timeout", f"{round(CONCURRENT_LOCK_TIMEOUT * 1000)}ms")
+        try:
+            self._retried(f"migration {migration.name}: {what}", build, concurrent=True)
+        finally:
+            self._set("lock_timeout", f"{round(LOCK_TIMEOUT * 1000)}ms")
 
     def _drop_if_invalid(self, index: sql.Identifier) -> None:
         """Drop the invalid index a failed or killed ``CREATE INDEX CONCURRENTLY`` left."""
@@ -418,7 +425,9 @@ class _Online:
         if row and row[0]:
             self.conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index))
 
-    def _retried(self, step: str, attempt: Callable[[], object]) -> None:
+    def _retried(
+        self, step: str, attempt: Callable[[], object], *, concurrent: bool = False
+    ) -> None:
         started = time.monotonic()
         for number in _attempts():
             try:
@@ -432,23 +441,28 @@ class _Online:
                         step=step,
                         attempt=number,
                         waited=time.monotonic() - started,
-                        holders=tuple(self._holders(step)),
+                        holders=tuple(self._holders(concurrent)),
                         relay_claims_cancelled=_YieldToRelays.cancelled,
                         relay_claims_refused=_YieldToRelays.refused,
                     )
                 )
             time.sleep(retry_pause(number))
 
-    def _holders(self, step: str) -> Iterator[Holder]:
-        """What holds a lock on the outbox's tables (or the migration lock) now.
+    def _holders(self, concurrent: bool) -> Iterator[Holder]:
+        """What holds a lock on the outbox's tables (or the migration lock) now;
+        for a concurrent index build, every transaction of the database, since the
+        build waits for all that started before it.
 
         Sessions show only when their transaction is older than twice
         ``LOCK_TIMEOUT``: the application's short transactions come and go.
         """
         cur = self.conn.cursor(row_factory=tuple_row)
-        rows = cur.execute(
-            _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
-        ).fetchall()
+        if concurrent:
+            rows = cur.execute(_OLD_TRANSACTIONS).fetchall()
+        else:
+            rows = cur.execute(
+                _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
+            ).fetchall()
         for relation, gid, pid, name, state, seconds in rows:
             if gid is None and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT):
                 # A short transaction, one that ended since, or one that waited
@@ -488,6 +502,22 @@ WHERE l.granted
        OR (l.locktype = 'advisory' AND l.classid = (%(key)s::int[])[1]
            AND l.objid = (%(key)s::int[])[2]))
 ORDER BY coalesce(p.gid, l.pid::text), c.relname
+"""
+
+
+# What a concurrent index build waits for: every transaction of this database that
+# started before it (prepared ones included).
+_OLD_TRANSACTIONS = """
+SELECT 'this database', p.gid, NULL::int, NULL, NULL,
+       greatest(0, extract(epoch FROM now() - p.prepared))
+FROM pg_prepared_xacts p WHERE p.database = current_database()
+UNION ALL
+SELECT 'this database', NULL, a.pid, a.application_name, a.state,
+       greatest(0, extract(epoch FROM now() - a.xact_start))
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.xact_start IS NOT NULL AND a.backend_type = 'client backend'
+ORDER BY 6 DESC
 """
 
 

@@ -472,3 +472,29 @@ def test_migrate__says_when_it_may_not_cancel_the_relays_claims(
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
         with psycopg.connect(pg_server, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def test_migrate__an_index_build_names_the_old_transaction_it_waits_for(empty_dsn: str) -> None:
+    """CREATE INDEX CONCURRENTLY blocks no INSERT but waits for every transaction that
+    started before it, whatever table it reads: that transaction is named."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    report = psycopg.connect(empty_dsn, application_name="a-long-report")
+    report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    report.execute("SELECT count(*) FROM pg_class")  # a snapshot, no lock on our tables
+    pid = report.info.backend_pid
+    waits: list[migrate.Blocked] = []
+
+    def blocked(wait: migrate.Blocked) -> None:
+        waits.append(wait)
+        assert timed_insert(empty_dsn) < INSERT_BOUND  # the build blocks no INSERT
+        report.rollback()
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        result = migrate.migrate(conn, "outbox", on_blocked=blocked)  # type: ignore[arg-type]
+    report.close()
+    assert result == (2, migrate.LATEST_VERSION)
+    [wait] = waits
+    assert wait.step == "migration 0003_ordering_keys.sql: index outbox_ordering_key", wait
+    line = migrate.describe_wait(wait, "outbox")
+    assert f"session pid {pid} (a-long-report, idle in transaction" in line, line
