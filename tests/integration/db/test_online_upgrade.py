@@ -266,7 +266,7 @@ def test_init__takes_its_locks_while_pipelined_relays_drain_a_backlog(
         dsn=empty_dsn,
         amqp_url=topology.amqp_url,
         ledger_queue=topology.ledger,
-        batch_size=200,
+        batch_size=100,
         poll_interval=0.5,
         heartbeat_interval=0.5,
         resolve_interval=1.0,
