@@ -6,7 +6,7 @@ pass at start-up and every ``resolve_interval``; ``outbox resolve`` and
 ``python -m resolver`` run one pass for operators.
 """
 
-from resolver.apply import Resolution, resolve
+from resolver.apply import Resolution, resolve, run_pass
 from resolver.decide import Action, Decision, Owner, decide
 
-__all__ = ["Action", "Decision", "Owner", "Resolution", "decide", "resolve"]
+__all__ = ["Action", "Decision", "Owner", "Resolution", "decide", "resolve", "run_pass"]
