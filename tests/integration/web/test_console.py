@@ -128,10 +128,18 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
+    """A fresh browser tab; the test fails if a page logged an error (a script or
+    style the Content-Security-Policy blocked, a failed request)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     context.set_default_timeout(15_000)
-    yield context.new_page()
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield tab
     context.close()
+    expected = ("401", "403", "404", "503")  # the refusals and errors the tests provoke
+    assert [e for e in errors if not any(code in e for code in expected)] == []
 
 
 # -- rows ---------------------------------------------------------------------------
@@ -191,7 +199,11 @@ def http(
 
 # -- the tests ----------------------------------------------------------------------
 def test_web__retry_on_a_dead_letter_publishes_it_once_and_it_leaves_the_list(
-    settings: Settings, topology: Topology, console: Console, page: Page
+    settings: Settings,
+    topology: Topology,
+    console: Console,
+    page: Page,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     row_id, message_id = add_dead_letter(settings.dsn, topology.exchange)
     other_id, _ = add_dead_letter(settings.dsn, topology.exchange, reason="another reason")
@@ -204,6 +216,11 @@ def test_web__retry_on_a_dead_letter_publishes_it_once_and_it_leaves_the_list(
         assert page.locator("#count").inner_text() == "1"  # shown before confirming
         page.locator("#confirm").click()
         assert page.locator("#done").inner_text().startswith("1 dead letters moved back")
+        [logged] = [r for r in caplog.records if getattr(r, "event", "").startswith("web.")]
+        assert logged.event == "web.dead_letters_retried"  # type: ignore[attr-defined]
+        assert logged.fields["who"] == "local"  # type: ignore[attr-defined]
+        assert logged.fields["rows"] == 1  # type: ignore[attr-defined]
+        assert logged.fields["row_ids"] == [row_id]  # type: ignore[attr-defined]
 
         wait_for(lambda: rows_left(settings.dsn) == 0, 20, "the relay to publish the row")
         assert received(topology) == [message_id]  # once, with its message id
@@ -244,6 +261,23 @@ def test_web__purging_a_parked_message_removes_it(
     page.goto(f"{console.url}/parked")
     assert page.locator(f"tr.parked-message[data-message-id='{doomed}']").count() == 0
     assert page.locator(f"tr.parked-message[data-message-id='{kept}']").count() == 1
+
+
+def test_web__retry_on_a_parked_message_sends_it_back_to_its_queue(
+    settings: Settings, topology: Topology, console: Console, page: Page
+) -> None:
+    message_id = add_parked(settings.dsn)
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(f"UPDATE {INBOX}_parked SET queue = %s", [topology.queue])
+    page.goto(f"{console.url}/parked")
+    page.locator(f"tr.parked-message[data-message-id='{message_id}'] a.retry").click()
+    assert page.locator("#count").inner_text() == "1"
+    page.locator("#confirm").click()
+    assert page.locator("#done").inner_text().startswith("1 parked messages sent back")
+    assert parked_ids(settings.dsn) == []
+    [(_, props, body)] = topology.messages(idle=0.3)
+    assert props.message_id == message_id and body == b"hello"
+    assert props.headers["x-outbox-original-exchange"] == "orders"
 
 
 class StallingProxy(TcpProxy):
