@@ -80,6 +80,10 @@ class Pages:
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True,
             undefined=jinja2.StrictUndefined,
+            # Every value is redacted before it is escaped: a password holding & < > "
+            # no longer looks like itself once escaped.  The page is redacted again as
+            # a whole (render), for what a template writes without an expression.
+            finalize=_redacted,
         )
         self.env.filters["age"] = _age
         self.env.filters["short"] = _short
@@ -101,6 +105,10 @@ class Pages:
         }
         html = self.env.get_template(name).render(**base, **context)
         return HTMLResponse(redact(html), status_code=status_code)
+
+
+def _redacted(value: Any) -> Any:
+    return redact(value) if isinstance(value, str) else value
 
 
 def _age(seconds: float | None) -> str:

@@ -68,3 +68,21 @@ def test_where__connection_settings_are_shown_without_their_password() -> None:
     assert where_dsn("host=db dbname=app password=S3cret") == "db/app"
     amqp = where_amqp("amqp://u:S3cret@mq1:5672/%2F;amqp://u:S3cret@mq2:5672/%2F")
     assert "S3cret" not in amqp and "mq1:5672" in amqp and "mq2:5672" in amqp
+
+
+def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
+    from outbox import redaction
+    from outbox.config import Settings
+    from outbox.web.app import Pages, WebConfig
+    from outbox.web.security import Credentials
+
+    secret = "Pw<&\"'>x9"
+    redaction.remember(f"host=db password='{secret}'")
+    pages = Pages(
+        WebConfig(console.ConsoleConfig((Settings(),)), "amqp://localhost", Credentials())
+    )
+    template = pages.env.from_string("<pre>{{ body }}</pre><p>{{ reason }}</p>")
+    html = template.render(body='{"password": "hunter2-x"}', reason=f"refused: {secret}")
+    assert secret not in html and "Pw&lt;&amp;" not in html
+    assert "hunter2-x" not in html
+    assert "***" in html
