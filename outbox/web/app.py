@@ -201,9 +201,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         form = await request.form()
         submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
         why = None
-        if not security.same_origin(
-            request.headers.get("origin"), request.headers.get("host"), request.url.scheme
-        ):
+        if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
             why = "the request came from another site (Origin)"
         elif not keys.request_ok(
             request.cookies.get(security.CSRF_COOKIE),

@@ -15,7 +15,7 @@ The rules (pure functions; ``app.py`` applies them to every request):
   header (the signed double-submit cookie pattern).  The cookie value is a random
   nonce signed with a per-process key, so a cookie planted by another site on the
   same host does not verify; it is ``SameSite=Strict`` and ``HttpOnly``.  A POST whose
-  ``Origin`` names another site is refused as well.
+  ``Origin`` names another host is refused as well.
 """
 
 from __future__ import annotations
@@ -155,10 +155,15 @@ class CsrfKeys:
         return hmac.new(self._key, nonce.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def same_origin(origin: str | None, host: str | None, scheme: str) -> bool:
-    """An ``Origin`` header (when a browser sends one) must name this console."""
+def same_origin(origin: str | None, host: str | None) -> bool:
+    """An ``Origin`` header (when a browser sends one) must name this console's host.
+
+    The scheme is not compared: behind a proxy that ends TLS the console sees http
+    while the browser says https.
+    """
     if not origin:
         return True  # not every client sends it; the CSRF token is the real check
     if origin == "null" or not host:
         return False
-    return origin.rstrip("/").lower() == f"{scheme}://{host}".lower()
+    _, sep, netloc = origin.partition("://")
+    return bool(sep) and netloc.rstrip("/").lower() == host.lower()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import types
 
 import uvicorn
 
@@ -13,7 +15,13 @@ log = logging.getLogger("outbox.web")
 
 
 def serve(config: WebConfig, port: int) -> None:
-    """Run until SIGINT or SIGTERM (uvicorn's handlers), then finish open requests."""
+    """Run until SIGINT or SIGTERM, finish open requests, return (exit 0, like a relay).
+
+    uvicorn catches the signal, shuts down, restores the handlers it found and raises
+    the signal again; the handlers installed here take that second signal quietly.
+    """
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stopped)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
@@ -36,3 +44,7 @@ def serve(config: WebConfig, port: int) -> None:
         inbox_tables=[t.table for t in cfg.inboxes],
     )
     server.run()
+
+
+def _stopped(signum: int, frame: types.FrameType | None) -> None:
+    emit(log, "web.stopped", signal=signal.Signals(signum).name)

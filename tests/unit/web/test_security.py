@@ -83,7 +83,10 @@ def test_csrf__only_a_token_this_process_issued_and_the_page_sent_back_passes() 
 
 
 def test_same_origin__a_foreign_origin_is_refused_a_missing_one_is_left_to_the_token() -> None:
-    assert security.same_origin(None, "127.0.0.1:8310", "http")
-    assert security.same_origin("http://127.0.0.1:8310", "127.0.0.1:8310", "http")
-    assert not security.same_origin("http://evil.example", "127.0.0.1:8310", "http")
-    assert not security.same_origin("null", "127.0.0.1:8310", "http")
+    assert security.same_origin(None, "127.0.0.1:8310")
+    assert security.same_origin("http://127.0.0.1:8310", "127.0.0.1:8310")
+    assert security.same_origin("https://console.example", "console.example")  # behind TLS
+    assert not security.same_origin("http://evil.example", "127.0.0.1:8310")
+    assert not security.same_origin("http://127.0.0.1:9999", "127.0.0.1:8310")
+    assert not security.same_origin("null", "127.0.0.1:8310")
+    assert not security.same_origin("garbage", "127.0.0.1:8310")
