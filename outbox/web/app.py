@@ -32,7 +32,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from outbox import redaction, urls
-from outbox.errors import DatabaseUnavailable, OutboxError
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.redaction import redact
 from outbox.web import console, security
@@ -198,7 +198,8 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
 
     async def checked_form(request: Request, what: str) -> FormData:
         """The form of a state-changing POST, after the CSRF and read-only checks."""
-        form = await request.form()
+        # A group's ids come back as fields: room for a whole page of them.
+        form = await request.form(max_fields=cfg.list_limit + 16, max_files=0)
         submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
         why = None
         if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
@@ -305,6 +306,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         return pages.render(
             request,
             "confirm_dead_letters.html",
+            limit=cfg.list_limit,
             table=settings.table,
             action=action,
             selection=selection,
@@ -388,10 +390,24 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     async def parked_confirm(request: Request) -> Response:
         target = inbox_of(request)
         action = _action(request.query_params.get("action"))
-        ids = console.parked_selection(request.query_params.getlist("id"))
+        wanted = list(request.query_params.getlist("id"))
+        group = request.query_params.get("group")
+        if group is not None:
+            listed = await run_in_threadpool(console.parked_entries, target, cfg.list_limit)
+            for found in console.parked_groups(listed):
+                if found.label == group:
+                    wanted += found.ids
+        ids = console.parked_selection(wanted)
         rows = await run_in_threadpool(console.plan_parked, target, ids) if ids else []
         return pages.render(
-            request, "confirm_parked.html", inbox=target.table, action=action, ids=ids, rows=rows
+            request,
+            "confirm_parked.html",
+            limit=cfg.list_limit,
+            inbox=target.table,
+            action=action,
+            ids=ids,
+            rows=rows,
+            group=group,
         )
 
     async def parked_act(request: Request) -> Response:
@@ -470,7 +486,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
 
     async def outbox_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OutboxError)
-        status = 503 if isinstance(exc, DatabaseUnavailable) else 500
+        status = 503 if isinstance(exc, DatabaseUnavailable | BrokerUnavailable) else 500
         emit(log, "web.error", logging.WARNING, path=request.url.path, error=exc.message)
         return _with_headers(
             pages.render(request, "error.html", status_code=status, message=console.describe(exc))

@@ -158,10 +158,11 @@ def overview(config: ConsoleConfig) -> dict[str, Any]:
         outboxes.append(section)
     inboxes = []
     for target in config.inboxes:
-        inbox_section: dict[str, Any] = {"table": target.table, "error": None}
+        inbox_section: dict[str, Any] = {"table": target.table, "error": None, "more": False}
         try:
             parked_rows = parked_entries(target, config.list_limit)
             inbox_section["parked"] = len(parked_rows)
+            inbox_section["more"] = len(parked_rows) >= config.list_limit
             inbox_section["groups"] = parked_groups(parked_rows)
         except OutboxError as exc:
             inbox_section["error"] = describe(exc)

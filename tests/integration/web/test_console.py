@@ -247,6 +247,40 @@ def test_web__retry_of_an_ordering_key_counts_all_its_dead_letters_and_keeps_the
     assert back == [first, second]  # same row ids: the key's order is kept
 
 
+def test_web__a_reason_group_bigger_than_a_page_is_retried_a_page_at_a_time(
+    settings: Settings, console: Console, page: Page
+) -> None:
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason) SELECT nextval(pg_get_serial_sequence('outbox', 'id')), "
+            "gen_random_uuid(), 'ex', 'rk', 'p', now(), 'broker said 404' "
+            "FROM generate_series(1, 1200)"
+        )
+    page.goto(f"{console.url}/dead-letters")
+    assert "Showing the oldest 1000" in page.locator("#listing").inner_text()
+    page.locator("table.reasons a", has_text="retry group").click()
+    assert page.locator("#count").inner_text() == "1000"
+    page.locator("#confirm").click()  # 1000 ids and the token in one form
+    assert page.locator("#done").inner_text().startswith("1000 dead letters moved back")
+    assert len(dead_letter_ids(settings.dsn)) == 200 and rows_left(settings.dsn) == 1000
+
+
+def test_web__purging_a_parked_group_removes_every_message_of_it(
+    settings: Settings, console: Console, page: Page
+) -> None:
+    group = [add_parked(settings.dsn, error="KeyError: 'sku'") for _ in range(3)]
+    other = add_parked(settings.dsn)
+    page.goto(f"{console.url}/parked")
+    row = page.locator("#listing table.groups tr", has_text="billing: KeyError: 'sku'")
+    row.locator("a", has_text="purge group").click()
+    assert page.locator("#count").inner_text() == "3"
+    page.locator("#confirm").click()
+    assert page.locator("#done").inner_text().startswith("3 parked messages purged")
+    assert parked_ids(settings.dsn) == [other]
+    assert not set(group) & set(parked_ids(settings.dsn))
+
+
 def test_web__purging_a_parked_message_removes_it(
     settings: Settings, console: Console, page: Page
 ) -> None:
