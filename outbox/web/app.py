@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
@@ -32,6 +32,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from outbox import redaction, urls
+from outbox.config import Settings
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.redaction import redact
@@ -42,11 +43,11 @@ log = logging.getLogger("outbox.web")
 
 HERE = pathlib.Path(__file__).parent
 
-Handler = Callable[[Request], Awaitable[Response]]
-
 
 @dataclasses.dataclass(frozen=True)
 class WebConfig:
+    """What ``outbox web`` was given: the tables, the broker, who may come in."""
+
     console: ConsoleConfig
     amqp_url: str
     credentials: security.Credentials
@@ -185,7 +186,7 @@ def _client(request: Request) -> str:
 
 
 def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None) -> Starlette:
-    """The console as an ASGI application (``uvicorn`` serves it: ``command.py``)."""
+    """The console as an ASGI application (``server.serve`` runs it with uvicorn)."""
     keys = csrf_keys or security.CsrfKeys()
     # The CLI's option types remember these already; an embedding application may not.
     redaction.remember(
@@ -224,7 +225,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             raise HTTPException(403, why)
         return form
 
-    def outbox_of(request: Request, form: FormData | None = None) -> Any:
+    def outbox_of(request: Request, form: FormData | None = None) -> Settings:
         table = (form.get("table") if form else None) or request.query_params.get("table")
         try:
             return cfg.outbox(str(table) if table else None)
