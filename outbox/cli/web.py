@@ -31,7 +31,8 @@ DEFAULT_PORT = 8310
     envvar="OUTBOX_WEB_ALSO_TABLES",
     show_envvar=True,
     multiple=True,
-    help="Another outbox table in the same database to show (repeatable).",
+    help="Another outbox table in the same database to show (repeatable; the variable "
+    "takes several separated by spaces).",
 )
 @env_option(
     "--inbox-dsn",
@@ -43,10 +44,11 @@ DEFAULT_PORT = 8310
 @click.option(
     "--inbox-table",
     "inbox_tables",
-    envvar="OUTBOX_WEB_INBOX_TABLES",
+    envvar="OUTBOX_INBOX_TABLE",
     show_envvar=True,
     multiple=True,
-    help="An inbox table whose parked messages to show (repeatable) [default: none].",
+    help="An inbox table whose parked messages to show (repeatable; the variable takes "
+    "several separated by spaces) [default: none].",
 )
 @env_option(
     "--host",
