@@ -144,7 +144,7 @@ class Guard(BaseHTTPMiddleware):
                 logging.WARNING,
                 why="not authenticated",
                 client=_client(request),
-                path=request.url.path,
+                path=loggable(request.url.path),
             )
             return _with_headers(
                 PlainTextResponse(
@@ -179,6 +179,11 @@ def _with_headers(response: Response) -> Response:
     response.headers["Referrer-Policy"] = "same-origin"
     response.headers["Cache-Control"] = "no-store"
     return response
+
+
+def loggable(text: str, most: int = 200) -> str:
+    """Text a client chose, safe for a log line: no newline can forge another entry."""
+    return text[:most].encode("unicode_escape").decode("ascii")
 
 
 def _client(request: Request) -> str:

@@ -86,3 +86,10 @@ def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
     assert secret not in html and "Pw&lt;&amp;" not in html
     assert "hunter2-x" not in html
     assert "***" in html
+
+
+def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
+    from outbox.web.app import loggable
+
+    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
+    assert len(loggable("/" + "a" * 500)) == 200

@@ -53,7 +53,7 @@ def test_authenticate__no_credentials_configured_means_local() -> None:
 def test_authenticate__token_as_bearer_or_as_basic_password() -> None:
     creds = Credentials(token="s3cret-token")
     assert security.authenticate("Bearer s3cret-token", creds) == "token"
-    assert security.authenticate(basic("alice", "s3cret-token"), creds) == "token (alice)"
+    assert security.authenticate(basic("alice", "s3cret-token"), creds) == "token"
     assert security.authenticate("Bearer wrong", creds) is None
     assert security.authenticate(basic("alice", "wrong"), creds) is None
     assert security.authenticate(None, creds) is None
