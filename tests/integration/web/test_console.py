@@ -281,6 +281,18 @@ def test_web__purging_a_parked_group_removes_every_message_of_it(
     assert not set(group) & set(parked_ids(settings.dsn))
 
 
+def test_web__the_filter_narrows_the_list_as_you_type(
+    settings: Settings, topology: Topology, console: Console, page: Page
+) -> None:
+    kept, _ = add_dead_letter(settings.dsn, topology.exchange, reason="NOT_FOUND - no exchange")
+    hidden, _ = add_dead_letter(settings.dsn, topology.exchange, reason="message too large")
+    page.goto(f"{console.url}/dead-letters")
+    page.locator("form.filter input[type=search]").fill("no exchange")
+    page.locator(f"tr.dead-letter[data-id='{hidden}']").wait_for(state="detached")
+    assert page.locator(f"tr.dead-letter[data-id='{kept}']").count() == 1
+    assert page.url == f"{console.url}/dead-letters"  # swapped in place by htmx
+
+
 def test_web__purging_a_parked_message_removes_it(
     settings: Settings, console: Console, page: Page
 ) -> None:
