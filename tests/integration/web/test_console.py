@@ -281,6 +281,20 @@ def test_web__purging_a_parked_group_removes_every_message_of_it(
     assert not set(group) & set(parked_ids(settings.dsn))
 
 
+def test_web__purging_a_selection_of_dead_letters_takes_exactly_the_ticked_ones(
+    settings: Settings, topology: Topology, console: Console, page: Page
+) -> None:
+    ids = [add_dead_letter(settings.dsn, topology.exchange)[0] for _ in range(3)]
+    page.goto(f"{console.url}/dead-letters")
+    for row_id in (ids[0], ids[2]):
+        page.locator(f"tr.dead-letter[data-id='{row_id}'] input[type=checkbox]").check()
+    page.locator("button", has_text="Purge selected").click()
+    assert page.locator("#count").inner_text() == "2"
+    page.locator("#confirm").click()
+    assert page.locator("#done").inner_text().startswith("2 dead letters purged")
+    assert dead_letter_ids(settings.dsn) == [ids[1]]
+
+
 def test_web__the_filter_narrows_the_list_as_you_type(
     settings: Settings, topology: Topology, console: Console, page: Page
 ) -> None:
