@@ -17,12 +17,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from outbox import gid as gids
 from outbox.config import Settings
 from outbox.db import migrate, session
-from outbox.db.batches import BatchStore
 from outbox.errors import OutboxError
-from resolver import resolve
+from resolver import is_ours, run_pass
 
 # Least time between two resolver passes while a step waits (seconds).
 RESOLVE_EVERY = 5.0
@@ -57,16 +55,7 @@ class Upgrade:
         """One resolver pass: finish the batches of relays that are gone."""
         self._last_resolve = time.monotonic()
         try:
-            store = BatchStore(
-                self.settings.dsn,
-                self.settings.table,
-                application_name="outbox-init-resolve",
-                connect_timeout=self.settings.connect_timeout,
-            )
-            try:
-                results = resolve(store, self.settings)
-            finally:
-                store.close()
+            results = run_pass(self.settings, application_name="outbox-init-resolve")
         except OutboxError as exc:
             self._unsettled = exc.message
             return
@@ -79,8 +68,8 @@ class Upgrade:
                 )
 
     def _ours(self, holder: migrate.Holder) -> bool:
-        parsed = gids.parse(holder.gid) if holder.gid else None
-        return parsed is not None and parsed.table == self.settings.table
+        # A lock held by a prepared transaction of this database (pg_locks).
+        return holder.gid is not None and is_ours(holder.gid, local=True, table=self.settings.table)
 
     def _blocked(self, blocked: migrate.Blocked) -> None:
         now = time.monotonic()
