@@ -234,20 +234,34 @@ def run_through_fault(
     seconds: float = FAULT_SECONDS,
     bad_key: str = "bad-key",
     relay_settings: Settings | None = None,
+    rows_first: bool = False,
 ) -> RunningRelay:
-    """Write the rows, start a relay, fail ``write`` for ``seconds``, then check
-    that the relay drained the table within the bound and said what failed."""
+    """Start a relay, fail ``write``, write the rows, go on failing for ``seconds``,
+    then check that the relay drained the table within the bound and said what
+    failed.  ``rows_first``: write the rows, start failing, then start the relay."""
     caplog.set_level(logging.INFO, logger="outbox")
     with psycopg.connect(settings.dsn, autocommit=True) as conn:
         conn.execute(INJECTOR)
-    written = write_rows(settings.dsn, topology, bad_key=bad_key)
-    with RunningRelay(relay_settings or settings) as running:
-        with fault:
+    written: Written | None = None
+    if rows_first:  # the fault blocks the application's inserts too
+        written = write_rows(settings.dsn, topology, bad_key=bad_key)
+        fault.__enter__()
+    running = RunningRelay(relay_settings or settings).__enter__()
+    try:
+        if not rows_first:
+            fault.__enter__()
+            written = write_rows(settings.dsn, topology, bad_key=bad_key)
+        try:
             time.sleep(seconds)
             assert running.alive, f"the relay died of a failing {write}: {running.error!r}"
             during = retries(caplog)
+        finally:
+            fault.__exit__(None, None, None)
         running.wait_until_drained(settings.dsn, timeout=30)
         assert running.alive
+    finally:
+        running.__exit__()
+    assert written is not None
     stats = running.relay.stats
 
     report = check_delivery(
@@ -320,7 +334,7 @@ def test_claim__failing_20s__publishes_each_row_at_most_twice(
         if kind == "lock"
         else raising(settings.dsn, "claim", "XX000")
     )
-    run_through_fault(settings, topology, caplog, fault, write="claim")
+    run_through_fault(settings, topology, caplog, fault, write="claim", rows_first=True)
 
 
 @pytest.mark.slow
@@ -390,8 +404,8 @@ def test_rollback_prepared__failing_20s__publishes_each_row_at_most_twice(
 
 def test_write_failures__counted_by_write_in_the_metric() -> None:
     """``outbox_write_failures_total{write=…}`` exports ``Stats.write_failures``."""
-    from outbox.metrics import RelayCollector
-    from outbox.stats import Stats
+    from outbox.relay.metrics import RelayCollector
+    from outbox.relay.stats import Stats
 
     class Figures:
         figures = None
@@ -402,7 +416,7 @@ def test_write_failures__counted_by_write_in_the_metric() -> None:
     class FakeRelay:
         stats = Stats(write_failures=collections.Counter({"dead_letters": 3, "claim": 1}))
 
-        class publisher:  # noqa: N801
+        class publisher:
             connected = True
 
     collector = RelayCollector(FakeRelay(), Figures())  # type: ignore[arg-type]
