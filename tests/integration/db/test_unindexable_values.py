@@ -65,13 +65,13 @@ def test_long_key_written_before_the_limit__unroutable_row_is_a_dead_letter(
 ) -> None:
     """Before: 'index row size 3224 exceeds btree version 4 maximum 2704', forever."""
     long_key = secrets.token_urlsafe(LONG_KEY_BYTES * 3 // 4)
+    nowhere = f"nobody.bound.{uuid.uuid4().hex}"
     with before_the_limit(settings.dsn), psycopg.connect(settings.dsn) as conn:
         conn.execute(
             "INSERT INTO outbox (exchange, routing_key, payload, ordering_key) VALUES "
             "('', %s, 'unroutable', %s), (%s, 'k', 'same key, held back', %s), "
             "(%s, 'k', 'other', 'k2')",
-            [f"nobody.bound.{uuid.uuid4().hex}", long_key]
-            + [topology.exchange, long_key, topology.exchange],
+            [nowhere, long_key, topology.exchange, long_key, topology.exchange],
         )
 
     relay = relay_drain(settings)
