@@ -93,11 +93,12 @@ claim              nothing new is claimed, so nothing published;   0
                    the failure and is committed first
 prepare            the claim ends with the failed PREPARE;         0
                    nothing of it was published
-dead_letters       the batch is rolled back once; from then on     its accepted
-                   every batch writes the dead letters it knows    messages, once
-                   (returned rows are remembered: ``condemn``)
-                   *before* publishing, and publishes nothing
-                   while that write fails
+dead_letters       the batch is rolled back once; its dead         its accepted
+                   letters are remembered (``_unwritten``), and    messages, once
+                   until they are written every batch writes the
+                   dead letters it knows *before* publishing: a
+                   batch whose dead letters cannot be written
+                   publishes nothing
 ledger             the batches in flight are rolled back once;     the batches in
                    the ledger is probed before every claim:        flight, once
                    nothing is published until a record is
@@ -110,11 +111,13 @@ rollback_prepared  in doubt: looked up and rolled back before      0 more
 
 So a failing write costs at most the batches in flight, once (≤ batch_size at
 depth 1, ≤ 2 x batch_size at depth 2), and no row goes out more than twice,
-however long the failure lasts.  Every failure is counted by write
-(``Stats.write_failures``, the metric ``outbox_write_failures_total{write}``)
-and named in the retry's log line (``relay.retry write=…``); the relay's
-backoff grows until a batch is committed again (``process``), whichever write
-failed.
+however long the failure lasts.  (One case costs a batch more: a row first
+returned as unroutable while the dead-letter write is still failing, in a batch
+that held no dead letter known before; its batch is then held like the first.)
+Every failure is counted by write (``Stats.write_failures``, the metric
+``outbox_write_failures_total{write}``) and named in the retry's log line
+(``relay.retry write=…``); the relay's backoff grows until a batch is committed
+again (``process``), whichever write failed.
 
 Transient failures roll the batch back and retry with backoff; they never
 dead-letter a row.  Rows that can never be published (``triage.Triage``) and
@@ -415,10 +418,11 @@ class Batches:
     def _send(self, batch: Batch) -> None:
         """Publish the batch's messages without waiting ("some messages published").
 
-        Suspects go first, one at a time (``_send_alone``).  While dead-letter
-        writes are refused, the dead letters known before publishing are recorded
-        first, and nothing is published if that fails: a table the relay may not
-        write costs no further duplicates.
+        Suspects go first, one at a time (``_send_alone``).  While some dead letters
+        could not be written (``_unwritten``, whatever the error), the dead letters
+        known before publishing are recorded first, and nothing is published if
+        that fails: a dead-letter write that keeps failing costs no further
+        duplicates.
         """
         try:
             self._publish(batch)
