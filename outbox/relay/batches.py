@@ -157,6 +157,7 @@ from outbox.events import emit
 from outbox.gid import Gid
 from outbox.message import ORDERING_KEY_HEADER, DeadLetter, OutboxRow
 from outbox.relay import ordering
+from outbox.relay.isolation import SUSPECT_TTL_SECONDS
 from outbox.relay.stats import Stats
 from outbox.relay.triage import Triage
 
@@ -165,6 +166,11 @@ log = logging.getLogger("outbox.relay")
 # A claim is an index scan of at most batch_size rows: milliseconds.  Slower means a
 # bad plan, a bloated table or an overloaded server: say so in the log.
 SLOW_CLAIM_SECONDS = 1.0
+
+# How long a row whose dead letter could not be written is remembered without being
+# seen again (each failing retry refreshes it): as long as a verdict learnt from the
+# broker (``isolation.SUSPECT_TTL_SECONDS``).
+UNWRITTEN_SECONDS = SUSPECT_TTL_SECONDS
 
 # What makes a step fail and the relay back off (everything else is a bug).
 RETRYABLE: tuple[type[OutboxError], ...] = (
@@ -309,9 +315,12 @@ class Batches:
         self._may_commit = may_commit
         self._on_batch = on_batch
         self._seq = 0
-        # Rows whose dead letter could not be written (row id → reason): while any
+        # Rows whose dead letter could not be written (row id → reason, when last
+        # refused): while any
         # is left, a batch writes the dead letters it knows before publishing.
-        self._unwritten: dict[int, str] = {}
+        # Each retry refreshes an entry; one left alone for ``UNWRITTEN_SECONDS`` (its
+        # row relayed by another relay meanwhile, say) is forgotten.
+        self._unwritten: dict[int, tuple[str, float]] = {}
 
     # -- the schedule ------------------------------------------------------------
     def step(self) -> int:
@@ -432,9 +441,11 @@ class Batches:
     def _publish(self, batch: Batch) -> None:
         batch.dead, good = sort_out(self.triage, self.broker, batch.rows)
         if self._unwritten:
+            self._forget_old_unwritten()
+        if self._unwritten:
             # Known dead letters from a write that failed, whatever triage says now.
             batch.dead += [
-                DeadLetter(r, self._unwritten[r.id]) for r in good if r.id in self._unwritten
+                DeadLetter(r, self._unwritten[r.id][0]) for r in good if r.id in self._unwritten
             ]
             good = [r for r in good if r.id not in self._unwritten]
         if self.settings.hold_keys:
@@ -524,7 +535,7 @@ class Batches:
                 self._store().record_dead_letters(letters, batch.gid)
         except RETRYABLE:
             for letter in letters:
-                self._unwritten[letter.row.id] = letter.reason
+                self._unwritten[letter.row.id] = (letter.reason, time.monotonic())
             raise
         for letter in letters:
             self._unwritten.pop(letter.row.id, None)
@@ -705,6 +716,11 @@ class Batches:
         return any(b.state is State.IN_DOUBT for b in self.in_flight.values())
 
     # -- helpers -----------------------------------------------------------------------
+    def _forget_old_unwritten(self) -> None:
+        cutoff = time.monotonic() - UNWRITTEN_SECONDS
+        for row_id in [i for i, (_, since) in self._unwritten.items() if since < cutoff]:
+            del self._unwritten[row_id]
+
     def _failed(self, write: str, error: OutboxError) -> OutboxError:
         """Name the write that ``error`` failed, once (the innermost write names it),
         and count it (``outbox_write_failures_total{write}``)."""
