@@ -316,8 +316,8 @@ class Batches:
         self._on_batch = on_batch
         self._seq = 0
         # Rows whose dead letter could not be written (row id → reason, when last
-        # refused): while any
-        # is left, a batch writes the dead letters it knows before publishing.
+        # refused): while any is left, a batch writes the dead letters it knows
+        # before publishing.
         # Each retry refreshes an entry; one left alone for ``UNWRITTEN_SECONDS`` (its
         # row relayed by another relay meanwhile, say) is forgotten.
         self._unwritten: dict[int, tuple[str, float]] = {}
