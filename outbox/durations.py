@@ -1,6 +1,6 @@
 """A cumulative histogram of durations, as plain data (no metrics library).
 
-The relay observes one value per committed batch; ``outbox.metrics`` turns a
+The relay observes one value per committed batch; ``outbox.relay.metrics`` turns a
 ``snapshot`` into a Prometheus histogram when scraped.  A lock keeps a snapshot
 consistent (count equals the last bucket) while the relay thread observes.
 """

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox.queries import table_identifiers
+from outbox.db.queries import table_identifiers
 from outbox.tracing import with_trace_context
 
 _COLUMNS = (

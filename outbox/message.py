@@ -47,7 +47,7 @@ class OutboxRow:
     message_id: uuid.UUID
     exchange: str
     routing_key: str
-    # As claimed: a read-only view of the driver's result (``outbox.store``), so a
+    # As claimed: a read-only view of the driver's result (``outbox.db.rows``), so a
     # large payload is held once; bytes elsewhere.
     payload: bytes | memoryview
     headers: dict[str, Any] | None
@@ -56,7 +56,7 @@ class OutboxRow:
     # Columns that could not be loaded (their field above holds a placeholder):
     # such a row is a dead letter naming the column.
     unloadable: Mapping[str, Unloadable] = dataclasses.field(default_factory=dict)
-    # Rows sharing a key are published in id order (``outbox.ordering``).
+    # Rows sharing a key are published in id order (``outbox.relay.ordering``).
     ordering_key: str | None = None
     # The id of an earlier dead letter of the same key, when dead letters hold their
     # key back: this row follows it into the dead letters (``ordering.held``).

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Mapping
 
 from outbox import gid as gids
-from outbox import ledger
+from outbox.amqp import ledger
 from outbox.config import Settings
+from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
-from outbox.store import BatchStore, PreparedBatch, RelayLiveness
 from resolver.decide import Action, Decision, Owner, decide, owner_state
 
 log = logging.getLogger("outbox.resolver")

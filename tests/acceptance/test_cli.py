@@ -11,9 +11,9 @@ import time
 
 import psycopg
 
-from outbox import migrate
 from outbox.config import Settings
-from outbox.devservers import free_port
+from outbox.db import migrate
+from outbox.db.devcluster import free_port
 from tests.fixtures.servers import Topology, insert_numbered_rows, run_cli, settings_env
 
 LOCAL_PG_WITHOUT_2PC = os.environ.get(

@@ -14,12 +14,12 @@ import pika
 import psycopg
 import pytest
 
-from outbox.devservers import free_port
+from outbox.db.devcluster import free_port
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.acceptance.test_operations_cli import http_get
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology, run_cli
-from tests.integration.test_inbox import (
+from tests.integration.inbox.test_inbox import (
     create_effects_table,
     effects,
     new_ids,

@@ -9,8 +9,8 @@ import psycopg
 
 from outbox.config import Settings
 from tests.fixtures.servers import Topology, run_cli, settings_env
-from tests.integration.test_dead_letters import dead_letters, insert
-from tests.integration.test_relay import relay_drain, remaining_rows
+from tests.integration.relay.test_dead_letters import dead_letters, insert
+from tests.integration.relay.test_relay import relay_drain, remaining_rows
 
 
 def add_dead_letter(dsn: str, *, failed_days_ago: float = 0, reason: str = "test") -> str:

@@ -17,11 +17,11 @@ from psycopg import sql
 
 import outbox
 from outbox.config import Settings
-from outbox.devservers import free_port
+from outbox.db.devcluster import free_port
 from outbox.gid import Gid, new_relay_id
 from tests.acceptance.test_dead_letters_cli import add_dead_letter
 from tests.fixtures.servers import Topology, run_cli, settings_env
-from tests.integration.test_dead_letters import insert
+from tests.integration.relay.test_dead_letters import insert
 
 GONE_GID = str(Gid("outbox", new_relay_id(), 7))
 
@@ -149,7 +149,7 @@ def test_status__old_backlog_needs_attention(settings: Settings, topology: Topol
         )
     env = settings_env(settings)
     # A live relay that is not making progress (registered, never runs a batch).
-    from outbox.relay import Relay
+    from outbox.relay.process import Relay
 
     relay = Relay(settings)
     relay.start()

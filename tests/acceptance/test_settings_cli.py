@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.devservers import free_port
+from outbox.db.devcluster import free_port
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.acceptance.test_dead_letters_cli import add_dead_letter
 from tests.fixtures.faults import prepared_left, rows_left, wait_for

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.devservers import PostgresCluster, free_port
+from outbox.db.devcluster import PostgresCluster, free_port
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.fixtures.faults import RabbitNode, RelayProcess, prepared_left, relay_sessions, wait_for
 from tests.fixtures.servers import Topology, run_cli, settings_env

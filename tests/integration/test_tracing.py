@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 import outbox
 from outbox.config import Settings
-from outbox.relay import Relay
+from outbox.relay.process import Relay
 from outbox.tracing import context_from_headers
 from tests.fixtures.servers import Topology
 from tests.fixtures.tracing import recorded_spans, tracer

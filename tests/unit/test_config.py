@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from outbox.cli.options import limited
 from outbox.config import LIMITS, Settings
-from outbox.options import limited
 
 
 def out_of_range(field: str) -> list[float]:

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from outbox import urls
 from outbox.cli import cli
 from outbox.config import Settings
-from outbox.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+from outbox.ops.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -426,8 +426,8 @@ def test_deploy__systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> No
 # -- alerts -----------------------------------------------------------------------------------
 def exported_metric_names() -> set[str]:
     """Sample names the relay's /metrics would show, with every figure present."""
-    from outbox.metrics import DatabaseFigures, RelayCollector
-    from outbox.relay import Relay
+    from outbox.relay.metrics import DatabaseFigures, RelayCollector
+    from outbox.relay.process import Relay
 
     relay = Relay(Settings())
     database = DatabaseFigures("", "outbox", connect_timeout=1, ttl=3600)

@@ -40,7 +40,7 @@ except ImportError as exc:
 
 import psycopg
 
-from outbox import migrate
+from outbox.db import migrate
 from outbox.enqueue import OutgoingMessage, _params, insert_sql, json_payload
 from outbox.errors import OutboxError
 

@@ -1,6 +1,6 @@
 """The outbox schema, created by ``manage.py migrate``.
 
-It runs ``outbox.migrate`` (what ``outbox init`` runs), which skips what is already
+It runs ``outbox.db.migrate`` (what ``outbox init`` runs), which skips what is already
 applied, so it is harmless on a database that ``outbox init`` set up first. Django
 records a migration once, so every new ``outbox/schema/NNNN_*.sql`` needs a Django
 migration of its own that runs ``migrate_schema`` again (a test counts them).

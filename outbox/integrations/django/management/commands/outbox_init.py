@@ -9,7 +9,7 @@ import psycopg
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 
-from outbox import migrate
+from outbox.db import migrate
 from outbox.errors import OutboxError
 from outbox.integrations.django import migrate_schema, outbox_table
 

@@ -1,0 +1,15 @@
+"""RabbitMQ for the relay and the resolver: the only package that talks to pika.
+
+Owns the bytes of a publish (``frames``, pure), confirm and return bookkeeping
+(``confirms``, pure), the publisher's I/O (``publisher``), failing over across the
+nodes of a cluster (``failover``, pure decisions) and the ledger stream that holds
+the evidence of finished batches (``ledger``).  The ledger sits here, below both the
+relay and the resolver, because both read it.
+
+May import: the plain modules of ``outbox`` only.
+"""
+
+from outbox.amqp.ledger import finished_gids, record
+from outbox.amqp.publisher import Publisher
+
+__all__ = ["Publisher", "finished_gids", "record"]

@@ -1,0 +1,222 @@
+"""``outbox bench``: the relay and the consumer against bare clients."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from outbox import urls
+from outbox.bench.memory import DEFAULT_BACKLOGS as DEFAULT_MEMORY_BACKLOGS
+from outbox.cli.common import (
+    known_errors,
+    own_servers_options,
+)
+from outbox.cli.options import (
+    FiniteFloatRange,
+)
+from outbox.config import (
+    DAY,
+    LIMITS,
+)
+from outbox.errors import ExitCode
+
+
+@click.command()
+@own_servers_options
+@click.option(
+    "--rows",
+    default=20_000,
+    show_default=True,
+    type=click.IntRange(1, 10_000_000),
+    help="Messages per throughput run.",
+)
+@click.option(
+    "--payload",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1, 64 * 1024 * 1024),
+    help="Payload bytes per message.",
+)
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Runs per figure (bare/relay pairs, each scaling cell): medians.",
+)
+@click.option(
+    "--relays", default="1,2,4", show_default=True, help="Relay counts for the scaling runs."
+)
+@click.option(
+    "--batch-sizes",
+    default="100,1000,5000",
+    show_default=True,
+    help="Batch sizes for the scaling runs.",
+)
+@click.option(
+    "--window",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Bare publisher confirm window.",
+)
+@click.option(
+    "--latency-rate",
+    default=200.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 100_000, min_open=True),
+    help="Single-row commits per second.",
+)
+@click.option(
+    "--latency-seconds",
+    default=5.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the latency run.",
+)
+@click.option(
+    "--idle-seconds",
+    default=12.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="Length of the idle run.",
+)
+@click.option(
+    "--burst-writers",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Bursty load: writer threads.",
+)
+@click.option(
+    "--burst-rows",
+    default=250,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Bursty load: rows per commit.",
+)
+@click.option(
+    "--burst-pause",
+    default=1.5,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY),
+    help="Bursty load: seconds between one writer's commits (jittered).",
+)
+@click.option(
+    "--scaling/--no-scaling", default=True, show_default=True, help="Run the scaling grid."
+)
+@click.option(
+    "--bursts/--no-bursts", default=True, show_default=True, help="Run the bursty-writers load."
+)
+@click.option(
+    "--ordering/--no-ordering",
+    default=True,
+    show_default=True,
+    help="Run the per-key ordering shapes (unordered, 1,000 keys, one hot key).",
+)
+@click.option(
+    "--memory/--no-memory",
+    default=True,
+    show_default=True,
+    help="Measure the relay's peak RSS draining large rows.",
+)
+@click.option(
+    "--memory-backlogs",
+    default=DEFAULT_MEMORY_BACKLOGS,
+    show_default=True,
+    help="Backlogs for the peak-RSS runs, each drained by one relay with default "
+    "settings: COUNTxSIZE[+COUNTxSIZE…], comma-separated (e.g. 1000x8MiB+1x64MiB).",
+)
+@click.option(
+    "--memory-only",
+    is_flag=True,
+    help="Instead: only the peak-RSS runs.",
+)
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
+)
+@click.option(
+    "--prefetch",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Prefetch of both consumers.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@known_errors
+def bench(
+    dsn: str | None,
+    amqp_url: str,
+    relays: str,
+    batch_sizes: str,
+    as_json: bool,
+    consume: bool,
+    prefetch: int,
+    memory_backlogs: str,
+    **options: Any,
+) -> None:
+    """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
+    (with --consume: the consumer's inbox against a bare kombu consumer)."""
+    from outbox.bench.run import BenchOptions, render, run_bench
+
+    echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    if consume:
+        from outbox.bench import consume as bench_consume
+
+        consume_report = bench_consume.run_consume_bench(
+            bench_consume.ConsumeBenchOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                rows=options["rows"],
+                payload=options["payload"],
+                repeats=options["repeats"],
+                prefetch=prefetch,
+                window=options["window"],
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(consume_report, indent=2)
+            if as_json
+            else bench_consume.render(consume_report)
+        )
+        sys.exit(0 if consume_report["every_message_once"] else int(ExitCode.FAILURE))
+
+    def numbers(text: str, option: str, most: int) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError as exc:
+            raise click.UsageError(f"{option}: not a list of numbers: {text!r}") from exc
+        if not values or min(values) < 1 or max(values) > most:
+            raise click.UsageError(f"{option}: not a list of numbers from 1 to {most}: {text!r}")
+        return values
+
+    from outbox.bench.memory import parse_backlogs
+
+    try:
+        backlogs = parse_backlogs(memory_backlogs)
+    except ValueError as exc:
+        raise click.UsageError(f"--memory-backlogs: {exc}") from exc
+    if not backlogs:
+        raise click.UsageError("--memory-backlogs: no backlog given")
+    bench_options = BenchOptions(
+        # The bare publisher is plain pika: it takes one URL, so all take the first.
+        amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+        dsn=dsn,
+        relays=numbers(relays, "--relays", 64),
+        batch_sizes=numbers(batch_sizes, "--batch-sizes", int(LIMITS["batch_size"].high)),
+        memory_backlogs=backlogs,
+        **options,
+    )
+    report = run_bench(bench_options, echo)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(render(report))
+    sys.exit(0 if report["every_row_arrived"] else int(ExitCode.FAILURE))

@@ -1,0 +1,336 @@
+"""The options, error reporting and settings every command shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+from outbox import redaction
+from outbox.cli.options import (
+    AmqpUrlType,
+    DsnType,
+    LedgerMaxAge,
+    QueueName,
+    limited,
+)
+from outbox.config import (
+    DEFAULT_AMQP_URL,
+    DEFAULT_DSN,
+    ORDERING_DEAD_LETTERS,
+    Settings,
+)
+from outbox.errors import OutboxError
+from outbox.events import json_line
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def env_option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(name, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+def wants_json(ctx: click.Context | None, args: Sequence[str] = ()) -> bool:
+    """Whether errors must be JSON: ``--log-format json`` (parsed or not yet) or its env."""
+    while ctx is not None:
+        if "log_format" in ctx.params:
+            return bool(ctx.params["log_format"] == "json")
+        ctx = ctx.parent
+    for index, arg in enumerate(args):
+        if arg == "--log-format=json" or (
+            arg == "--log-format" and args[index + 1 : index + 2] == ["json"]
+        ):
+            return True
+    return os.environ.get("OUTBOX_LOG_FORMAT", "").strip().lower() == "json"
+
+
+def report_error(message: str, hint: str = "", *, code: int, as_json: bool, **fields: Any) -> None:
+    """One ``error:`` line (and a hint), or one JSON object, on stderr; passwords masked."""
+    message, hint = redaction.redact(message), redaction.redact(hint)
+    if as_json:
+        entry = {"error": message, "hint": hint or None, "exit_code": code, **fields}
+        click.echo(json_line(logging.ERROR, "outbox.cli", "cli.error", **entry), err=True)
+        return
+    click.echo(f"error: {message}", err=True)
+    if hint:
+        click.echo(f"  hint: {hint}", err=True)
+
+
+def server_options(func: F) -> F:
+    for decorator in reversed(
+        [
+            env_option(
+                "--dsn",
+                "OUTBOX_DSN",
+                default=DEFAULT_DSN,
+                type=DsnType(),
+                help="PostgreSQL connection (libpq conninfo or URL; TLS: sslmode=verify-full "
+                "sslrootcert=FILE).",
+            ),
+            env_option(
+                "--amqp-url",
+                "OUTBOX_AMQP_URL",
+                default=DEFAULT_AMQP_URL,
+                type=AmqpUrlType(),
+                help="RabbitMQ connection URL (amqp:// or amqps://); a cluster's nodes "
+                "separated by ';' (the first that answers is used; on failure, the next).",
+            ),
+            env_option(
+                "--amqp-ca-file",
+                "OUTBOX_AMQP_CA_FILE",
+                default=None,
+                type=click.Path(exists=True, dir_okay=False),
+                help="CA certificate(s) (PEM) an amqps:// broker must be signed by "
+                "[default: the system's trusted CAs].",
+            ),
+            env_option(
+                "--table", "OUTBOX_TABLE", default=Settings.table, help="Outbox table name."
+            ),
+            env_option(
+                "--ledger-queue",
+                "OUTBOX_LEDGER_QUEUE",
+                default=Settings.ledger_queue,
+                type=QueueName(),
+                help="Stream queue recording finished batches (resolver evidence).",
+            ),
+            env_option(
+                "--log-level",
+                "OUTBOX_LOG_LEVEL",
+                default="info",
+                type=click.Choice(["debug", "info", "warning", "error"]),
+            ),
+            env_option(
+                "--log-format",
+                "OUTBOX_LOG_FORMAT",
+                default="text",
+                type=click.Choice(["text", "json"]),
+            ),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def tuning_options(func: F) -> F:
+    defaults = Settings()
+    for decorator in reversed(
+        [
+            env_option(
+                "--batch-size",
+                "OUTBOX_BATCH_SIZE",
+                default=defaults.batch_size,
+                type=limited("batch_size"),
+                help="Most rows per batch (one prepared transaction).",
+            ),
+            env_option(
+                "--batch-max-bytes",
+                "OUTBOX_BATCH_MAX_BYTES",
+                default=defaults.batch_max_bytes,
+                type=limited("batch_max_bytes"),
+                help="Most payload bytes per batch (a larger row goes alone).",
+            ),
+            env_option(
+                "--pipeline/--no-pipeline",
+                "OUTBOX_PIPELINE",
+                default=defaults.pipeline,
+                help="Prepare the next batch while the broker confirms the current one.",
+            ),
+            env_option(
+                "--publish-timeout",
+                "OUTBOX_PUBLISH_TIMEOUT",
+                default=defaults.publish_timeout,
+                type=limited("publish_timeout"),
+                help="Seconds to wait for publisher confirms before rolling back.",
+            ),
+            env_option(
+                "--poll-interval",
+                "OUTBOX_POLL_INTERVAL",
+                default=defaults.poll_interval,
+                type=limited("poll_interval"),
+                help="Fallback poll (s) when no NOTIFY wakes the relay.",
+            ),
+            env_option(
+                "--heartbeat-interval",
+                "OUTBOX_HEARTBEAT_INTERVAL",
+                default=defaults.heartbeat_interval,
+                type=limited("heartbeat_interval"),
+                help="Seconds between heartbeats of the relay's registry row.",
+            ),
+            env_option(
+                "--relay-timeout",
+                "OUTBOX_RELAY_TIMEOUT",
+                default=defaults.relay_timeout,
+                type=limited("relay_timeout"),
+                help="Heartbeat age after which a relay is presumed partitioned.",
+            ),
+            env_option(
+                "--resolve-interval",
+                "OUTBOX_RESOLVE_INTERVAL",
+                default=defaults.resolve_interval,
+                type=limited("resolve_interval"),
+                help="Seconds between passes that resolve dead relays' batches.",
+            ),
+            env_option(
+                "--ledger-max-age",
+                "OUTBOX_LEDGER_MAX_AGE",
+                default=defaults.ledger_max_age,
+                type=LedgerMaxAge(),
+                help="Retention of the ledger stream (x-max-age, e.g. 7D, 12h).",
+            ),
+            env_option(
+                "--ledger-clock-skew",
+                "OUTBOX_LEDGER_CLOCK_SKEW",
+                default=defaults.ledger_clock_skew,
+                type=limited("ledger_clock_skew"),
+                help="Seconds before a batch's PREPARE the resolver starts reading the ledger.",
+            ),
+            env_option(
+                "--backoff-initial",
+                "OUTBOX_BACKOFF_INITIAL",
+                default=defaults.backoff_initial,
+                type=limited("backoff_initial"),
+                help="First retry delay (s) after an outage; doubles up to --backoff-max.",
+            ),
+            env_option(
+                "--backoff-max",
+                "OUTBOX_BACKOFF_MAX",
+                default=defaults.backoff_max,
+                type=limited("backoff_max"),
+                help="Longest retry delay (s).",
+            ),
+            env_option(
+                "--connect-timeout",
+                "OUTBOX_CONNECT_TIMEOUT",
+                default=defaults.connect_timeout,
+                type=limited("connect_timeout"),
+                help="Seconds to wait when connecting to either server.",
+            ),
+            env_option(
+                "--statement-timeout",
+                "OUTBOX_STATEMENT_TIMEOUT",
+                default=defaults.statement_timeout,
+                type=limited("statement_timeout"),
+                help="Bound (s) on every statement of the relay; a cancelled one is retried.",
+            ),
+            env_option(
+                "--max-message-bytes",
+                "OUTBOX_MAX_MESSAGE_BYTES",
+                default=defaults.max_message_bytes,
+                type=limited("max_message_bytes"),
+                help="Largest payload the broker accepts (max_message_size).",
+            ),
+            env_option(
+                "--ordering-dead-letters",
+                "OUTBOX_ORDERING_DEAD_LETTERS",
+                default=defaults.ordering_dead_letters,
+                type=click.Choice(list(ORDERING_DEAD_LETTERS)),
+                help="A dead letter with an ordering key: 'block' holds the key's later "
+                "messages back with it (no gap), 'skip' lets them go on.",
+            ),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def settings_from(**options: Any) -> Settings:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    try:
+        return Settings(**{k: v for k, v in options.items() if k in fields})
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def known_errors(func: F) -> F:
+    """Print a known condition as one clear line plus a hint, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except OutboxError as exc:
+            as_json = wants_json(click.get_current_context(silent=True))
+            report_error(exc.message, exc.hint, code=int(exc.exit_code), as_json=as_json)
+            sys.exit(int(exc.exit_code))
+
+    return wrapper  # type: ignore[return-value]
+
+
+ORDERING_KEY_OPTION = click.option(
+    "--ordering-key",
+    "ordering_keys",
+    multiple=True,
+    metavar="KEY",
+    help="Every dead letter of this ordering key (repeatable).",
+)
+
+
+# -- the consumer side: outbox consume, outbox parked ---------------------------------
+def inbox_table_option(func: F) -> F:
+    # inbox_store, not inbox: the CLI must not import kombu (which imports Django
+    # when it is installed) unless a consumer command runs.
+    from outbox.inbox.store import DEFAULT_INBOX_TABLE
+
+    return env_option(
+        "--inbox-table",
+        "OUTBOX_INBOX_TABLE",
+        default=DEFAULT_INBOX_TABLE,
+        help="Inbox table in the consumer's database; its companions are "
+        "<table>_attempts and <table>_parked.",
+    )(func)
+
+
+def consumer_server_options(func: F) -> F:
+    for decorator in reversed(
+        [
+            env_option(
+                "--dsn",
+                "OUTBOX_DSN",
+                default=DEFAULT_DSN,
+                help="The consumer's PostgreSQL: the handler's effects and the inbox.",
+            ),
+            env_option(
+                "--amqp-url",
+                "OUTBOX_AMQP_URL",
+                default=DEFAULT_AMQP_URL,
+                help="RabbitMQ connection URL (';'-separated URLs: failover).",
+            ),
+            inbox_table_option,
+            env_option(
+                "--connect-timeout",
+                "OUTBOX_CONNECT_TIMEOUT",
+                default=10.0,
+                type=float,
+                help="Seconds to wait when connecting to either server.",
+            ),
+        ]
+    ):
+        func = decorator(func)
+    return func
+
+
+def own_servers_options(func: F) -> F:
+    """``--dsn`` (optional: a private PostgreSQL is started without it) and ``--amqp-url``."""
+    func = click.option(
+        "--amqp-url",
+        envvar="OUTBOX_AMQP_URL",
+        show_envvar=True,
+        default=DEFAULT_AMQP_URL,
+        show_default=True,
+        type=AmqpUrlType(),
+    )(func)
+    return click.option(
+        "--dsn",
+        envvar="OUTBOX_DSN",
+        show_envvar=True,
+        default=None,
+        type=DsnType(),
+        help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
+        "instead of starting a private one (fsync on).",
+    )(func)

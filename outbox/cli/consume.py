@@ -1,0 +1,179 @@
+"""``outbox consume``: exactly-once effects from a queue."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import click
+
+from outbox.cli.common import (
+    consumer_server_options,
+    env_option,
+    known_errors,
+)
+from outbox.events import configure, emit
+
+log = logging.getLogger("outbox.cli")
+
+
+@click.command()
+@click.argument("handler", required=False, envvar="OUTBOX_HANDLER")
+@env_option("--queue", "OUTBOX_QUEUE", default=None, help="The queue to consume.")
+@consumer_server_options
+@env_option(
+    "--consumer-name",
+    "OUTBOX_CONSUMER_NAME",
+    default=None,
+    help="Name the inbox records ids under (default: the queue); consumers of "
+    "consistent-hash shard queues share one.",
+)
+@env_option(
+    "--prefetch",
+    "OUTBOX_PREFETCH",
+    default=10,
+    type=click.IntRange(min=1),
+    help="Unacked messages the broker hands this consumer at once (1 for ordered queues).",
+)
+@env_option(
+    "--max-attempts",
+    "OUTBOX_MAX_ATTEMPTS",
+    default=5,
+    type=click.IntRange(min=1),
+    help="Failed handler calls after which a message is parked.",
+)
+@env_option(
+    "--retry-delay",
+    "OUTBOX_RETRY_DELAY",
+    default=0.1,
+    type=float,
+    help="Seconds before a failed message goes back to the queue; doubles per attempt.",
+)
+@env_option(
+    "--retry-delay-max",
+    "OUTBOX_RETRY_DELAY_MAX",
+    default=5.0,
+    type=float,
+    help="Longest retry delay (s).",
+)
+@env_option(
+    "--inbox-retention",
+    "OUTBOX_INBOX_RETENTION",
+    default="7d",
+    help="Keep message ids this long (e.g. 7d, 12h); an older redelivery is applied again.",
+)
+@env_option(
+    "--bind",
+    "OUTBOX_BIND",
+    multiple=True,
+    help="EXCHANGE:BINDING_KEY (repeatable): declare the queue (durable) and the exchange "
+    "(durable topic) if missing, and bind them.",
+)
+@env_option(
+    "--backoff-initial",
+    "OUTBOX_BACKOFF_INITIAL",
+    default=0.2,
+    type=float,
+    help="First reconnect delay (s) after an outage; doubles up to --backoff-max.",
+)
+@env_option("--backoff-max", "OUTBOX_BACKOFF_MAX", default=30.0, type=float, help="Longest delay.")
+@env_option(
+    "--metrics-port",
+    "OUTBOX_METRICS_PORT",
+    default=0,
+    type=click.IntRange(0, 65535),
+    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
+)
+@env_option(
+    "--metrics-address",
+    "OUTBOX_METRICS_ADDRESS",
+    default="0.0.0.0",
+    help="Address the metrics and health endpoints listen on.",
+)
+@env_option(
+    "--log-level",
+    "OUTBOX_LOG_LEVEL",
+    default="info",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+@env_option(
+    "--log-format", "OUTBOX_LOG_FORMAT", default="text", type=click.Choice(["text", "json"])
+)
+@click.option("--print-sql", is_flag=True, help="Print the inbox tables' SQL and exit.")
+@known_errors
+def consume(
+    handler: str | None,
+    queue: str | None,
+    inbox_retention: str,
+    bind: tuple[str, ...],
+    metrics_port: int,
+    metrics_address: str,
+    log_level: str,
+    log_format: str,
+    print_sql: bool,
+    **options: Any,
+) -> None:
+    """Consume QUEUE with exactly-once effects: HANDLER (MODULE:FUNCTION, or
+    OUTBOX_HANDLER) is called as FUNCTION(conn, message) inside the transaction that
+    records message.message_id in the inbox; a message already there is acked and
+    skipped.  Runs until SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox.inbox import loop as inbox
+    from outbox.inbox.store import render_sql
+    from outbox.ops.deadletters import parse_age
+
+    if print_sql:
+        click.echo(render_sql(options["inbox_table"]), nl=False)
+        return
+    if not handler:
+        raise click.UsageError("give the handler as MODULE:FUNCTION (or set OUTBOX_HANDLER)")
+    if not queue:
+        raise click.UsageError("give the queue to consume: --queue (or OUTBOX_QUEUE)")
+    try:
+        settings = inbox.ConsumerSettings(
+            queue=queue,
+            inbox_retention=parse_age(inbox_retention),
+            bindings=inbox.parse_bindings(bind),
+            **options,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure(log_level, log_format)
+    for noisy in ("amqp", "kombu"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    consumer = inbox.Inbox(inbox.load_handler(handler), settings)
+    consumer.install_signal_handlers()
+    endpoints = None
+    try:
+        consumer.start()
+        if metrics_port:
+            from outbox.inbox.metrics import ConsumerEndpoints
+
+            try:
+                endpoints = ConsumerEndpoints(
+                    consumer, port=metrics_port, address=metrics_address
+                ).start()
+            except OSError as exc:
+                raise click.UsageError(
+                    f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
+                ) from exc
+            emit(log, "consumer.endpoints", address=metrics_address, port=endpoints.port)
+        stats = consumer.run()
+    finally:
+        if endpoints is not None:
+            endpoints.close()
+        consumer.close()
+    summary = (
+        f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "
+        f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked"
+    )
+    if log_format == "json":
+        emit(
+            log,
+            "consumer.summary",
+            handled=stats.handled,
+            duplicates_skipped=stats.duplicates_skipped,
+            handler_failures=stats.handler_failures,
+            parked=stats.parked,
+        )
+    else:
+        click.echo(summary, err=True)

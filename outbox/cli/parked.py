@@ -1,0 +1,126 @@
+"""``outbox parked``: list, retry and purge messages the consumer gave up on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from outbox.cli.common import (
+    consumer_server_options,
+    known_errors,
+)
+from outbox.errors import ExitCode
+
+
+@click.group("parked")
+def parked() -> None:
+    """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
+
+
+def _parked_store(dsn: str, inbox_table: str, connect_timeout: float) -> Any:
+    from outbox.inbox.store import ParkedStore
+
+    return ParkedStore(dsn, inbox_table, connect_timeout=connect_timeout)
+
+
+@parked.command("list")
+@consumer_server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
+@known_errors
+def parked_list(
+    as_json: bool,
+    limit: int,
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Parked messages, oldest first: message id, error, attempts, queue and origin."""
+    from outbox.inbox.parked import as_dict, render
+
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        rows = parked_store.entries(limit)
+    finally:
+        parked_store.close()
+    if as_json:
+        click.echo(json.dumps({"parked": [as_dict(r) for r in rows]}, indent=2, default=str))
+    else:
+        click.echo(render(rows))
+
+
+@parked.command("retry")
+@consumer_server_options
+@click.option("--all", "everything", is_flag=True, help="Retry every parked message.")
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def parked_retry(
+    everything: bool,
+    message_ids: tuple[str, ...],
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Send parked messages back to the queue they came from (same message_id), once
+    the handler or the data is fixed.  Exits 1 if a MESSAGE_ID is not parked."""
+    from outbox.inbox.parked import retry
+
+    if everything == bool(message_ids):
+        raise click.UsageError("give either --all or one or more MESSAGE_IDs")
+    ids = None if everything else list(message_ids)
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        retried = retry(parked_store, amqp_url, ids, connect_timeout=connect_timeout)
+    finally:
+        parked_store.close()
+    click.echo(f"{len(retried)} parked messages sent back to their queues")
+    missing = sorted(set(ids or []) - set(retried))
+    if missing:
+        click.echo("not parked: " + " ".join(missing), err=True)
+        sys.exit(int(ExitCode.FAILURE))
+
+
+@parked.command("purge")
+@consumer_server_options
+@click.option("--all", "everything", is_flag=True, help="Delete every parked message.")
+@click.option(
+    "--older-than",
+    envvar="OUTBOX_PARKED_MAX_AGE",
+    show_envvar=True,
+    default=None,
+    help="Only those parked longer ago than this (e.g. 30d, 12h, 900s).",
+)
+@click.argument("message_ids", nargs=-1)
+@known_errors
+def parked_purge(
+    everything: bool,
+    older_than: str | None,
+    message_ids: tuple[str, ...],
+    dsn: str,
+    amqp_url: str,
+    inbox_table: str,
+    connect_timeout: float,
+) -> None:
+    """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
+    Their ids stay in the inbox until retention, so a late copy is still skipped."""
+    from outbox.ops.deadletters import parse_age
+
+    if everything and message_ids:
+        raise click.UsageError("give --all or MESSAGE_IDs, not both")
+    if not (everything or message_ids or older_than):
+        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
+    try:
+        age = parse_age(older_than) if older_than else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    try:
+        purged = parked_store.purge(list(message_ids) if message_ids else None, age)
+    finally:
+        parked_store.close()
+    click.echo(f"{purged} parked messages purged")

@@ -1,0 +1,59 @@
+"""``outbox resolve``: one resolver pass over the in-doubt batches."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from outbox.cli.common import (
+    known_errors,
+    server_options,
+    settings_from,
+    tuning_options,
+)
+from outbox.db import batches, migrate, privileges
+from outbox.events import configure
+
+
+@click.command()
+@server_options
+@tuning_options
+@click.option(
+    "--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing."
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@known_errors
+def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **options: Any) -> None:
+    """Resolve in-doubt batches of dead relays once (relays also do this by themselves)."""
+    from resolver import resolve as resolve_pass
+
+    configure(log_level, log_format)
+    settings = settings_from(**options)
+    batch_store = batches.BatchStore(
+        settings.dsn, settings.table, application_name="outbox-resolve"
+    )
+    try:
+        # Privileges first: reading the schema version needs one of them.
+        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
+        migrate.refuse_newer(
+            migrate.current_version(batch_store.conn, settings.table), settings.table
+        )
+        results = resolve_pass(batch_store, settings, dry_run=dry_run)
+    finally:
+        batch_store.close()
+    if as_json:
+        click.echo(
+            json.dumps({"dry_run": dry_run, "batches": [r.as_dict() for r in results]}, indent=2)
+        )
+        return
+    if not results:
+        click.echo("no prepared transactions in this cluster")
+    for r in results:
+        evidence = {True: "in ledger", False: "not in ledger", None: "-"}[r.evidence]
+        click.echo(
+            f"{r.gid}  age={r.age_seconds:.0f}s  owner={r.decision.owner.value}  "
+            f"evidence={evidence}  action={r.decision.action.value}  "
+            f"outcome={r.outcome}  ({r.decision.why})"
+        )

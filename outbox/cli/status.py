@@ -1,0 +1,58 @@
+"""``outbox status``: what an operator needs to know."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from outbox.cli.common import (
+    env_option,
+    known_errors,
+    server_options,
+    settings_from,
+)
+from outbox.cli.options import (
+    FiniteFloatRange,
+)
+from outbox.errors import ExitCode
+
+
+@click.command()
+@server_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option(
+    "--max-prepared-age",
+    envvar="OUTBOX_MAX_PREPARED_AGE",
+    show_envvar=True,
+    default=60.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 365 * 86400),
+    help="A prepared batch older than this (s) needs attention (exit 1).",
+)
+@env_option(
+    "--max-backlog-age",
+    "OUTBOX_MAX_BACKLOG_AGE",
+    default=300.0,
+    type=FiniteFloatRange(0, 365 * 86400),
+    help="An outbox row older than this (s) needs attention (exit 1).",
+)
+@known_errors
+def status(
+    as_json: bool,
+    max_prepared_age: float,
+    max_backlog_age: float,
+    log_level: str,
+    log_format: str,
+    **options: Any,
+) -> None:
+    """Backlog, prepared batches, live relays and dead letters; exit 1 if attention needed."""
+    from outbox.ops.status import collect, render
+
+    settings = settings_from(**options)
+    report = collect(settings, max_prepared_age=max_prepared_age, max_backlog_age=max_backlog_age)
+    click.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if report["attention"]:
+        sys.exit(int(ExitCode.FAILURE))

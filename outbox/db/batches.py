@@ -1,0 +1,342 @@
+"""The relay's batch store (``BatchStore``): its work connection.
+
+It claims rows, prepares and finishes batches, records a batch's dead letters,
+and answers what the resolver and ``outbox status`` ask about batches and relays.
+It runs in autocommit mode and issues BEGIN / PREPARE TRANSACTION / COMMIT
+PREPARED itself, so that a prepared batch never pins the connection's transaction
+state.  The relay's other sessions (control, wake-up) are in ``relays``.
+
+Driver exceptions never leave ``outbox.db`` (``session.Session.translated``). A lost
+connection during PREPARE or COMMIT/ROLLBACK PREPARED raises ``OutcomeUnknown``:
+the caller must look the gid up after reconnecting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from outbox import gid as gids
+from outbox.db import migrate, privileges
+from outbox.db.replication import Replication
+from outbox.db.rows import claim_cursor, outbox_row, with_texts
+from outbox.db.session import Session, first_line, session_lost
+from outbox.errors import (
+    DatabaseUnavailable,
+    DeadLettersUnwritable,
+    MissingPrivileges,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+    PreparedTransactionsDisabled,
+)
+from outbox.message import DeadLetter, OutboxRow
+
+Row = dict[str, Any]
+Conn = psycopg.Connection[Row]
+
+
+# How many keyed rows, in batches, a claim looks at from the front of the outbox to
+# find the keys it may take (``queries.sql``, ``claim_batch``).  Rows of keys held by
+# other batches count too: a key with a larger backlog than this delays the keys
+# behind it until it drains (README, "Per-key ordering").
+KEYED_WINDOW = 5
+
+# The claim's plan must not depend on the statistics (``queries.sql``,
+# ``claim_batch``): a table analyzed while nearly empty made the planner read the
+# whole table, in a sequential scan and a sort, to find the front of the keyed rows.
+# Sent with the claim's BEGIN (no extra round trip); it ends with the transaction.
+PINNED_CLAIM_PLAN = "SET LOCAL enable_seqscan = off"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """A row of ``pg_prepared_xacts``."""
+
+    gid: str
+    prepared: datetime.datetime
+    owner: str
+    local: bool  # in the current database
+    age_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayLiveness:
+    relay_id: str
+    lock_held: bool
+    heartbeat_age: float | None  # None: the relay never registered or was forgotten
+    backend_pid: int | None
+
+
+def dead_letter_params(letter: DeadLetter, gid: str) -> dict[str, Any]:
+    row = letter.row
+    headers: Any = Jsonb(row.headers) if row.headers is not None else None
+    created_at: Any = row.created_at
+    # A value Python could not load goes back as PostgreSQL's own text of it.
+    if "headers" in row.unloadable:
+        headers = row.unloadable["headers"].text
+    if "created_at" in row.unloadable:
+        created_at = row.unloadable["created_at"].text
+    return {
+        "id": row.id,
+        "message_id": row.message_id,
+        "exchange": row.exchange,
+        "routing_key": row.routing_key,
+        "payload": row.payload,
+        "headers": headers,
+        "content_type": row.content_type,
+        "created_at": created_at,
+        "ordering_key": row.ordering_key,
+        # PostgreSQL text cannot hold NUL; a reason quotes broker and row text.
+        "reason": letter.reason.replace("\x00", "\\0"),
+        "gid": gid,
+    }
+
+
+class BatchStore(Session):
+    """Claims, prepares and finishes batches on the relay's work connection."""
+
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        application_name: str = "outbox-relay",
+        connect_timeout: float = 10.0,
+        statement_timeout: float | None = None,
+    ) -> None:
+        super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
+
+    # -- preflight ---------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raise if prepared transactions are disabled, the schema is not current
+        (missing, older, or newer than this code), or the role lacks a privilege
+        the relay needs."""
+        with self._translated("checking the database"):
+            slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
+            if not slots or slots["slots"] <= 0:
+                raise PreparedTransactionsDisabled(
+                    "PostgreSQL has prepared transactions disabled (max_prepared_transactions = 0)",
+                    "set max_prepared_transactions to at least twice the number of relays "
+                    "(e.g. 64) in postgresql.conf and restart PostgreSQL",
+                )
+        self.check_privileges(privileges.RELAY, "the relay")
+        with self._translated("checking the database"):
+            version = migrate.current_version(self.conn, self.table)
+        migrate.require_current(version, self.table)
+
+    # -- the batch ---------------------------------------------------------
+    def claim_batch(
+        self,
+        limit: int,
+        max_bytes: int = 2**62,
+        *,
+        hold_keys: bool = True,
+        own: Sequence[int] = (),
+    ) -> list[OutboxRow]:
+        """Open a transaction and claim up to ``limit`` rows (deleted, locked), stopping
+        once ``max_bytes`` of payload are in (the first row always comes); in id order.
+
+        Rows with an ordering key come as a prefix of their key (``queries.sql``,
+        ``claim_batch``); with ``hold_keys`` a row behind a dead letter of its key
+        says so (``OutboxRow.held_by``).  ``own``: the keyed rows of this relay's
+        batch in flight, which the new batch may follow within their keys (it is then
+        published only after that batch is committed).
+
+        Binary results (``claim_cursor``): each payload is a view of the driver's
+        result, held once; the result is freed when the batch's rows are dropped.
+
+        Crash right after: the open transaction dies with the session, the rows are
+        free again at once; nothing to clean up.
+        """
+        params = {
+            "limit": limit,
+            "window": limit * KEYED_WINDOW,
+            "max_bytes": max_bytes,
+            "hold": hold_keys,
+            "own": list(own),
+        }
+        with self._translated("claiming a batch"):
+            self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
+            with claim_cursor(self.conn) as cur:
+                cur.execute(self.queries["claim_batch"], params)
+                records = cur.fetchall()
+            rows = [outbox_row(r) for r in with_texts(self.conn, records)]
+            return sorted(rows, key=lambda row: row.id)
+
+    def abandon_claim(self) -> None:
+        """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
+        with self._translated("rolling back a claim"):
+            self.conn.execute("ROLLBACK")
+
+    def prepare(self, gid: str) -> None:
+        """PREPARE TRANSACTION: the claim survives any crash, undecided.
+
+        Raises ``OutcomeUnknown`` if the connection drops, because PREPARE may or
+        may not have happened; the caller must not publish and must look the gid
+        up (``gid_exists``) after reconnecting.
+        """
+        stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid))
+        try:
+            self.conn.execute(stmt)
+        except pgerrors.ObjectNotInPrerequisiteState as exc:
+            self._rollback_quietly()
+            raise PreparedTransactionsDisabled(
+                "PostgreSQL refused PREPARE TRANSACTION: prepared transactions are disabled",
+                "set max_prepared_transactions > 0 and restart PostgreSQL",
+            ) from exc
+        except psycopg.Error as exc:
+            if session_lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
+                self._rollback_quietly()  # a failed PREPARE has ended the transaction
+                raise OutcomeUnknown(f"PREPARE of {gid} was cut off: {first_line(exc)}") from exc
+            self._rollback_quietly()
+            if "maximum number of prepared transactions" in str(exc):
+                raise PreparedSlotsExhausted(
+                    "every prepared-transaction slot of the server is in use",
+                    "raise max_prepared_transactions or run fewer relays; "
+                    "the relay backs off and retries",
+                ) from exc
+            raise DatabaseUnavailable(f"PREPARE TRANSACTION failed: {first_line(exc)}") from exc
+
+    def _rollback_quietly(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.conn.execute("ROLLBACK")
+
+    def finish(self, gid: str, *, commit: bool) -> bool:
+        """COMMIT PREPARED or ROLLBACK PREPARED; False if the gid was finished elsewhere.
+
+        Two finishers may race on one gid: the loser sees 42704 (no such gid) or
+        55000 (busy), and both mean someone else is finishing it.  A dropped
+        connection raises ``OutcomeUnknown``.
+        """
+        verb = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
+        stmt = sql.SQL(verb + " {}").format(sql.Literal(gid))
+        try:
+            self.conn.execute(stmt)
+        except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
+            return False
+        except psycopg.Error as exc:
+            # A statement timeout (or an operator's pg_cancel_backend) may strike
+            # before or after the server finished: look the gid up, like a cut.
+            if session_lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
+                raise OutcomeUnknown(f"{verb} of {gid} was cut off: {first_line(exc)}") from exc
+            raise
+        return True
+
+    def gid_exists(self, gid: str) -> bool:
+        with self._translated("looking up a prepared batch"):
+            row = self.conn.execute(self.queries["prepared_gid_exists"], {"gid": gid}).fetchone()
+            return bool(row and row["present"])
+
+    def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None:
+        """Store rows that can never be published, in a transaction of their own.
+
+        This commits before the batch's COMMIT PREPARED.  A crash in between rolls
+        the batch back: the row is then both a dead letter and in the outbox, is
+        tried again and dead-lettered again (``attempts`` counts up).  At no moment
+        is it in neither place.
+        """
+        params = [dead_letter_params(d, gid) for d in dead]
+        try:
+            with self._translated("recording dead letters"), self.conn.transaction():
+                self.conn.cursor().executemany(self.queries["record_dead_letters"], params)
+        except MissingPrivileges as exc:
+            exact = self._missing(privileges.DEAD_LETTERS_WRITE, "recording dead letters") or exc
+            raise DeadLettersUnwritable(exact.message, exact.hint) from exc
+        except psycopg.Error as exc:  # a constraint or trigger someone added, ...
+            raise DeadLettersUnwritable(
+                f"PostgreSQL refused to record dead letters: {first_line(exc)}",
+                "the batch was rolled back; the relay retries with backoff",
+            ) from exc
+
+    def has_claimable_rows(self) -> bool:
+        with self._translated("looking for claimable rows"), self.conn.transaction():
+            row = self.conn.execute(self.queries["has_claimable_rows"]).fetchone()
+            return bool(row and row["claimable"])
+
+    def replication(self) -> Replication:
+        with self._translated("reading pg_stat_replication"):
+            row = self.conn.execute(self.queries["replication"]).fetchone()
+        assert row is not None
+        return Replication(row["standbys"], row["synchronous"], row["hidden"])
+
+    # -- what resolvers and status read ---------------------------------------
+    def prepared_batches(self) -> list[PreparedBatch]:
+        with self._translated("reading pg_prepared_xacts"):
+            rows = self.conn.execute(self.queries["prepared_batches"]).fetchall()
+        return [PreparedBatch(**r) for r in rows]
+
+    def relay_liveness(self, relay_ids: Sequence[str]) -> dict[str, RelayLiveness]:
+        if not relay_ids:
+            return {}
+        with self._translated("checking relay liveness"):
+            rows = self.conn.execute(
+                self.queries["relay_liveness"],
+                {
+                    "relay_ids": list(relay_ids),
+                    "lock_keys": [gids.lock_key(r) for r in relay_ids],
+                    "lock_class": gids.LOCK_CLASS,
+                },
+            ).fetchall()
+        return {
+            r["relay_id"]: RelayLiveness(
+                relay_id=r["relay_id"],
+                lock_held=r["backend_pid"] is not None,
+                heartbeat_age=r["heartbeat_age"],
+                backend_pid=r["backend_pid"],
+            )
+            for r in rows
+        }
+
+    def terminate_backend(self, pid: int) -> bool:
+        """End a partitioned relay's control session, so its death becomes certain."""
+        with self._translated("terminating a relay session"):
+            row = self.conn.execute("SELECT pg_terminate_backend(%s) AS done", [pid]).fetchone()
+            return bool(row and row["done"])
+
+    def forget_dead_relays(self, older_than: float) -> int:
+        with self._translated("pruning the relay registry"):
+            cur = self.conn.execute(
+                self.queries["forget_dead_relays"],
+                {
+                    "older_than": older_than,
+                    "lock_class": gids.LOCK_CLASS,
+                    "gid_prefix": gids.relay_prefix(self.table),
+                },
+            )
+            return cur.rowcount
+
+    def live_relays(self) -> list[Row]:
+        with self._translated("listing relays"):
+            return self.conn.execute(
+                self.queries["live_relays"], {"lock_class": gids.LOCK_CLASS}
+            ).fetchall()
+
+    def backlog(self) -> Row:
+        with self._translated("measuring the backlog"):
+            row = self.conn.execute(self.queries["backlog"]).fetchone()
+            assert row is not None
+            return row
+
+    def dead_letter_summary(self) -> tuple[int, int]:
+        """Dead letters, and how many ordering keys they belong to."""
+        with self._translated("counting dead letters"):
+            row = self.conn.execute(self.queries["dead_letter_count"]).fetchone()
+            return (int(row["dead_letters"]), int(row["ordering_keys"])) if row else (0, 0)
+
+    def metrics_snapshot(self) -> Row:
+        """Backlog, prepared batches, dead letters and live relays in one round trip."""
+        with self._translated("reading metrics"):
+            row = self.conn.execute(
+                self.queries["metrics_snapshot"],
+                {"gid_prefix": gids.relay_prefix(self.table), "lock_class": gids.LOCK_CLASS},
+            ).fetchone()
+            assert row is not None
+            return row

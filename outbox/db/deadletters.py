@@ -1,0 +1,72 @@
+"""The dead-letter table: list, retry (back into the outbox) and purge."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from outbox.db import privileges
+from outbox.db.session import Session
+
+Row = dict[str, Any]
+Conn = psycopg.Connection[Row]
+
+
+class DeadLetterStore(Session):
+    """What ``outbox dead-letters`` reads and changes; each call is one transaction."""
+
+    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
+        super().__init__(dsn, table, "outbox-dead-letters", connect_timeout)
+
+    def entries(self, limit: int) -> list[Row]:
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")
+        with self._translated("listing dead letters"):
+            return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
+
+    def retry(
+        self,
+        *,
+        everything: bool,
+        message_ids: Sequence[uuid.UUID] = (),
+        row_ids: Sequence[int] = (),
+        ordering_keys: Sequence[str] = (),
+    ) -> list[Row]:
+        """Move dead letters back into the outbox atomically; the (id, message_id,
+        ordering_key) moved."""
+        self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
+        with self._translated("retrying dead letters"):
+            return self.conn.execute(
+                self.queries["retry_dead_letters"],
+                {
+                    "all": everything,
+                    "ids": list(message_ids),
+                    "row_ids": list(row_ids),
+                    "keys": list(ordering_keys),
+                },
+            ).fetchall()
+
+    def purge(
+        self,
+        *,
+        everything: bool,
+        message_ids: Sequence[uuid.UUID] = (),
+        row_ids: Sequence[int] = (),
+        ordering_keys: Sequence[str] = (),
+        older_than: float | None = None,
+    ) -> list[Row]:
+        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
+        self.check_privileges(privileges.DEAD_LETTERS_PURGE, "outbox dead-letters purge")
+        with self._translated("purging dead letters"):
+            return self.conn.execute(
+                self.queries["purge_dead_letters"],
+                {
+                    "all": everything,
+                    "ids": list(message_ids),
+                    "row_ids": list(row_ids),
+                    "keys": list(ordering_keys),
+                    "older_than": older_than,
+                },
+            ).fetchall()

@@ -1,0 +1,58 @@
+"""Load ``queries.sql`` into composed statements for one outbox table.
+
+``inbox.sql`` (the consumer's inbox, ``outbox.inbox.store``) uses the same loader.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+from psycopg import sql
+
+_BLOCK = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+
+
+def _raw_blocks() -> dict[str, str]:
+    return load_blocks("outbox.db", "queries.sql")
+
+
+@cache
+def load_blocks(package: str, filename: str) -> dict[str, str]:
+    """The named blocks of one SQL file of a package, comments stripped."""
+    text = resources.files(package).joinpath(filename).read_text("utf-8")
+    parts = _BLOCK.split(text)
+    # parts = [preamble, name1, body1, name2, body2, ...]
+    blocks: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=False):
+        lines = [ln for ln in body.strip().splitlines() if not ln.lstrip().startswith("--")]
+        blocks[name] = "\n".join(lines).strip()
+    return blocks
+
+
+def table_identifiers(table: str) -> dict[str, sql.Identifier]:
+    """The identifiers derived from the outbox table's name."""
+    return {
+        "outbox": sql.Identifier(table),
+        "relays": sql.Identifier(f"{table}_relays"),
+        "dead_letters": sql.Identifier(f"{table}_dead_letters"),
+        "dead_letters_pkey": sql.Identifier(f"{table}_dead_letters_pkey"),
+        "dead_letters_message_id": sql.Identifier(f"{table}_dead_letters_message_id"),
+        "outbox_ordering_key": sql.Identifier(f"{table}_ordering_key"),
+        "dead_letters_ordering_key": sql.Identifier(f"{table}_dead_letters_ordering_key"),
+        "schema_version": sql.Identifier(f"{table}_schema_version"),
+        "notify_function": sql.Identifier(f"{table}_notify"),
+        "notify_trigger": sql.Identifier(f"{table}_notify"),
+    }
+
+
+class Queries:
+    """Every statement of ``queries.sql``, composed for one table name."""
+
+    def __init__(self, table: str) -> None:
+        ids = table_identifiers(table)
+        self._composed = {name: sql.SQL(body).format(**ids) for name, body in _raw_blocks().items()}
+
+    def __getitem__(self, name: str) -> sql.Composed:
+        return self._composed[name]

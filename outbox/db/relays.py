@@ -1,0 +1,102 @@
+"""The relay registry and its sessions: the control session that holds a relay's
+advisory lock and heartbeat (proof of life), and the wake-up listener.
+
+Neither ever takes part in a batch: a transaction that ran LISTEN cannot be
+prepared.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox import gid as gids
+from outbox.db.session import Session
+
+Row = dict[str, Any]
+Conn = psycopg.Connection[Row]
+
+
+class ControlSession(Session):
+    """The relay's proof of life: its advisory lock and its heartbeat.
+
+    Used by one thread only (``outbox.relay.liveness.Liveness``), so that no statement of
+    the batch loop, however slow, can delay a heartbeat.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        relay_id: str,
+        *,
+        connect_timeout: float = 10.0,
+        statement_timeout: float | None = None,
+    ) -> None:
+        super().__init__(
+            dsn,
+            table,
+            f"outbox-relay-control:{relay_id[:12]}",
+            connect_timeout,
+            statement_timeout,
+        )
+        self.relay_id = relay_id
+
+    def acquire(self) -> bool:
+        """Take the relay's advisory lock and register; False if the key is taken."""
+        with self._translated("registering the relay"):
+            row = self.conn.execute(
+                self.queries["try_lock_relay"],
+                {"lock_class": gids.LOCK_CLASS, "lock_key": gids.lock_key(self.relay_id)},
+            ).fetchone()
+            if not row or not row["locked"]:
+                return False
+            self.conn.execute(
+                self.queries["register_relay"],
+                {
+                    "relay_id": self.relay_id,
+                    "lock_key": gids.lock_key(self.relay_id),
+                    "hostname": socket.gethostname(),
+                    "pid": os.getpid(),
+                },
+            )
+            return True
+
+    def heartbeat(self) -> None:
+        with self._translated("writing the heartbeat"):
+            self.conn.execute(self.queries["heartbeat"], {"relay_id": self.relay_id})
+
+    def unregister(self) -> None:
+        with self._translated("unregistering the relay"):
+            self.conn.execute(self.queries["unregister_relay"], {"relay_id": self.relay_id})
+
+
+class WakeupListener(Session):
+    """LISTENs for the outbox trigger's NOTIFY; the idle relay waits on its socket.
+
+    A session of its own: a transaction that ran LISTEN cannot be prepared, and the
+    control session belongs to the heartbeat thread.
+    """
+
+    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
+        super().__init__(dsn, table, "outbox-relay-wakeup", connect_timeout)
+        with self._translated("subscribing to wake-ups"):
+            self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.table)))
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def take_notifications(self) -> int:
+        """How many wake-ups arrived since the last call (never blocks)."""
+        with self._translated("reading wake-ups"):
+            return sum(1 for _ in self.conn.notifies(timeout=0))
+
+    def rows_waiting(self) -> bool:
+        """The fallback poll: True if the outbox table has any row."""
+        with self._translated("polling for rows"):
+            row = self.conn.execute(self.queries["rows_waiting"]).fetchone()
+            return row is None or bool(row["rows_waiting"])

@@ -1,0 +1,239 @@
+"""The consumer side's only kombu code: ``Broker`` consumes (connect, declare,
+deliver, ack, reject) and ``QueuePublisher`` publishes for ``outbox parked retry``.
+
+kombu and py-amqp errors come out as ``BrokerUnavailable`` (or ``QueueMissing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import amqp
+from kombu import exceptions as kombu_errors
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer
+
+from outbox.errors import BrokerUnavailable, ExitCode, OutboxError
+from outbox.events import emit
+from outbox.inbox.message import KEPT_PROPERTIES
+
+if TYPE_CHECKING:
+    from outbox.inbox.loop import ConsumerSettings
+
+log = logging.getLogger("outbox.inbox")
+
+
+class QueueMissing(OutboxError):
+    """The queue to consume does not exist (and no ``--bind`` asked to declare it)."""
+
+    exit_code = ExitCode.NOT_READY
+
+
+def broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
+    return (
+        OSError,
+        kombu_errors.KombuError,
+        *conn.connection_errors,
+        *conn.channel_errors,
+    )
+
+
+class Broker:
+    """The consumer's broker connection; every kombu call goes through here and its
+    errors come out as ``BrokerUnavailable`` (or ``QueueMissing``)."""
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        self.settings = settings
+        self.conn: Connection | None = None
+        self._consumer: Consumer | None = None
+        self._received: list[Any] | None = None
+
+    def _dispatch(self, delivery: Any) -> None:
+        # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
+        # connection.close).  Only those read by ``drain`` are handed on; the others
+        # stay unacked and go back to the queue when the connection closes.
+        if self._received is not None:
+            self._received.append(delivery)
+
+    @property
+    def connected(self) -> bool:
+        return self._consumer is not None
+
+    def _translate(self, what: str, exc: BaseException) -> BrokerUnavailable:
+        self.close()
+        return BrokerUnavailable(
+            f"RabbitMQ failed while {what}: {exc!r}",
+            "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+        )
+
+    def open(self) -> None:
+        s = self.settings
+        conn = Connection(s.amqp_url, heartbeat=s.heartbeat, connect_timeout=s.connect_timeout)
+        self.conn = conn
+        errors = broker_errors(conn)
+        try:
+            # Each of the ';'-separated URLs once; the caller backs off between rounds.
+            conn.ensure_connection(
+                max_retries=max(len(conn.alt), 1) - 1,
+                interval_start=0,
+                interval_step=0,
+                interval_max=0,
+            )
+            channel = conn.channel()
+            if s.bindings:
+                self._declare(channel)
+            self._check_queue(channel)
+            consumer = Consumer(
+                channel,
+                queues=[Queue(s.queue, no_declare=True)],
+                on_message=self._dispatch,
+                prefetch_count=s.prefetch,
+                auto_declare=False,
+            )
+            consumer.consume()
+        except QueueMissing:
+            self.close()
+            raise
+        except errors as exc:
+            raise self._translate("connecting", exc) from exc
+        self._consumer = consumer
+
+    def _check_queue(self, channel: Any) -> None:
+        try:
+            channel.queue_declare(queue=self.settings.queue, passive=True)
+        except Exception as exc:
+            if getattr(exc, "code", None) != 404:
+                raise
+            raise QueueMissing(
+                f"queue {self.settings.queue!r} does not exist",
+                "declare it and bind it to your exchange, or pass --bind EXCHANGE:KEY",
+            ) from exc
+
+    def _declare(self, channel: Any) -> None:
+        """--bind: the queue (durable) and each exchange (durable topic) if missing,
+        then the bindings.  Existing ones keep their type and arguments."""
+        s = self.settings
+        conn = self.conn
+        assert conn is not None
+        try:
+            channel.queue_declare(queue=s.queue, passive=True)
+        except Exception as exc:
+            if getattr(exc, "code", None) != 404:
+                raise
+            channel = conn.channel()  # a failed passive declare closes the channel
+            Queue(s.queue, durable=True, channel=channel).declare()
+            emit(log, "consumer.queue_declared", queue=s.queue)
+        for exchange, key in s.bindings:
+            try:
+                channel.exchange_declare(exchange=exchange, type="topic", passive=True)
+            except Exception as exc:
+                if getattr(exc, "code", None) != 404:
+                    raise
+                channel = conn.channel()
+                Exchange(exchange, type="topic", durable=True, channel=channel).declare()
+                emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
+            channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
+
+    def drain(self, timeout: float) -> list[Any]:
+        """The deliveries that arrive within ``timeout`` s, plus whatever else is
+        already waiting in the socket (at most ``prefetch``), without waiting more."""
+        conn = self.conn
+        if conn is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        received: list[Any] = []
+        self._received = received
+        try:
+            conn.drain_events(timeout=timeout)
+            while len(received) < self.settings.prefetch:
+                conn.drain_events(timeout=0)
+        except TimeoutError:  # socket.timeout: nothing (more) arrived
+            pass
+        except broker_errors(conn) as exc:
+            raise self._translate("receiving", exc) from exc
+        finally:
+            self._received = None
+        self.heartbeat()
+        return received
+
+    def heartbeat(self) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            conn.heartbeat_check()
+        except broker_errors(conn) as exc:
+            raise self._translate("sending a heartbeat", exc) from exc
+
+    def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None:
+        """Ack (``multiple``: this and every earlier delivery not settled yet), or
+        reject with requeue (the message goes back to its queue position)."""
+        conn = self.conn
+        errors = broker_errors(conn) if conn is not None else (OSError,)
+        try:
+            if ack:
+                delivery.ack(multiple=multiple)
+            else:
+                delivery.reject(requeue=True)
+        except errors as exc:
+            raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
+
+    def stop_consuming(self) -> None:
+        """Cancel the subscription; unacked (prefetched) messages go back on close."""
+        if self._consumer is not None and self.conn is not None:
+            with contextlib.suppress(*broker_errors(self.conn)):
+                self._consumer.cancel()
+        self._consumer = None
+
+    def close(self) -> None:
+        self._consumer = None
+        if self.conn is not None:
+            # Closing a dead connection must not hide the error that killed it.
+            with contextlib.suppress(Exception):
+                self.conn.release()
+            self.conn = None
+
+
+class QueuePublisher:
+    """Publishes straight to a queue (default exchange): persistent, ``mandatory``,
+    and confirmed one by one, so a return (no such queue) or a nack raises.  Used
+    by ``outbox parked retry``."""
+
+    def __init__(self, amqp_url: str, *, connect_timeout: float = 10.0) -> None:
+        self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
+        try:
+            self.conn.ensure_connection(
+                max_retries=max(len(self.conn.alt), 1) - 1, interval_start=0
+            )
+            self.channel = self.conn.channel()
+        except Exception as exc:
+            self.close()
+            raise BrokerUnavailable(
+                f"cannot connect to RabbitMQ: {exc!r}",
+                "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
+            ) from exc
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: dict[str, Any],
+        properties: Mapping[str, Any],
+    ) -> None:
+        kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
+        if isinstance(kept.get("timestamp"), str):
+            kept["timestamp"] = datetime.datetime.fromisoformat(kept["timestamp"])
+        message = amqp.Message(
+            body, message_id=message_id, delivery_mode=2, application_headers=headers, **kept
+        )
+        self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.release()

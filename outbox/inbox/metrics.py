@@ -1,0 +1,196 @@
+"""Metrics, liveness and readiness of one ``outbox consume`` process.
+
+Counters and the handler-duration histogram are read from the consumer's
+``ConsumerStats`` when Prometheus scrapes.  The one database figure (parked
+messages of this consumer) comes from a connection of the endpoint's own, cached
+for ``DATABASE_CACHE_SECONDS``, never from the consumer's connection.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from outbox import health
+from outbox.errors import OutboxError
+from outbox.inbox.store import InboxStore
+from outbox.ops.endpoints import HealthServer
+from outbox.relay.metrics import DATABASE_CACHE_SECONDS, histogram
+
+if TYPE_CHECKING:
+    from outbox.inbox.loop import ConsumerSettings, Inbox
+
+
+class ParkedFigure:
+    """Parked messages of this consumer, cached; ``error`` says why it is unknown."""
+
+    def __init__(self, settings: ConsumerSettings, ttl: float = DATABASE_CACHE_SECONDS) -> None:
+        self._settings = settings
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._store: InboxStore | None = None
+        self._expires = 0.0
+        self.parked: int | None = None
+        self.error: str | None = "not read yet"
+
+    def refresh(self) -> None:
+        with self._lock:
+            if time.monotonic() < self._expires:
+                return
+            s = self._settings
+            try:
+                if self._store is None or self._store.broken:
+                    self.close()
+                    self._store = InboxStore(
+                        s.dsn,
+                        s.inbox_table,
+                        s.consumer,
+                        application_name="outbox-consume-metrics",
+                        connect_timeout=min(s.connect_timeout, 3.0),
+                    )
+                self.parked, self.error = self._store.parked_count(), None
+            except OutboxError as exc:
+                self.parked, self.error = None, exc.message
+                self.close()
+            self._expires = time.monotonic() + self._ttl
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+class ConsumerCollector(Collector):
+    def __init__(self, inbox: Inbox, parked: ParkedFigure) -> None:
+        self.inbox = inbox
+        self.parked = parked
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.inbox.stats
+        for name, value, doc in (
+            ("handled", stats.handled, "Messages whose effect this consumer committed."),
+            (
+                "duplicates_skipped",
+                stats.duplicates_skipped,
+                "Deliveries whose message id was already in the inbox (acked, no effect).",
+            ),
+            (
+                "handler_failures",
+                stats.handler_failures,
+                "Handler calls that raised (rolled back; retried or parked).",
+            ),
+            ("parked", stats.parked, "Messages this consumer parked (gave up on)."),
+            ("reconnects", stats.reconnects, "Retries after a database or broker failure."),
+            ("inbox_pruned", stats.pruned, "Inbox ids deleted by retention."),
+        ):
+            yield CounterMetricFamily(f"outbox_consumer_{name}", doc, value=value)
+        yield histogram(
+            "outbox_consumer_handler_duration_seconds",
+            "Handler calls, successful or not (the transaction's commit not included).",
+            stats.handler_seconds,
+        )
+        yield GaugeMetricFamily(
+            "outbox_consumer_broker_up",
+            "1 if the consumer is subscribed to its queue.",
+            value=int(self.inbox.broker.connected),
+        )
+        self.parked.refresh()
+        yield GaugeMetricFamily(
+            "outbox_consumer_database_up",
+            "1 if the metrics query reached the consumer's PostgreSQL.",
+            value=int(self.parked.parked is not None),
+        )
+        if self.parked.parked is not None:
+            yield GaugeMetricFamily(
+                "outbox_consumer_parked_messages",
+                "Rows of this consumer in <inbox>_parked.",
+                value=self.parked.parked,
+            )
+
+
+def liveness_limit(settings: ConsumerSettings) -> float:
+    """The longest a healthy pass of the consume loop can take (seconds), plus a margin.
+
+    A pass may wait out a retry delay, back off, reconnect to both servers, or run a
+    handler for up to two heartbeats (longer, and the broker drops the connection).
+    """
+    return (
+        settings.retry_delay_max
+        + settings.backoff_max
+        + 2 * settings.connect_timeout
+        + 2 * settings.heartbeat
+        + health.LIVENESS_MARGIN
+    )
+
+
+def readiness(
+    *, stopping: bool, database_ok: bool, broker_connected: bool, last_error: str | None
+) -> health.Check:
+    problems = []
+    if stopping:
+        problems.append("the consumer is stopping")
+    if not database_ok:
+        problems.append("database: not connected to the consumer's PostgreSQL")
+    if not broker_connected:
+        problems.append("broker: not subscribed to the queue")
+    if last_error is not None:
+        problems.append(f"last pass failed: {last_error}")
+    return health.Check(not problems, tuple(problems))
+
+
+class ConsumerEndpoints:
+    """``/metrics``, ``/healthz``, ``/readyz`` of an ``Inbox`` (``port=0``: any free port)."""
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        *,
+        port: int,
+        address: str = "0.0.0.0",
+        cache_seconds: float = DATABASE_CACHE_SECONDS,
+    ) -> None:
+        self.inbox = inbox
+        self.parked = ParkedFigure(inbox.settings, cache_seconds)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ConsumerCollector(inbox, self.parked))
+        ProcessCollector(registry=self.registry)
+        self.liveness_limit = liveness_limit(inbox.settings)
+        self._server = HealthServer(
+            self.registry, self.liveness, self.readiness, port=port, address=address
+        )
+        self.port = self._server.port
+
+    def start(self) -> ConsumerEndpoints:
+        self._server.start()
+        return self
+
+    def close(self) -> None:
+        self._server.close()
+        self.parked.close()
+
+    def liveness(self) -> health.Check:
+        since, limit = time.monotonic() - self.inbox.stats.last_progress, self.liveness_limit
+        if since <= limit:
+            return health.Check(True)
+        return health.Check(
+            False, (f"the consume loop has not gone round for {since:.0f}s (> {limit:.0f}s)",)
+        )
+
+    def readiness(self) -> health.Check:
+        store = self.inbox.store
+        return readiness(
+            stopping=self.inbox.stopping,
+            database_ok=store is not None and not store.broken,
+            broker_connected=self.inbox.broker.connected,
+            last_error=self.inbox.stats.last_error,
+        )

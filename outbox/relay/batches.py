@@ -1,0 +1,677 @@
+"""One batch's life: claim → PREPARE → publish → record → COMMIT PREPARED.
+
+State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
+
+    claim ──PREPARE──▶ PREPARED ──send──▶ SENT ──confirms, dead letters──▶ RECORDING
+      │ (0 rows)          │                 │                                  │ ledger
+      ▼                   │                 │                                  ▼ record sent
+    nothing               │                 │                              RECORDED
+                          │                 │                                  │ ledger
+                          │                 │                                  ▼ confirmed
+                          │                 │                              EVIDENCED
+                          │                 │                                  │
+                          ▼                 ▼                                  ▼
+                  ROLLBACK PREPARED on any failure                     COMMIT PREPARED
+                  (rows claimable again)
+
+    any open state ──failure──▶ IN_DOUBT ──reconnected──▶ gid present: finish it by
+                                                          its evidence; gone: finished
+                                                          elsewhere
+
+Every batch a relay has prepared and not finished is one entry of one table,
+``Batches.in_flight``, with its ``State``.  ``IN_DOUBT`` is a batch whose
+PREPARE, COMMIT PREPARED or ROLLBACK PREPARED was cut off, or that a failure left
+unfinished: it is settled after reconnecting by looking its gid up (present →
+COMMIT if the ledger confirmed its record, else ROLLBACK; gone → someone finished
+it).  Nothing is published for a batch whose PREPARE is not known to have
+succeeded.
+
+``depth`` is how many batches may be in flight between PREPARE and COMMIT
+PREPARED: 1 (``--no-pipeline``) or 2 (``--pipeline``, the default).  One
+schedule serves both (``step``)::
+
+    1. finish the batch kept from a failure it survived, if any;
+    2. claim and PREPARE batch N+1 (depth 2: while the broker persists N);
+    3. wait for N's confirms, record its dead letters, send its ledger record;
+    4. publish N+1;
+    5. wait for N's ledger confirm, COMMIT PREPARED N;
+    6. depth 1: N+1 goes through 3 and 5 at once (it is the only batch).
+
+When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
+the claim may take them, ``store.claim_batch(own=…)``), 4 and 5 swap: N+1 is
+published only after N is committed, so no row goes out while an earlier row of
+its key is still in the outbox (``outbox.relay.ordering``), and if N fails, N+1, never
+published, is rolled back with it.
+
+Each batch still goes claim → PREPARE → publish → confirms → ledger → COMMIT
+PREPARED in that order, and N+1 is published only after its own PREPARE
+succeeded and after N's messages were all confirmed.
+
+One failure path (``fail``): a failure (database or broker lost, no confirm, a
+nack, a refusal, no prepared-transaction slot) makes every open batch
+``IN_DOUBT``, except a batch already published (``SENT``) when the failure
+cannot have touched its confirms (a database failure: ``survives_failure``); that
+one stays in flight, ``kept``, and is finished first on the next step.  A step
+that must give a batch up rolls it back at once (``_give_up``) and raises.
+
+What a crash (kill -9) leaves at each step, and who cleans up:
+
+=============================  ===============================  ==================================
+crash right after              state left                       outcome (by whom)
+=============================  ===============================  ==================================
+claim (before PREPARE)         open transaction, dies with the  rows free at once; no duplicate
+                               session
+PREPARE                        prepared xact holding the rows   no evidence → ROLLBACK (resolver);
+                                                                no duplicate
+some messages published        some messages on the broker      no evidence → ROLLBACK (resolver);
+                                                                duplicates ≤ batch
+all messages confirmed         every message on the broker      no evidence → ROLLBACK (resolver);
+                                                                duplicates = batch (tiny window)
+ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
+COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
+=============================  ===============================  ==================================
+
+At depth 2 the crash also finds the other batch in flight at its own step of
+the table (N+1 is at most "PREPARE" while N is before "ledger record confirmed",
+and at most "all messages confirmed" while N is after it), so a crash leaves at
+most two batches to resolve.  Duplicates per crash: ≤ batch_size at depth 1,
+≤ 2 x batch_size at depth 2; at each crash point of ``outbox/faults.py`` a kill
+costs at most one batch (``tests/integration/test_faults_crash.py``).  A database
+outage costs at most one batch at either depth, and none at depth 2 while the
+control session survives.  "resolver" is any relay's periodic pass or ``outbox
+resolve`` (``resolver/decide.py``).
+
+Transient failures roll the batch back and retry with backoff; they never
+dead-letter a row.  Rows that can never be published (``triage.Triage``) and
+unroutable returns become dead letters in the same pass.
+
+The batch talks to the database and the broker only through the two ports below
+(``BatchStorePort``, ``BrokerPort``): ``store.BatchStore`` and
+``publisher.Publisher`` in production, in-memory fakes in
+``tests/unit/test_batches.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import NoReturn, Protocol
+
+from outbox import fault_injection as faults
+from outbox.amqp import ledger
+from outbox.amqp.confirms import Delivery, Outcome, Pending
+from outbox.amqp.frames import Message
+from outbox.config import Settings
+from outbox.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    DeadLettersUnwritable,
+    MissingPrivileges,
+    OutboxError,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+)
+from outbox.events import emit
+from outbox.gid import Gid
+from outbox.message import DeadLetter, OutboxRow
+from outbox.relay import ordering
+from outbox.relay.stats import Stats
+from outbox.relay.triage import Triage
+
+log = logging.getLogger("outbox.relay")
+
+# A claim is an index scan of at most batch_size rows: milliseconds.  Slower means a
+# bad plan, a bloated table or an overloaded server: say so in the log.
+SLOW_CLAIM_SECONDS = 1.0
+
+# What makes a step fail and the relay back off (everything else is a bug).
+RETRYABLE: tuple[type[OutboxError], ...] = (
+    DatabaseUnavailable,
+    BrokerUnavailable,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+    MissingPrivileges,  # revoked while running: back off until granted
+)
+
+
+class BatchStorePort(Protocol):
+    """What a batch needs from PostgreSQL (``store.BatchStore``)."""
+
+    def claim_batch(
+        self,
+        limit: int,
+        max_bytes: int = ...,
+        *,
+        hold_keys: bool = ...,
+        own: Sequence[int] = ...,
+    ) -> list[OutboxRow]: ...
+    def abandon_claim(self) -> None: ...
+    def prepare(self, gid: str) -> None: ...
+    def finish(self, gid: str, *, commit: bool) -> bool: ...
+    def gid_exists(self, gid: str) -> bool: ...
+    def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None: ...
+
+
+class BrokerPort(Protocol):
+    """What a batch needs from RabbitMQ (``publisher.Publisher``)."""
+
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def blocked(self) -> bool: ...
+    def send(self, messages: Sequence[Message]) -> Pending: ...
+    def confirmed(self, pending: Pending, timeout: float) -> list[Delivery]: ...
+    def publish(self, messages: Sequence[Message], timeout: float) -> list[Delivery]: ...
+    def wait_for_confirms(self, timeout: float) -> bool: ...
+    def exchange_exists(self, name: str) -> bool: ...
+
+
+class State(enum.Enum):
+    PREPARED = "prepared"  # PREPARE succeeded; nothing published
+    SENT = "sent"  # messages handed to the broker; confirms may still be due
+    RECORDING = "recording"  # confirms being checked, dead letters being written
+    RECORDED = "recorded"  # ledger record sent; its confirm is the evidence
+    EVIDENCED = "evidenced"  # the ledger confirmed the record: COMMIT PREPARED is due
+    IN_DOUBT = "in_doubt"  # cut off or given up: settled by looking the gid up
+
+
+@dataclasses.dataclass(eq=False)
+class Batch:
+    gid: str
+    rows: Sequence[OutboxRow]
+    started: float
+    state: State = State.PREPARED
+    good: list[OutboxRow] = dataclasses.field(default_factory=list)
+    dead: list[DeadLetter] = dataclasses.field(default_factory=list)
+    sent: list[Pending] = dataclasses.field(default_factory=list)
+    ledger: Pending | None = None
+    published: int = 0
+    evidence: bool = False  # the ledger confirmed the record: commit, never roll back
+    kept: bool = False  # published before a failure it survived: finish it first
+    dead_recorded: int = 0  # dead letters already stored (``_record_dead_first``)
+    isolated: bool = False  # a suspect published alone was refused
+    # Holds later rows of keys the batch before it holds: published after that one
+    # is committed, holding back rows behind its dead letters (``first_dead``).
+    follows: bool = False
+    first_dead: dict[str, int] = dataclasses.field(default_factory=dict)
+    unpublishable: OutboxError | None = None  # nothing may be published: roll back
+
+
+def survives_failure(error: OutboxError) -> bool:
+    """Whether a batch already published is still finished by its relay after ``error``.
+
+    Its PREPARE succeeded, so the batch is durable and any session of the relay may
+    finish it; while the broker connection lives, its confirms still arrive.  A
+    database failure (lost work connection, PREPARE of the next batch cut off or
+    refused for want of slots) therefore need not cost a batch of duplicates: the
+    batch is finished after reconnecting, provided the control session (and with
+    it the relay id that keeps resolvers away) survived.  A broker failure puts
+    its confirms in doubt: it is rolled back.
+    """
+    return not isinstance(error, BrokerUnavailable)
+
+
+def _sent(batch: Batch) -> int:
+    """Messages of ``batch`` written to the broker (confirmed or not)."""
+    return sum(1 for pending in batch.sent for d in pending.deliveries if d.sent)
+
+
+def to_message(row: OutboxRow) -> Message:
+    headers = row.headers
+    if row.ordering_key is not None:
+        headers = {**(headers or {}), ordering.ORDERING_KEY_HEADER: row.ordering_key}
+    return Message(
+        exchange=row.exchange,
+        routing_key=row.routing_key,
+        body=row.payload,
+        message_id=str(row.message_id),
+        content_type=row.content_type,
+        headers=headers,
+        timestamp=row.created_at,
+    )
+
+
+def sort_out(
+    triage: Triage, broker: BrokerPort, rows: Sequence[OutboxRow]
+) -> tuple[list[DeadLetter], list[OutboxRow]]:
+    """Triage a batch: ask the broker about the exchanges triage cannot vouch for,
+    then split the rows into dead letters and publishable rows."""
+    unknown = triage.exchanges_to_check({r.exchange for r in rows})
+    missing = {name for name in unknown if not broker.exchange_exists(name)}
+    triage.exchanges_found(unknown - missing)
+    return triage.sort_out(rows, missing)
+
+
+class Batches:
+    """The batches of one relay between claim and COMMIT PREPARED."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        broker: BrokerPort,
+        stats: Stats,
+        *,
+        may_commit: Callable[[], bool],
+        on_batch: Callable[[str, Stats], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.depth = 2 if settings.pipeline else 1
+        self.broker = broker
+        self.stats = stats
+        self.triage = Triage(settings.max_message_bytes)
+        self.store: BatchStorePort | None = None  # the relay's current work connection
+        self.relay_id = ""  # the relay's current id (a new one after a lost control session)
+        self.in_flight: dict[str, Batch] = {}  # by gid, in claim order
+        self.ledger_doubtful = False  # probe the ledger before the next batch
+        self._may_commit = may_commit
+        self._on_batch = on_batch
+        self._seq = 0
+        self._dead_letters_failing = False  # the last dead-letter write was refused
+
+    # -- the schedule ------------------------------------------------------------
+    def step(self) -> int:
+        """One step of the loop (module docstring, "the schedule"); returns the rows
+        it moved on: claimed, or else committed.  0: there was nothing to do (the
+        relay waits for work).
+
+        A step that claims nothing may still commit the batch kept from the step
+        before: that frees the next rows of its ordering keys, and the rows a claim
+        cut short by the byte budget kept locked.  That is progress, and the loop
+        claims again at once instead of waiting for a wake-up."""
+        try:
+            finished = 0
+            kept = self._waiting()
+            if kept is not None and kept.kept:
+                # Published before a database failure that it survived: finish it
+                # before preparing another (which may be what failed, e.g. no slot).
+                self._finish(kept)
+                finished, kept = len(kept.rows), None
+            batch = self._claim_and_prepare(kept)
+            if kept is not None:
+                self._record(kept)
+            if batch is not None and kept is not None and batch.follows:
+                # Rows of keys that ``kept`` holds: published only once it is committed.
+                self._commit(kept)
+                finished += len(kept.rows)
+                batch.first_dead = ordering.blockers(kept.dead)
+                kept = None
+            if batch is not None:
+                self._send(batch)
+            if kept is not None:
+                self._commit(kept)
+                finished += len(kept.rows)
+            if batch is not None and (self.depth == 1 or batch.unpublishable is not None):
+                self._finish(batch)  # unpublishable: nothing was sent; roll back, back off
+            return len(batch.rows) if batch else finished
+        except RETRYABLE as exc:
+            self.fail(exc)
+            raise
+
+    def finish_in_flight(self) -> None:
+        """Stopping: finish the batch published last, claim no more, settle the rest."""
+        try:
+            waiting = self._waiting()
+            if waiting is not None:
+                self._finish(waiting)
+        finally:
+            self.fail(None)
+            self.settle()
+
+    def _waiting(self) -> Batch | None:
+        """The batch published by the previous step, waiting for its evidence."""
+        return next((b for b in self.in_flight.values() if b.state is State.SENT), None)
+
+    def _finish(self, batch: Batch) -> None:
+        self._record(batch)
+        self._commit(batch)
+
+    # -- one batch, in order -------------------------------------------------------
+    def _claim_and_prepare(self, waiting: Batch | None = None) -> Batch | None:
+        """Claim rows and PREPARE them (crash table: "claim", "PREPARE").
+
+        The claim may take the next rows of keys that ``waiting`` (the batch published
+        by the previous step) holds; the new batch then ``follows`` it.
+        """
+        store = self._store()
+        started = time.monotonic()
+        if self.broker.blocked:
+            # Publishing into a blocked connection only queues messages that a
+            # timeout would then put in doubt: claim nothing until the alarm clears.
+            raise BrokerUnavailable("RabbitMQ is blocking publishers (resource alarm)")
+        if self.ledger_doubtful:
+            self._probe_ledger()
+        claim_started = time.monotonic()
+        held = [r for r in waiting.rows if r.ordering_key is not None] if waiting else []
+        rows = store.claim_batch(
+            self.settings.batch_size,
+            self.settings.batch_max_bytes,
+            hold_keys=self.settings.hold_keys,
+            own=[r.id for r in held],
+        )
+        self._observe_claim(time.monotonic() - claim_started, len(rows))
+        if not rows:
+            store.abandon_claim()
+            return None
+        self._crash_point("after_claim")
+        self._seq += 1
+        batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
+        held_keys = {r.ordering_key for r in held}
+        batch.follows = any(r.ordering_key in held_keys for r in rows)
+        try:
+            store.prepare(batch.gid)
+        except OutcomeUnknown:
+            batch.state = State.IN_DOUBT
+            self.in_flight[batch.gid] = batch
+            raise
+        # From here on the batch is durable and undecided until finished.
+        self.in_flight[batch.gid] = batch
+        self._crash_point("after_prepare")
+        return batch
+
+    def _send(self, batch: Batch) -> None:
+        """Publish the batch's messages without waiting ("some messages published").
+
+        Suspects go first, one at a time (``_send_alone``).  While dead-letter
+        writes are refused, the dead letters known before publishing are recorded
+        first, and nothing is published if that fails: a table the relay may not
+        write costs no further duplicates.
+        """
+        try:
+            self._publish(batch)
+        finally:
+            batch.state = State.SENT
+
+    def _publish(self, batch: Batch) -> None:
+        batch.dead, good = sort_out(self.triage, self.broker, batch.rows)
+        if self.settings.hold_keys:
+            first_dead = {**ordering.blockers(batch.dead), **batch.first_dead}
+            held, good = ordering.hold(good, first_dead)
+            batch.dead += held
+        if self._dead_letters_failing and batch.dead and not self._record_dead_first(batch):
+            return
+        waves = ordering.waves(good)
+        first_returned: dict[str, int] = {}
+        for number, wave in enumerate(waves):
+            if first_returned and self.settings.hold_keys:
+                held, wave = ordering.hold(wave, first_returned)
+                batch.dead += held
+            sent, before = len(batch.sent), len(batch.good)
+            if not self._send_wave(batch, wave):
+                return
+            if number == len(waves) - 1:
+                break
+            # The next wave holds later rows of these keys: only once these are in.
+            timeout = self.settings.publish_timeout
+            confirmed = [d for p in batch.sent[sent:] for d in self.broker.confirmed(p, timeout)]
+            deliveries = list(zip(batch.good[before:], confirmed, strict=True))
+            if any(d.outcome in (Outcome.NACKED, Outcome.UNKNOWN) for _, d in deliveries):
+                return  # ``_record`` rolls the batch back; later waves never go out
+            returned = [
+                DeadLetter(row, d.reason)
+                for row, d in deliveries
+                if d.outcome in (Outcome.RETURNED, Outcome.REJECTED)
+            ]
+            for key, first in ordering.blockers(returned).items():
+                first_returned.setdefault(key, first)
+
+    def _send_wave(self, batch: Batch, rows: Sequence[OutboxRow]) -> bool:
+        """Publish rows of which no two share a key; suspects first, alone.  False
+        when a suspect was refused (nothing more may go out)."""
+        suspects, others = self.triage.isolate(rows)
+        batch.good += suspects
+        if suspects and not self._send_alone(batch, suspects):
+            return False
+        batch.good += others
+        messages = [to_message(r) for r in others]
+        if faults.armed("mid_publish") and len(messages) > 1:
+            half = len(messages) // 2
+            first = self.broker.send(messages[:half])
+            self.broker.confirmed(first, self.settings.publish_timeout)
+            self._crash_point("mid_publish")
+            batch.sent += [first, self.broker.send(messages[half:])]
+        elif messages:
+            if len(messages) > 1:
+                faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
+            batch.sent.append(self.broker.send(messages))
+        return True
+
+    def _send_alone(self, batch: Batch, suspects: Sequence[OutboxRow]) -> bool:
+        """Publish each suspect alone, waiting for its confirm; False at the first
+        failure, which then names its row (``isolation.Suspects``)."""
+        timeout = self.settings.publish_timeout
+        # Nothing else may be in flight when a refusal closes the channel.
+        self.broker.wait_for_confirms(timeout)
+        for row in suspects:
+            pending = self.broker.send([to_message(row)])
+            batch.sent.append(pending)
+            [delivery] = self.broker.confirmed(pending, timeout)
+            if delivery.outcome in (Outcome.NACKED, Outcome.UNKNOWN):
+                batch.isolated = True
+                return False
+            self.triage.suspects.clear([row.id])
+        return True
+
+    def _record_dead_first(self, batch: Batch) -> bool:
+        """Record the batch's known dead letters before publishing; False if refused."""
+        try:
+            self._store().record_dead_letters(batch.dead, batch.gid)
+        except OutboxError as exc:
+            batch.unpublishable = exc
+            return False
+        batch.dead_recorded = len(batch.dead)
+        self._dead_letters_failing = False
+        return True
+
+    def _record(self, batch: Batch) -> None:
+        """Wait for every confirm, store dead letters, send the ledger record."""
+        batch.state = State.RECORDING
+        if batch.unpublishable is not None:
+            # Nothing was published (``_record_dead_first``): roll back and back off.
+            self._give_up(batch, batch.unpublishable, accepted=0)
+        timeout = self.settings.publish_timeout
+        deliveries = [d for pending in batch.sent for d in self.broker.confirmed(pending, timeout)]
+        returned = [
+            DeadLetter(row, d.reason)
+            for row, d in zip(batch.good, deliveries, strict=False)
+            if d.outcome in (Outcome.RETURNED, Outcome.REJECTED)
+        ]
+        failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
+        if failed:
+            self._not_confirmed(batch, deliveries, failed)
+        self._crash_point("after_publish")
+        batch.dead.extend(returned)
+        batch.published = len(batch.good) - len(returned)
+        self._store_dead_letters(batch, returned)
+        if not self._may_commit():
+            self._give_up(
+                batch,
+                DatabaseUnavailable("the relay's heartbeat is stale; backing off"),
+                accepted=batch.published,
+                reason="heartbeat too old (partitioned?)",
+            )
+        record = ledger.record(
+            batch.gid,
+            queue=self.settings.ledger_queue,
+            rows=len(batch.rows),
+            dead=len(batch.dead),
+            relay_id=self.relay_id,
+        )
+        batch.ledger = self.broker.send([record])
+        batch.state = State.RECORDED
+
+    def _not_confirmed(
+        self, batch: Batch, deliveries: Sequence[Delivery], failed: Sequence[Delivery]
+    ) -> NoReturn:
+        """Some messages were nacked or are in doubt: learn what we can, roll back."""
+        for row, d in zip(batch.good, deliveries, strict=False):
+            if d.sent and d.outcome is Outcome.UNKNOWN:
+                self.triage.suspects.refused(row.id, d.reason, alone=batch.isolated)
+        # Sent without a confirm may be on the broker too: a possible duplicate.
+        in_doubt = sum(
+            1
+            for d in deliveries
+            if d.outcome is Outcome.ACCEPTED or (d.outcome is Outcome.UNKNOWN and d.sent)
+        )
+        reason = failed[0].reason
+        if not self.broker.connected:
+            error = BrokerUnavailable(f"lost RabbitMQ while publishing {batch.gid}: {reason}")
+        else:
+            if any("404" in d.reason for d in failed):
+                self.triage.forget_exchanges()
+            self.triage.learn(d.reason for d in failed)
+            error = BrokerUnavailable(f"batch {batch.gid} not confirmed: {reason}")
+        self._give_up(batch, error, accepted=in_doubt, reason=reason)
+
+    def _store_dead_letters(self, batch: Batch, returned: Sequence[DeadLetter]) -> None:
+        if len(batch.dead) > batch.dead_recorded:
+            try:
+                self._store().record_dead_letters(batch.dead[batch.dead_recorded :], batch.gid)
+            except DeadLettersUnwritable as exc:
+                # Known before publishing next time: the retry publishes nothing
+                # until the dead letters can be written.
+                self._dead_letters_failing = True
+                for letter in returned:
+                    self.triage.suspects.condemn(letter.row.id, letter.reason)
+                self._give_up(batch, exc, accepted=batch.published)
+            self._dead_letters_failing = False
+        for letter in batch.dead:
+            emit(
+                log,
+                "row.dead_lettered",
+                logging.WARNING,
+                gid=batch.gid,
+                message_id=letter.row.message_id,
+                reason=letter.reason,
+            )
+
+    def _commit(self, batch: Batch) -> None:
+        """Wait for the ledger confirm (the evidence), then COMMIT PREPARED."""
+        assert batch.ledger is not None
+        [entry] = self.broker.confirmed(batch.ledger, self.settings.publish_timeout)
+        if entry.outcome is not Outcome.ACCEPTED:
+            self.ledger_doubtful = True
+            self._give_up(
+                batch,
+                BrokerUnavailable(f"could not record {batch.gid} in the ledger: {entry.reason}"),
+                accepted=batch.published,
+                reason=f"ledger record not confirmed: {entry.reason}",
+            )
+        self._crash_point("after_ledger")
+        batch.state, batch.evidence = State.EVIDENCED, True
+        self._crash_point("before_commit_prepared")
+        self._store().finish(batch.gid, commit=True)
+        del self.in_flight[batch.gid]
+        self.triage.suspects.clear(r.id for r in batch.rows)
+        self._count_committed(batch)
+        self.stats.batch_seconds.observe(time.monotonic() - batch.started)
+        emit(
+            log,
+            "batch.committed",
+            logging.DEBUG,
+            gid=batch.gid,
+            rows=len(batch.rows),
+            published=batch.published,
+            dead=len(batch.dead),
+            ms=f"{(time.monotonic() - batch.started) * 1000:.1f}",
+        )
+        if self._on_batch:
+            self._on_batch(batch.gid, self.stats)
+
+    # -- failure -----------------------------------------------------------------------
+    def _give_up(
+        self, batch: Batch, error: OutboxError, *, accepted: int, reason: str | None = None
+    ) -> NoReturn:
+        """ROLLBACK PREPARED now (the rows are claimable again), then fail the step."""
+        self._store().finish(batch.gid, commit=False)
+        self.in_flight.pop(batch.gid, None)
+        self.stats.batches_rolled_back += 1
+        self.stats.duplicates_possible += accepted
+        emit(
+            log,
+            "batch.rolled_back",
+            logging.WARNING,
+            gid=batch.gid,
+            reason=reason or error.message,
+            accepted_before=accepted,
+        )
+        raise error
+
+    def fail(self, error: OutboxError | None) -> None:
+        """After ``error`` (None: stopping, or the relay id was lost), every open batch
+        is in doubt, except a published one that survives it, which stays in flight."""
+        for batch in self.in_flight.values():
+            if batch.state is State.IN_DOUBT:
+                continue
+            if batch.state is State.SENT and error is not None and survives_failure(error):
+                batch.kept = True
+                continue
+            batch.state = State.IN_DOUBT
+
+    def settle(self) -> None:
+        """Finish the batches in doubt by looking their gids up (after reconnecting)."""
+        store = self._store()
+        for batch in [b for b in self.in_flight.values() if b.state is State.IN_DOUBT]:
+            if store.gid_exists(batch.gid):
+                store.finish(batch.gid, commit=batch.evidence)
+                outcome = "committed" if batch.evidence else "rolled_back"
+            else:
+                outcome = "finished_elsewhere"
+            if batch.evidence:
+                self._count_committed(batch)
+            else:
+                self.stats.batches_rolled_back += 1
+                if outcome == "rolled_back":
+                    # What went out for it is on the broker, or may be: sent again.
+                    self.stats.duplicates_possible += _sent(batch)
+            emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome=outcome)
+            del self.in_flight[batch.gid]
+
+    @property
+    def in_doubt(self) -> bool:
+        return any(b.state is State.IN_DOUBT for b in self.in_flight.values())
+
+    # -- helpers -----------------------------------------------------------------------
+    def _store(self) -> BatchStorePort:
+        assert self.store is not None, "the relay connects the store before a step"
+        return self.store
+
+    def _count_committed(self, batch: Batch) -> None:
+        self.stats.batches_committed += 1
+        self.stats.messages_published += batch.published
+        self.stats.dead_letters += len(batch.dead)
+
+    def _observe_claim(self, seconds: float, rows: int) -> None:
+        stats = self.stats
+        stats.claim_seconds.observe(seconds)
+        stats.slowest_claim = max(stats.slowest_claim, seconds)
+        stats.largest_claim = max(stats.largest_claim, rows)
+        if seconds >= SLOW_CLAIM_SECONDS:
+            emit(log, "claim.slow", logging.WARNING, ms=f"{seconds * 1000:.0f}", rows=rows)
+
+    def _crash_point(self, point: str) -> None:
+        """``OUTBOX_CRASH_AT``: when this point is armed, let the broker confirm what
+        is in flight first (the other batch at depth 2), so that the crash leaves an
+        exact number of messages on the broker (tests only)."""
+        if faults.armed(point):
+            self.broker.wait_for_confirms(self.settings.publish_timeout)
+        faults.reached(point)
+
+    def _probe_ledger(self) -> None:
+        """Prove the ledger takes records again before publishing another batch.
+
+        Without evidence a batch is rolled back, so while the ledger stream is
+        unavailable every retry would publish a whole batch only to duplicate it.
+        """
+        [entry] = self.broker.publish(
+            [ledger.probe(self.settings.ledger_queue)], self.settings.publish_timeout
+        )
+        if entry.outcome is not Outcome.ACCEPTED:
+            raise BrokerUnavailable(
+                f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}",
+                "nothing is committed until it does; if the stream stays down after a broker "
+                "crash, see README, 'Known limitations'",
+            )
+        self.ledger_doubtful = False

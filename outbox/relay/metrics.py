@@ -1,0 +1,196 @@
+"""Prometheus metrics of one relay process.
+
+Counters and the batch-duration histogram come from the relay's ``Stats`` and are
+read when Prometheus scrapes, so the relay's hot path pays nothing for them.
+Figures that need the database (backlog, prepared batches, dead letters, live
+relays) come from one query on a connection of the metrics endpoint's own,
+cached for ``DATABASE_CACHE_SECONDS`` so that frequent scrapes and probes cost
+one query per period.
+
+Database figures describe the whole table, so every relay exports the same
+values: aggregate them with ``max`` in alerts, never ``sum``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from outbox.db.batches import BatchStore
+from outbox.durations import Durations
+from outbox.errors import OutboxError
+from outbox.events import emit
+
+if TYPE_CHECKING:
+    from outbox.relay.process import Relay
+
+log = logging.getLogger("outbox.metrics")
+
+DATABASE_CACHE_SECONDS = 5.0
+
+
+class DatabaseFigures:
+    """The cached result of the ``metrics_snapshot`` query, or why it failed."""
+
+    def __init__(
+        self, dsn: str, table: str, *, connect_timeout: float, ttl: float = DATABASE_CACHE_SECONDS
+    ) -> None:
+        self._dsn, self._table = dsn, table
+        self._connect_timeout = min(connect_timeout, 3.0)  # probes time out in seconds
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._store: BatchStore | None = None
+        self._expires = 0.0
+        self.figures: dict[str, Any] | None = None
+        self.error: str | None = "not read yet"
+
+    def refresh(self) -> None:
+        """Query the database unless the last answer is younger than the ttl."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._expires:
+                return
+            try:
+                if self._store is None or self._store.broken:
+                    self.close()
+                    self._store = BatchStore(
+                        self._dsn,
+                        self._table,
+                        application_name="outbox-metrics",
+                        connect_timeout=self._connect_timeout,
+                    )
+                self.figures, self.error = dict(self._store.metrics_snapshot()), None
+            except OutboxError as exc:
+                self.figures, self.error = None, exc.message
+                self.close()
+            except Exception as exc:  # a scrape must answer, whatever the database says
+                emit(log, "metrics.query_failed", logging.WARNING, error=repr(exc))
+                self.figures, self.error = None, f"metrics query failed: {exc}"
+                self.close()
+            self._expires = time.monotonic() + self._ttl
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+class RelayCollector(Collector):
+    def __init__(self, relay: Relay, database: DatabaseFigures) -> None:
+        self.relay = relay
+        self.database = database
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.relay.stats
+        yield CounterMetricFamily(
+            "outbox_messages_published",
+            "Messages confirmed by the broker in committed batches.",
+            value=stats.messages_published,
+        )
+        batches = CounterMetricFamily(
+            "outbox_batches",
+            "Batches finished by this relay, by outcome (resolved: dead relays' batches).",
+            labels=["outcome"],
+        )
+        batches.add_metric(["committed"], stats.batches_committed)
+        batches.add_metric(["rolled_back"], stats.batches_rolled_back)
+        batches.add_metric(["resolved"], stats.batches_resolved)
+        yield batches
+        yield CounterMetricFamily(
+            "outbox_dead_lettered",
+            "Rows this relay recorded as dead letters.",
+            value=stats.dead_letters,
+        )
+        yield CounterMetricFamily(
+            "outbox_reconnects",
+            "Retries after a database or broker failure (each with backoff).",
+            value=stats.reconnects,
+        )
+        yield CounterMetricFamily(
+            "outbox_duplicates_possible",
+            "Messages accepted by the broker in batches that were then rolled back.",
+            value=stats.duplicates_possible,
+        )
+        yield histogram(
+            "outbox_batch_duration_seconds",
+            "Claim to COMMIT PREPARED of committed batches.",
+            stats.batch_seconds,
+        )
+        yield histogram(
+            "outbox_claim_duration_seconds",
+            "The claim statement (SELECT ... FOR UPDATE SKIP LOCKED and DELETE), every claim.",
+            stats.claim_seconds,
+        )
+        self.database.refresh()
+        figures = self.database.figures
+        yield GaugeMetricFamily(
+            "outbox_database_up",
+            "1 if the metrics query reached PostgreSQL.",
+            value=int(figures is not None),
+        )
+        yield GaugeMetricFamily(
+            "outbox_broker_up",
+            "1 if the relay is connected to RabbitMQ.",
+            value=int(self.relay.publisher.connected),
+        )
+        if figures is None:
+            return
+        for name, key, doc in (
+            ("outbox_backlog_rows", "backlog_rows", "Rows in the outbox table."),
+            (
+                "outbox_backlog_oldest_age_seconds",
+                "oldest_row_age_seconds",
+                "Age of the oldest row in the outbox table (0 if empty).",
+            ),
+            (
+                "outbox_prepared_batches",
+                "prepared_batches",
+                "Prepared transactions (batches in flight or in doubt) of this table.",
+            ),
+            (
+                "outbox_prepared_oldest_age_seconds",
+                "oldest_prepared_age_seconds",
+                "Age of the oldest prepared batch of this table (0 if none).",
+            ),
+            ("outbox_dead_letters", "dead_letters", "Rows in the dead-letter table."),
+            (
+                "outbox_dead_letter_ordering_keys",
+                "dead_letter_ordering_keys",
+                "Ordering keys with a dead letter (held back unless ordering_dead_letters=skip).",
+            ),
+            ("outbox_live_relays", "live_relays", "Relays whose control session is alive."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(figures[key]))
+
+
+def histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:
+    """A Prometheus histogram of a ``Durations`` (relay and consumer alike)."""
+    snapshot = durations.snapshot()
+    return HistogramMetricFamily(
+        name,
+        documentation,
+        buckets=[
+            ("+Inf" if bound == float("inf") else repr(bound), count)
+            for bound, count in snapshot.buckets
+        ],
+        sum_value=snapshot.total,
+    )
+
+
+def registry_for(relay: Relay, database: DatabaseFigures) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RelayCollector(relay, database))
+    ProcessCollector(registry=registry)
+    return registry

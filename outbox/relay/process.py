@@ -1,0 +1,320 @@
+"""The relay process: connect, run the batch loop, wait for work, reconnect, stop.
+
+One batch's life (claim → PREPARE → publish → record → COMMIT PREPARED), its
+state machine and its crash table are in ``outbox/batches.py``; this module is
+the process around it, in the spirit of dramatiq's ``Worker``:
+
+- ``start`` connects both servers and checks the database (a bad configuration
+  fails fast, with a clear message and an exit code);
+- ``run`` goes round: reconnect what is broken, settle batches in doubt, resolve
+  dead relays' batches now and then, take one step of the batches, and when
+  a step neither claimed nor committed anything wait for a NOTIFY (or the
+  fallback poll);
+- a failure (``batches.RETRYABLE``) is logged, backed off and retried forever;
+- SIGTERM/SIGINT/SIGHUP set the ``StopFlag``: the batch in flight is finished,
+  nothing more is claimed, the relay unregisters and exits 0.
+
+Sessions: the work connection (claims, 2PC, resolver passes; every statement
+bounded by ``statement_timeout``, and the server checks every 2 s that we are
+still there), the control session (advisory lock and heartbeat, on a thread of
+its own: ``outbox.relay.liveness``, so a slow statement here cannot make the relay look
+partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
+is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
+only once the owner's control session is gone, or its heartbeat is older than
+``relay_timeout`` (partition).  A relay whose own heartbeat is that stale no longer
+writes evidence for its batches: it rolls them back instead, so a resolver and the
+relay never disagree about a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from outbox.amqp import failover
+from outbox.amqp.publisher import Publisher
+from outbox.config import Settings
+from outbox.db import replication
+from outbox.db.batches import BatchStore
+from outbox.db.relays import WakeupListener
+from outbox.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    OutboxError,
+    PreparedSlotsExhausted,
+)
+from outbox.events import emit
+from outbox.relay.batches import RETRYABLE, Batches
+from outbox.relay.liveness import Liveness
+from outbox.relay.stats import Stats
+
+log = logging.getLogger("outbox.relay")
+
+__all__ = ["Relay", "Stats", "StopFlag"]
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT/SIGHUP (or a test); checked between batches."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def install_signal_handlers(self) -> None:
+        # SIGHUP too: a closed terminal or a supervisor's reload must not kill the
+        # relay with batches prepared (its default action is to terminate).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.set())
+
+
+class Relay:
+    """One relay process: its connections, its loop, and its batches in flight."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        stop: StopFlag | None = None,
+        on_batch: Callable[[str, Stats], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stop = stop if stop is not None else StopFlag()
+        self.stats = Stats()
+        self.store: BatchStore | None = None
+        self.liveness: Liveness | None = None
+        self.wakeups: WakeupListener | None = None
+        self.publisher = Publisher(
+            settings.amqp_url,
+            connect_timeout=settings.connect_timeout,
+            blocked_timeout=max(settings.publish_timeout * 2, 60.0),
+            ca_file=settings.amqp_ca_file,
+        )
+        self.batches = Batches(
+            settings, self.publisher, self.stats, may_commit=self._may_commit, on_batch=on_batch
+        )
+        self.relay_id = ""
+        self._next_resolve = 0.0
+        self._failures = 0
+
+    # -- connections -----------------------------------------------------------
+    def start(self) -> None:
+        """Connect everything and check the servers; raises OutboxError if not ready.
+
+        Called once before ``run``: a bad configuration fails fast with a clear
+        message; outages after this point are retried forever.
+        """
+        self.store = self.batches.store = self._open_store()
+        self.store.check_ready()
+        unsafe = replication.warning(self.store.replication())
+        if unsafe:
+            emit(log, "database.replication_unsafe", logging.WARNING, warning=unsafe)
+        self._connect_broker()
+        self._connect_database()
+
+    def _open_store(self) -> BatchStore:
+        s = self.settings
+        return BatchStore(
+            s.dsn,
+            s.table,
+            connect_timeout=s.connect_timeout,
+            statement_timeout=s.statement_timeout,
+        )
+
+    def _connect_database(self) -> None:
+        s = self.settings
+        if self.store is None or self.store.broken:
+            if self.store is not None:
+                self.store.close()
+            self.store = self.batches.store = None
+            self.store = self.batches.store = self._open_store()
+        if self.wakeups is None or self.wakeups.broken:
+            if self.wakeups is not None:
+                self.wakeups.close()
+            self.wakeups = None
+            self.wakeups = WakeupListener(s.dsn, s.table, connect_timeout=s.connect_timeout)
+        if self.liveness is None or self.liveness.lost:
+            if self.liveness is not None:
+                self.liveness.stop(unregister=False)
+                # Our relay id dies with the session, and resolvers may now finish
+                # its batches: settle them by what we know, keep none in flight.
+                self.batches.fail(None)
+            self.liveness = None
+            # A new control session gets a new relay id: the old session may still
+            # hold the old lock on the server until it notices it is dead.
+            self.liveness = Liveness.start(
+                s.dsn,
+                s.table,
+                interval=s.heartbeat_interval,
+                connect_timeout=s.connect_timeout,
+                # A heartbeat that cannot commit in a fraction of relay_timeout is
+                # as good as none; bound it so the thread tries again.
+                statement_timeout=min(s.statement_timeout, s.relay_timeout / 4),
+            )
+            self.relay_id = self.batches.relay_id = self.liveness.relay_id
+            self._next_resolve = 0.0  # resolve dead relays' batches right away
+            emit(log, "relay.registered", relay=self.relay_id)
+
+    def _connect_broker(self) -> None:
+        if not self.publisher.connected:
+            self.publisher.connect()
+            self.batches.triage.forget_exchanges()
+            # A restarted broker accepts connections before its streams take records
+            # (about 0.5 s later after a kill -9): a batch sent in that gap would be
+            # rolled back and sent again.  Probe the ledger before the first batch.
+            self.batches.ledger_doubtful = True
+            self.publisher.declare_stream(self.settings.ledger_queue, self.settings.ledger_max_age)
+            emit(log, "broker.connected", node=self.publisher.address)
+
+    def _reconnect(self, error: OutboxError) -> None:
+        """Back off, then reconnect whatever is broken; never raises for outages."""
+        self.stats.reconnects += 1
+        # Several RabbitMQ nodes: another may answer at once (``outbox.amqp.failover``).
+        pause = failover.reconnect_delay(
+            self._failures,
+            nodes=self.publisher.nodes if isinstance(error, BrokerUnavailable) else 1,
+            node_lost=not self.publisher.connected,
+            initial=self.settings.backoff_initial,
+            maximum=self.settings.backoff_max,
+        )
+        self._failures += 1
+        hint = {"hint": error.hint} if error.hint else {}
+        emit(
+            log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s", **hint
+        )
+        deadline = time.monotonic() + pause
+        while not self.stop and time.monotonic() < deadline:
+            step = min(0.2, max(0.0, deadline - time.monotonic()))
+            if self.publisher.connected:
+                # Serve the connection while waiting: heartbeats, and the broker's
+                # connection.unblocked when a resource alarm clears.
+                self.publisher.wait(step)
+            else:
+                time.sleep(step)
+        try:
+            self._connect_database()
+            self._connect_broker()
+        except (DatabaseUnavailable, BrokerUnavailable) as exc:
+            emit(log, "relay.reconnect_failed", logging.WARNING, error=exc.message)
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.stop(unregister=True)
+        if self.wakeups is not None:
+            self.wakeups.close()
+        if self.store is not None:
+            self.store.close()
+        self.publisher.close()
+        self.liveness = None
+        self.wakeups = None
+        self.store = self.batches.store = None
+
+    # -- the loop --------------------------------------------------------------
+    def run(self, *, drain: bool = False) -> Stats:
+        """Relay until stopped (or, with ``drain``, until nothing is claimable)."""
+        if self.store is None:
+            self.start()
+        try:
+            while not self.stop:
+                self.stats.last_progress = time.monotonic()
+                try:
+                    # A reconnect that failed earlier leaves a session missing.
+                    self._connect_database()
+                    self._connect_broker()
+                    if self.batches.in_doubt:
+                        self.batches.settle()
+                    self._maintain()
+                    progress = self.batches.step()
+                    self._failures = 0
+                    self.stats.last_error = None
+                    if progress:
+                        continue
+                    if drain and self._drained():
+                        break
+                    self._wait_for_work()
+                except RETRYABLE as exc:
+                    self.stats.last_error = exc.message
+                    if isinstance(exc, PreparedSlotsExhausted):
+                        emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
+                    self._reconnect(exc)
+            with contextlib.suppress(*RETRYABLE):
+                self.batches.finish_in_flight()  # stopping: finish what is in flight
+        finally:
+            self.close()
+        return self.stats
+
+    def _drained(self) -> bool:
+        assert self.store is not None
+        self._resolve_dead_relays()
+        return not self.store.has_claimable_rows()
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_resolve:
+            self._next_resolve = now + self.settings.resolve_interval
+            self._resolve_dead_relays()
+
+    def _resolve_dead_relays(self) -> int:
+        from resolver.apply import resolve  # the resolver imports outbox, not the reverse
+
+        assert self.store is not None
+        finished = 0
+        for resolution in resolve(self.store, self.settings):
+            if resolution.finished:
+                finished += 1
+        self.stats.batches_resolved += finished
+        return finished
+
+    def _wait_for_work(self) -> None:
+        """Sleep until a NOTIFY arrives or the fallback poll finds rows (serving AMQP).
+
+        Idle cost: one poll per ``poll_interval`` on the wake-up session, one
+        heartbeat per ``heartbeat_interval`` (its own thread) and one resolve pass
+        per ``resolve_interval``; claims only when there is work.
+        """
+        wakeups = self.wakeups
+        assert wakeups is not None
+        if wakeups.take_notifications():
+            return
+        deadline = time.monotonic() + self.settings.poll_interval
+        while not self.stop:
+            now = time.monotonic()
+            self.stats.last_progress = now  # idle is progress too (liveness)
+            if self.liveness is None or self.liveness.lost:
+                raise DatabaseUnavailable("lost the relay's control session while idle")
+            if now >= self._next_resolve:
+                self._next_resolve = now + self.settings.resolve_interval
+                if self._resolve_dead_relays():
+                    return  # rolled-back rows are claimable again, without a NOTIFY
+            if now >= deadline:
+                if wakeups.rows_waiting():
+                    return
+                deadline = now + self.settings.poll_interval
+            remaining = min(deadline, self._next_resolve) - now
+            if remaining <= 0:
+                continue
+            # Wake at least every second so SIGTERM is noticed promptly.
+            if self.publisher.wait(min(remaining, 1.0), wake_fd=wakeups.fileno()):
+                wakeups.take_notifications()
+                return
+            if not self.publisher.connected:
+                raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    def _may_commit(self) -> bool:
+        """False once our heartbeat is so old a resolver may presume us dead.
+
+        The heartbeat has its own thread and session (``outbox.relay.liveness``), so only
+        a control session that cannot reach the server makes it old, never a slow
+        statement of this loop.
+        """
+        if self.liveness is None or self.liveness.lost:
+            return False
+        return self.liveness.age < self.settings.relay_timeout - self.settings.heartbeat_interval

@@ -1,0 +1,263 @@
+"""The hot statements keep one plan whatever the table's statistics say.
+
+An outbox is empty most of the time and autovacuum analyzes it between bursts, so
+its statistics usually say "nearly empty" (pages on disk, no live tuple) when the
+next burst arrives.  Written as ``id IN (SELECT … FOR UPDATE SKIP LOCKED)``, the
+claim then became a nested-loop semi-join rescanning the locking sub-select once
+per outer row: 50 s per claim and 19,994 rows deleted under ``LIMIT 1000``.  These
+tests reproduce such statistics and pin the plans with ``EXPLAIN (ANALYZE, FORMAT
+JSON)``: every ``LockRows`` node runs exactly once, as an InitPlan, and a claim
+never returns more than its limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox.db.batches import KEYED_WINDOW, PINNED_CLAIM_PLAN, BatchStore
+from outbox.db.queries import Queries
+
+LIMIT = 100
+ROWS = 3_000
+
+# The statement as it was before: kept here only to prove that the checker below
+# catches a rescanned LockRows.
+OLD_CLAIM = sql.SQL(
+    "DELETE FROM outbox WHERE id IN ("
+    " SELECT id FROM outbox ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+    " RETURNING id"
+)
+
+# Planner settings that push a semi-join towards a nested loop with the sub-select
+# on the inner side: the worst plan the planner could choose by itself.
+ADVERSARIAL_PLANNER = ("enable_hashagg", "enable_sort", "enable_material")
+
+
+# How many ordering keys the rows of a case share (None: no key): unkeyed rows are
+# claimed by the `heads` step alone; 30 keys by heads and tails; one key by one head
+# and its tail.
+KEYS: dict[str, int | None] = {"unkeyed": None, "30_keys": 30, "one_key": 1}
+_keys: int | None = None
+
+
+def _fill(conn: psycopg.Connection[Any], rows: int) -> None:
+    conn.execute(
+        "INSERT INTO outbox (exchange, routing_key, payload, ordering_key) "
+        "SELECT 'x', 'k', convert_to(repeat('p', 900), 'UTF8'), "
+        "       CASE WHEN %(keys)s::int IS NOT NULL THEN (i %% %(keys)s::int)::text END "
+        "FROM generate_series(1, %(rows)s) i",
+        {"rows": rows, "keys": _keys},
+    )
+
+
+def claim_params(limit: int) -> dict[str, Any]:
+    return {
+        "limit": limit,
+        "window": limit * KEYED_WINDOW,
+        "max_bytes": 2**40,
+        "hold": True,
+        "own": [],
+    }
+
+
+def _analyzed_empty_after_churn(conn: psycopg.Connection[Any]) -> None:
+    """Pages on disk, zero live tuples in the statistics, then a burst."""
+    _fill(conn, ROWS)
+    conn.execute("DELETE FROM outbox")
+    conn.execute("ANALYZE outbox")
+    _fill(conn, ROWS)
+
+
+def _vacuumed_empty(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("VACUUM ANALYZE outbox")
+    _fill(conn, ROWS)
+
+
+def _fresh_statistics(conn: psycopg.Connection[Any]) -> None:
+    _fill(conn, ROWS)
+    conn.execute("ANALYZE outbox")
+
+
+def _few_live_rows_many_pages(conn: psycopg.Connection[Any]) -> None:
+    _fill(conn, ROWS)
+    conn.execute("DELETE FROM outbox WHERE id % 1000 <> 0")
+    conn.execute("VACUUM ANALYZE outbox")
+    _fill(conn, ROWS)
+
+
+STATISTICS: dict[str, Callable[[psycopg.Connection[Any]], None]] = {
+    "analyzed_empty_after_churn": _analyzed_empty_after_churn,
+    "vacuumed_empty": _vacuumed_empty,
+    "fresh_statistics": _fresh_statistics,
+    "few_live_rows_many_pages": _few_live_rows_many_pages,
+}
+
+
+def _nodes(node: dict[str, Any], path: tuple[dict[str, Any], ...] = ()) -> Iterator[Any]:
+    yield node, path
+    for child in node.get("Plans", []):
+        yield from _nodes(child, (*path, node))
+
+
+def explain(
+    conn: psycopg.Connection[Any],
+    statement: sql.Composable,
+    params: dict[str, Any],
+    *,
+    adversarial: bool = False,
+) -> dict[str, Any]:
+    """EXPLAIN ANALYZE in a transaction that is rolled back (the claim deletes), with
+    the planner settings the relay gives its claims."""
+    with conn.transaction(force_rollback=True):
+        conn.execute(PINNED_CLAIM_PLAN)
+        if adversarial:
+            for setting in ADVERSARIAL_PLANNER:
+                conn.execute(sql.SQL("SET LOCAL {} = off").format(sql.Identifier(setting)))
+        row = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) {}").format(statement), params
+        ).fetchone()
+    assert row is not None
+    plan: dict[str, Any] = row[0][0]["Plan"]
+    return plan
+
+
+def locking_problems(plan: dict[str, Any]) -> list[str]:
+    """Why the plan's locking step may run more than once (empty: it runs once)."""
+    problems = []
+    lock_nodes = [(n, p) for n, p in _nodes(plan) if n["Node Type"] == "LockRows"]
+    if not lock_nodes:
+        problems.append("no LockRows node")
+    for node, path in lock_nodes:
+        # Each runs at most once (the tails' one not at all when the heads fill the batch).
+        if node["Actual Loops"] > 1:
+            problems.append(f"LockRows ran {node['Actual Loops']} times")
+        relationships = [n.get("Parent Relationship") for n in (*path, node)]
+        if "InitPlan" not in relationships:
+            problems.append(f"LockRows is not in an InitPlan (path: {relationships})")
+        if "Inner" in relationships:
+            problems.append("LockRows is on the inner side of a join")
+    return problems
+
+
+@pytest.fixture(params=list(KEYS))
+def keys(request: pytest.FixtureRequest) -> Iterator[int | None]:
+    global _keys
+    _keys = KEYS[request.param]
+    yield _keys
+    _keys = None
+
+
+@pytest.mark.parametrize("adversarial", [False, True], ids=["planner", "adversarial_planner"])
+@pytest.mark.parametrize("statistics", list(STATISTICS))
+def test_claim_plan__locks_once_and_claims_at_most_limit(
+    dsn: str, statistics: str, adversarial: bool, keys: int | None
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        STATISTICS[statistics](conn)
+        plan = explain(
+            conn, Queries("outbox")["claim_batch"], claim_params(LIMIT), adversarial=adversarial
+        )
+        assert locking_problems(plan) == []
+        assert plan["Node Type"] == "ModifyTable"
+        assert plan["Actual Rows"] == LIMIT
+        # The keyed front is read up to its window, never by walking the whole table
+        # (with no keyed row at all: through the partial index, reading nothing).
+        [front] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE keyed"]
+        for node, _ in _nodes(front):
+            read = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+            assert read <= LIMIT * KEYED_WINDOW, (node["Node Type"], read)
+
+    store = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        rows = store.claim_batch(LIMIT)
+        assert len(rows) == LIMIT
+        assert len({r.id for r in rows}) == LIMIT
+        store.abandon_claim()
+    finally:
+        store.close()
+
+
+def test_claim_plan__checker_catches_the_rescanned_semi_join(dsn: str) -> None:
+    """The old statement under bad statistics: the checker must see the rescans."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _fill(conn, 300)
+        conn.execute("DELETE FROM outbox")
+        conn.execute("ANALYZE outbox")
+        _fill(conn, 300)
+        plan = explain(conn, OLD_CLAIM, {"limit": 10}, adversarial=True)
+    problems = locking_problems(plan)
+    assert any("ran" in p for p in problems), problems
+    # …and it deletes more rows than its LIMIT: the bug the new statement removes.
+    assert plan["Actual Rows"] > 10
+
+
+@pytest.mark.parametrize("statistics", list(STATISTICS))
+def test_claim_plan__claimable_rows_probe_locks_once(dsn: str, statistics: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        STATISTICS[statistics](conn)
+        plan = explain(conn, Queries("outbox")["has_claimable_rows"], {}, adversarial=True)
+    assert [n["Actual Loops"] for n, _ in _nodes(plan) if n["Node Type"] == "LockRows"] == [1]
+
+
+def test_claim_plan__claims_of_two_sessions_never_overlap(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _analyzed_empty_after_churn(conn)
+    first = BatchStore(dsn, "outbox", statement_timeout=30)
+    second = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        a = {r.id for r in first.claim_batch(LIMIT)}
+        b = {r.id for r in second.claim_batch(LIMIT)}
+        assert len(a) == len(b) == LIMIT
+        assert not a & b
+    finally:
+        first.abandon_claim()
+        second.abandon_claim()
+        first.close()
+        second.close()
+
+
+def _payload_sizes(dsn: str, sizes: list[int]) -> None:
+    with psycopg.connect(dsn) as conn:
+        for size in sizes:
+            conn.execute(
+                "INSERT INTO outbox (exchange, routing_key, payload) "
+                "VALUES ('x', 'k', convert_to(repeat('p', %s), 'UTF8'))",
+                [size],
+            )
+
+
+@pytest.mark.parametrize(
+    ("sizes", "max_bytes", "claimed"),
+    [
+        ([1000] * 10, 2500, 3),  # 0, 1000, 2000 bytes before each: under the budget
+        ([1000] * 10, 3000, 3),  # the row that would start at 3000 waits
+        ([10_000, 10, 10], 100, 1),  # a row larger than the budget goes alone
+        ([10, 10, 10_000, 10], 100, 3),  # …or closes a batch it starts within
+        ([0] * 20, 1, 5),  # empty payloads: the row count still limits
+    ],
+)
+def test_claim__stops_at_the_byte_budget(
+    dsn: str, sizes: list[int], max_bytes: int, claimed: int
+) -> None:
+    _payload_sizes(dsn, sizes)
+    first = BatchStore(dsn, "outbox", statement_timeout=30)
+    second = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        rows = first.claim_batch(5, max_bytes)
+        assert len(rows) == claimed
+        assert [len(r.payload) for r in rows] == sizes[:claimed]
+        # Rows locked beyond the budget are skipped by others until the batch ends…
+        assert len(second.claim_batch(100)) == len(sizes) - min(5, len(sizes))
+        second.abandon_claim()
+        first.abandon_claim()
+        # …and then nothing was lost: every row is claimable again.
+        assert len(second.claim_batch(100)) == len(sizes)
+    finally:
+        second.abandon_claim()
+        first.close()
+        second.close()

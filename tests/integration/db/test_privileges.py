@@ -1,0 +1,158 @@
+"""Missing privileges: one clear line with the GRANT, never a traceback or a crash loop.
+
+Issue 9, item 5.  Each test uses a real login role in the test database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+import psycopg
+import pytest
+
+from outbox.config import Settings
+from outbox.db import privileges
+from outbox.errors import ExitCode, MissingPrivileges
+from outbox.relay.process import Relay
+from tests.acceptance.test_cli import assert_one_clear_error
+from tests.fixtures.faults import both_modes, prepared_left
+from tests.fixtures.servers import DbRole, Topology, run_cli, settings_env
+from tests.integration.relay.test_bad_rows import RunningRelay, dead_letter_rows
+from tests.integration.relay.test_relay import relay_drain, remaining_rows
+
+
+def grant(role: DbRole, needs: privileges.Needs) -> None:
+    role.grant(*privileges.grants(privileges.wanted("outbox", needs), "{role}"))
+
+
+def as_role(settings: Settings, role: DbRole) -> Settings:
+    return dataclasses.replace(settings, dsn=role.dsn)
+
+
+@pytest.mark.parametrize(
+    ("command", "missing"),
+    [
+        (["relay", "--drain"], "GRANT SELECT, UPDATE, DELETE ON outbox TO"),
+        (["status"], "GRANT SELECT ON outbox TO"),
+        (["resolve"], "GRANT SELECT, DELETE ON outbox_relays TO"),
+        (["dead-letters", "list"], "GRANT SELECT ON outbox_dead_letters TO"),
+        (["dead-letters", "retry", "--all"], "GRANT SELECT, INSERT ON outbox TO"),
+        (["dead-letters", "purge", "--all"], "GRANT SELECT, DELETE ON outbox_dead_letters TO"),
+        (["init"], "the outbox tables"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_preflight__a_role_without_rights_gets_one_line_naming_the_grant(
+    command: list[str], missing: str, settings: Settings, db_role: DbRole
+) -> None:
+    result = run_cli(*command, env=settings_env(as_role(settings, db_role)))
+    assert_one_clear_error(result, int(ExitCode.NOT_READY), missing)
+    if command[0] != "init":
+        assert f"TO {db_role.name};" in result.stderr
+
+
+def test_preflight__init_in_a_schema_the_role_may_not_create_in(
+    empty_dsn: str, db_role: DbRole
+) -> None:
+    dsn = psycopg.conninfo.make_conninfo(empty_dsn, user=db_role.name)
+    result = run_cli("init", "--dsn", dsn)
+    assert_one_clear_error(
+        result,
+        int(ExitCode.NOT_READY),
+        "may not create tables in schema 'public'",
+        f"GRANT CREATE ON SCHEMA public TO {db_role.name};",
+    )
+
+
+def test_preflight__names_only_what_is_missing(settings: Settings, db_role: DbRole) -> None:
+    grant(db_role, privileges.RELAY)
+    db_role.grant("REVOKE UPDATE ON outbox_dead_letters FROM {role}")
+    relay = Relay(as_role(settings, db_role))
+    with pytest.raises(MissingPrivileges) as raised:
+        relay.start()
+    relay.close()
+    assert "UPDATE on outbox_dead_letters" in raised.value.message
+    assert raised.value.hint.endswith(f"GRANT UPDATE ON outbox_dead_letters TO {db_role.name};")
+
+
+def test_documented_grants__are_all_each_command_needs(
+    settings: Settings, topology: Topology, db_role: DbRole
+) -> None:
+    """The lists in outbox/privileges.py (and the README) are enough, bad rows included."""
+    for needs in (
+        privileges.RELAY,
+        privileges.STATUS,
+        privileges.DEAD_LETTERS_LIST,
+        privileges.DEAD_LETTERS_RETRY,
+        privileges.DEAD_LETTERS_PURGE,
+        privileges.RESOLVE,
+    ):
+        grant(db_role, needs)
+    restricted = as_role(settings, db_role)
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload) VALUES "
+            "(%(ex)s, 'k', 'good'), (%(missing)s, 'k', 'dead'), (%(missing)s, 'k', 'dead')",
+            {"ex": topology.exchange, "missing": f"{topology.exchange}.missing"},
+        )
+
+    relay = relay_drain(restricted)
+    relay_drain(restricted)  # dead-lettered again after a rollback: ON CONFLICT DO UPDATE
+
+    assert relay.stats.messages_published == 1 and relay.stats.dead_letters == 2
+    env = settings_env(restricted)
+    assert run_cli("status", env=env).returncode == int(ExitCode.FAILURE)  # dead letters
+    assert run_cli("resolve", env=env).returncode == 0
+    assert run_cli("dead-letters", "list", env=env).returncode == 0
+    [first, second] = dead_letter_rows(settings.dsn)
+    assert run_cli("dead-letters", "retry", str(first["id"]), env=env).returncode == 0
+    assert run_cli("dead-letters", "purge", str(second["id"]), env=env).returncode == 0
+    assert remaining_rows(settings.dsn) == 1 and dead_letter_rows(settings.dsn) == []
+
+
+@both_modes
+def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
+    settings: Settings, topology: Topology, db_role: DbRole
+) -> None:
+    """Before: each run left a prepared batch and re-published the good rows (6 → 12 → 18)."""
+    grant(db_role, privileges.RELAY)
+    restricted = as_role(settings, db_role)
+    good = [f"good-{i}".encode() for i in range(6)]
+    with RunningRelay(restricted) as running:
+        while running.relay.relay_id == "":
+            time.sleep(0.05)
+        db_role.grant("REVOKE INSERT ON outbox_dead_letters FROM {role}")
+        with psycopg.connect(settings.dsn) as conn:
+            conn.cursor().executemany(
+                "INSERT INTO outbox (exchange, routing_key, payload) VALUES (%s, %s, %s)",
+                [(topology.exchange, "k", body) for body in good]
+                + [
+                    (f"{topology.exchange}.missing", "k", b"no-exchange"),
+                    ("", f"nowhere.{time.time_ns()}", b"unroutable"),
+                ],
+            )
+        time.sleep(4)
+
+        assert running.alive
+        stats = running.relay.stats
+        # Backoff 0.05 s doubling to 0.5 s: about ten tries in 4 s, not a busy loop.
+        assert 3 <= stats.batches_rolled_back <= 20, stats.batches_rolled_back
+        assert remaining_rows(settings.dsn) == 8, "no row left the outbox"
+        assert len(prepared_left(settings.dsn)) <= 1  # at most the batch being tried
+        first = Counter(body for _, _, body in topology.messages())
+        assert first == Counter(good), "the good rows went out once, not once per retry"
+        assert stats.duplicates_possible == len(good)
+        assert "outbox_dead_letters" in (stats.last_error or "")
+
+        db_role.grant("GRANT INSERT ON outbox_dead_letters TO {role}")
+        running.wait_until_empty(settings.dsn, timeout=20)
+        assert running.alive
+
+    assert Counter(body for _, _, body in topology.messages()) == Counter(good)
+    assert sorted(bytes(r["payload"]) for r in dead_letter_rows(settings.dsn)) == [
+        b"no-exchange",
+        b"unroutable",
+    ]
+    assert prepared_left(settings.dsn) == []

@@ -1,0 +1,508 @@
+"""The batch loop against in-memory fakes of the store and the broker: the schedule at
+depth 1 and 2, every crash point of the crash table, and every failure path.
+
+The same cases run against the real servers in ``tests/integration/test_faults_*.py``;
+these run in milliseconds and say exactly which step went wrong.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from outbox import fault_injection as faults
+from outbox.config import Settings
+from outbox.errors import (
+    BrokerUnavailable,
+    DatabaseUnavailable,
+    DeadLettersUnwritable,
+    OutcomeUnknown,
+    PreparedSlotsExhausted,
+)
+from outbox.message import DeadLetter, OutboxRow
+from outbox.relay.batches import Batches, State
+from outbox.relay.stats import Stats
+from resolver.decide import Action, Owner, decide
+from tests.fixtures.fakes import FakeBroker, FakeStore, Journal, Routing, make_rows
+
+BATCH = 10
+
+
+class Crashed(Exception):
+    """The relay process 'died' at an armed crash point."""
+
+
+@pytest.fixture(autouse=True)
+def _crashes_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    def crash() -> None:
+        raise Crashed
+
+    monkeypatch.setattr(faults, "crash", crash)
+    yield
+    faults.disarm()
+
+
+def make_batches(
+    store: FakeStore,
+    broker: FakeBroker,
+    *,
+    depth: int,
+    relay_id: str = "r1",
+    may_commit: bool = True,
+) -> Batches:
+    settings = Settings(batch_size=BATCH, pipeline=depth == 2, ledger_queue="ledger")
+    batches = Batches(settings, broker, Stats(), may_commit=lambda: may_commit)
+    batches.store = store
+    batches.relay_id = relay_id
+    return batches
+
+
+def drain(batches: Batches) -> None:
+    while batches.step():
+        pass
+    batches.finish_in_flight()
+
+
+def duplicates(broker: FakeBroker, store_rows: int) -> int:
+    counts = collections.Counter(broker.row_messages())
+    assert len(counts) == store_rows, "a committed row never arrived"
+    return sum(n - 1 for n in counts.values())
+
+
+both_depths = pytest.mark.parametrize("depth", [1, 2], ids=["serial", "pipelined"])
+
+
+# -- the schedule --------------------------------------------------------------------
+def test_step__serial_finishes_one_batch_in_order() -> None:
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(15), journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=1)
+    assert batches.step() == 10
+    assert journal == [
+        "claim 10",
+        "prepare obx:outbox:r1:1",
+        "send 10",
+        "confirmed 10",
+        "ledger 1",
+        "commit obx:outbox:r1:1",
+    ]
+    assert batches.in_flight == {}
+
+
+def test_step__pipelined_overlaps_two_batches_in_the_documented_order() -> None:
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(25), journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=2)
+    assert batches.step() == 10
+    assert journal == ["claim 10", "prepare obx:outbox:r1:1", "send 10"]
+    assert [b.state for b in batches.in_flight.values()] == [State.SENT]
+    journal.clear()
+    assert batches.step() == 10
+    # claim+PREPARE N+1 while N persists; N's evidence; publish N+1; commit N
+    assert journal == [
+        "claim 10",
+        "prepare obx:outbox:r1:2",
+        "confirmed 10",
+        "ledger 1",
+        "send 10",
+        "commit obx:outbox:r1:1",
+    ]
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 25) == 0
+    assert batches.stats.batches_committed == 3 and batches.stats.messages_published == 25
+
+
+@both_depths
+def test_step__nothing_claimable_claims_nothing(depth: int) -> None:
+    store, broker = FakeStore([]), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    assert batches.step() == 0
+    assert broker.delivered == [] and store.claim is None
+
+
+@both_depths
+def test_step__a_claim_cut_by_the_byte_budget_is_progress_until_drained(depth: int) -> None:
+    # Each row is over the budget: one per batch.  The claim locks the rest of its
+    # LIMIT until its batch is finished, so at depth 2 the next claim finds nothing;
+    # the step that commits the batch must still count as progress, or the relay
+    # waits for a wake-up (the poll interval) between every two batches.
+    store, broker = FakeStore(make_rows(6)), FakeBroker()
+    settings = Settings(batch_size=BATCH, pipeline=depth == 2, batch_max_bytes=1)
+    batches = Batches(settings, broker, Stats(), may_commit=lambda: True)
+    batches.store, batches.relay_id = store, "r1"
+    steps = 0
+    while batches.step():
+        steps += 1
+        assert steps < 20
+    assert store.rows == {} and batches.in_flight == {}
+    assert batches.stats.batches_committed == 6
+    assert duplicates(broker, 6) == 0
+
+
+# -- the crash table -----------------------------------------------------------------
+CRASH_TABLE = [
+    # point, nth occurrence, depth, duplicates after resolving and draining
+    ("after_claim", 1, 1, 0),
+    ("after_prepare", 1, 1, 0),
+    ("mid_publish", 1, 1, 5),
+    ("after_publish", 1, 1, 10),
+    ("after_ledger", 1, 1, 0),
+    ("before_commit_prepared", 1, 1, 0),
+    ("after_claim", 1, 2, 0),
+    ("after_prepare", 1, 2, 0),
+    ("mid_publish", 1, 2, 5),
+    ("after_publish", 1, 2, 10),
+    ("after_ledger", 1, 2, 10),  # batch 1 committed from evidence, batch 2 rolled back
+    ("before_commit_prepared", 1, 2, 10),
+    ("after_claim", 2, 2, 10),  # batch 1 published, no evidence yet
+    ("after_prepare", 2, 2, 10),
+    ("mid_publish", 2, 2, 5),  # batch 1 committed, half of batch 2 out
+]
+
+
+@pytest.mark.parametrize(("point", "nth", "depth", "expected"), CRASH_TABLE)
+def test_crash_table__resolved_and_drained_with_the_documented_duplicates(
+    point: str, nth: int, depth: int, expected: int
+) -> None:
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    dead = make_batches(store, broker, depth=depth, relay_id="dead")
+    faults.arm(point, nth)
+    with pytest.raises(Crashed):
+        drain(dead)
+    faults.disarm()
+
+    store.claim = None  # the dead process's open transaction ends with its session
+    assert len(store.prepared) <= depth, "a crash leaves at most `depth` batches prepared"
+    for gid in list(store.prepared):  # a resolver pass, deciding from the ledger
+        decision = decide(Owner.DEAD, gid in broker.ledger_gids())
+        store.finish(gid, commit=decision.action is Action.COMMIT)
+
+    drain(make_batches(store, broker, depth=depth, relay_id="next"))
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 30) == expected
+
+
+# -- failure paths -------------------------------------------------------------------
+@both_depths
+def test_failure__prepare_cut_off_publishes_nothing_and_is_settled_by_lookup(depth: int) -> None:
+    store, broker = FakeStore(make_rows(5)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["prepare"] = OutcomeUnknown("connection lost during PREPARE")
+    with pytest.raises(OutcomeUnknown):
+        batches.step()
+    assert broker.delivered == []
+    [batch] = batches.in_flight.values()
+    assert batch.state is State.IN_DOUBT
+    store.claim = None  # the session died with the PREPARE: the server never ran it
+    batches.settle()
+    assert batches.in_flight == {} and batches.stats.batches_rolled_back == 1
+    drain(batches)
+    assert duplicates(broker, 5) == 0
+
+
+@both_depths
+def test_failure__nack_rolls_back_counts_duplicates_and_retries(depth: int) -> None:
+    nacked: set[str] = set()
+
+    def nack_once(message: object) -> bool:
+        key = getattr(message, "message_id", "")
+        if key.startswith("ledger") or nacked:
+            return False
+        nacked.add(key)
+        return True
+
+    store = FakeStore(make_rows(10))
+    broker = FakeBroker(routing=Routing(nack=nack_once))
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable, match="not confirmed"):
+        for _ in range(depth):
+            batches.step()
+    assert store.prepared == {} and batches.in_flight == {}
+    assert batches.stats.batches_rolled_back == 1
+    assert batches.stats.duplicates_possible == 9  # the others were accepted
+    drain(batches)
+    assert duplicates(broker, 10) == 9
+
+
+@both_depths
+def test_failure__ledger_not_confirmed_rolls_back_and_probes_before_the_next(depth: int) -> None:
+    failing = {"on": True}
+    store = FakeStore(make_rows(10))
+    broker = FakeBroker(
+        routing=Routing(nack=lambda m: failing["on"] and m.message_id.startswith("ledger"))
+    )
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable, match="ledger"):
+        for _ in range(depth):
+            batches.step()
+    assert batches.ledger_doubtful and store.prepared == {}
+    with pytest.raises(BrokerUnavailable, match="takes no records"):
+        batches.step()  # the probe fails: nothing is claimed or published
+    assert len(broker.row_messages()) == 10
+    failing["on"] = False
+    drain(batches)
+    assert duplicates(broker, 10) == 10
+
+
+@both_depths
+def test_failure__stale_heartbeat_rolls_back_instead_of_writing_evidence(depth: int) -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth, may_commit=False)
+    with pytest.raises(DatabaseUnavailable, match="heartbeat is stale"):
+        for _ in range(depth):
+            batches.step()
+    assert broker.ledger_gids() == set() and store.prepared == {}
+
+
+def test_failure__published_batch_outlives_a_database_failure_of_the_next_prepare() -> None:
+    """Pipelined: N is published, N+1's PREPARE finds no slot.  N stays in flight, is
+    finished on the next step, and costs no duplicate."""
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    store.fail_next["prepare"] = PreparedSlotsExhausted("every slot is in use")
+    with pytest.raises(PreparedSlotsExhausted):
+        batches.step()
+    [kept] = [b for b in batches.in_flight.values() if b.state is State.SENT]
+    assert kept.kept
+    store.claim = None  # the failed PREPARE rolled its claim back
+    drain(batches)
+    assert duplicates(broker, 20) == 0
+
+
+def test_failure__broker_loss_puts_the_published_batch_in_doubt() -> None:
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.lose_connection_on_confirm = True
+    with pytest.raises(BrokerUnavailable, match="lost RabbitMQ"):
+        batches.step()
+    # batch 1 (no confirm) was rolled back at once; batch 2 (prepared) is in doubt
+    assert all(b.state is State.IN_DOUBT for b in batches.in_flight.values())
+    batches.settle()
+    assert store.prepared == {}
+    broker.connected = True
+    drain(batches)
+    assert duplicates(broker, 20) == 10
+
+
+def test_failure__broker_loss_after_the_next_batch_went_out_puts_both_in_doubt() -> None:
+    """Pipelined: N's ledger confirm is lost after N+1 was published.  The broker
+    failure puts N+1's confirms in doubt too: it is not kept, it is rolled back."""
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.lose_connection_on_ledger_confirm = True
+    with pytest.raises(BrokerUnavailable, match="could not record"):
+        batches.step()
+    [second] = batches.in_flight.values()  # N was rolled back at once
+    assert (second.state, second.kept) == (State.IN_DOUBT, False)
+    batches.settle()
+    # N's 10 accepted messages, and N+1's 10 sent ones rolled back while settling
+    assert batches.stats.duplicates_possible == 20
+    broker.connected = True
+    drain(batches)
+    assert store.prepared == {}
+    assert duplicates(broker, 30) == 20
+
+
+@both_depths
+def test_failure__commit_prepared_cut_off_is_committed_after_lookup(depth: int) -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["finish"] = OutcomeUnknown("connection lost during COMMIT PREPARED")
+    with pytest.raises(OutcomeUnknown):
+        drain(batches)
+    [batch] = batches.in_flight.values()
+    assert (batch.state, batch.evidence) == (State.IN_DOUBT, True)
+    batches.settle()
+    assert store.rows == {} and batches.stats.batches_committed == 1
+    assert duplicates(broker, 10) == 0
+
+
+@both_depths
+def test_failure__unwritable_dead_letters_roll_back_once_then_publish_nothing(
+    depth: int,
+) -> None:
+    rows = make_rows(4) + make_rows(1, start=5, key="nowhere")
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    store.fail_next["record_dead_letters"] = DeadLettersUnwritable("INSERT refused")
+    with pytest.raises(DeadLettersUnwritable):
+        for _ in range(depth):
+            batches.step()
+    assert store.prepared == {} and len(broker.row_messages()) == 4
+    drain(batches)  # the dead letter is known now: recorded before anything is sent
+    assert [d.row.id for d in store.dead_letters] == [5]
+    assert duplicates(broker, 4) == 4
+
+
+# -- dead letters and budgets ------------------------------------------------------
+@both_depths
+def test_dead_letters__unroutable_and_missing_exchange_never_block_good_rows(depth: int) -> None:
+    rows = (
+        make_rows(3) + make_rows(1, start=4, key="nowhere") + make_rows(1, start=5, exchange="gone")
+    )
+    rows += make_rows(3, start=6)
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    reasons = {d.row.id: d.reason for d in store.dead_letters}
+    assert set(reasons) == {4, 5}
+    assert "unroutable" in reasons[4] and "does not exist" in reasons[5]
+    assert duplicates(broker, 6) == 0
+
+
+def test_claim__byte_budget_is_passed_to_the_store() -> None:
+    store, broker = FakeStore(make_rows(10)), FakeBroker()
+    batches = make_batches(store, broker, depth=1)
+    batches.settings = dataclasses.replace(batches.settings, batch_max_bytes=12)
+    # "row 1", "row 2", … are 5 bytes each: the rows starting at 0, 5 and 10 bytes fit
+    assert batches.step() == 3
+
+
+# -- per-key ordering ------------------------------------------------------------------
+def key_order(broker: FakeBroker, rows: list[OutboxRow]) -> dict[str, list[int]]:
+    """Each key's row ids as first delivered (repeats dropped, as a consumer would)."""
+    by_message = {str(r.message_id): r for r in rows}
+    seen: set[str] = set()
+    order: dict[str, list[int]] = collections.defaultdict(list)
+    for message in broker.delivered:
+        row = by_message.get(message.message_id)
+        if row is None or message.message_id in seen:
+            continue
+        seen.add(message.message_id)
+        assert (message.headers or {}).get("x-ordering-key") == row.ordering_key
+        if row.ordering_key is not None:
+            order[row.ordering_key].append(row.id)
+    return dict(order)
+
+
+@both_depths
+def test_ordering__a_keys_rows_go_in_waves_each_after_the_one_before_is_confirmed(
+    depth: int,
+) -> None:
+    journal: Journal = []
+    rows = make_rows(6, ordering_keys=["a", "a", "b", None, "a", "b"])
+    store, broker = FakeStore(rows, journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    sends = [entry for entry in journal if entry.startswith(("send", "confirmed"))]
+    # wave 0: rows 1 (a), 3 (b), 4; wave 1: 2 (a), 6 (b); wave 2: 5 (a)
+    assert sends == ["send 3", "confirmed 3", "send 2", "confirmed 2", "send 1", "confirmed 1"]
+    assert key_order(broker, rows) == {"a": [1, 2, 5], "b": [3, 6]}
+    assert store.rows == {} and duplicates(broker, 6) == 0
+
+
+@both_depths
+@pytest.mark.parametrize("mode", ["block", "skip"])
+def test_ordering__a_returned_row_holds_its_keys_later_rows_back_or_not(
+    depth: int, mode: str
+) -> None:
+    rows = make_rows(1, ordering_keys=["a"]) + make_rows(1, start=2, key="nowhere")
+    rows += make_rows(3, start=3, ordering_keys=["b", "b", "a"])
+    rows[1] = dataclasses.replace(rows[1], ordering_key="b")  # row 2: b, unroutable
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    batches.settings = dataclasses.replace(batches.settings, ordering_dead_letters=mode)
+    drain(batches)
+    reasons = {d.row.id: d.reason for d in store.dead_letters}
+    if mode == "block":
+        assert key_order(broker, rows) == {"a": [1, 5]}
+        assert set(reasons) == {2, 3, 4}
+        assert "unroutable" in reasons[2] and "(row 2)" in reasons[3] and "(row 2)" in reasons[4]
+    else:
+        assert key_order(broker, rows) == {"a": [1, 5], "b": [3, 4]}
+        assert set(reasons) == {2}
+    assert store.rows == {} and store.prepared == {}
+
+
+@both_depths
+def test_ordering__a_nack_stops_the_batch_before_the_keys_next_row(depth: int) -> None:
+    rows = make_rows(4, ordering_keys=["a", "a", "a", None])
+    nacked: list[str] = []
+
+    def nack_first_of_a(message: object) -> bool:
+        if not nacked and getattr(message, "message_id", "") == str(rows[0].message_id):
+            nacked.append("once")
+            return True
+        return False
+
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(nack=nack_first_of_a))
+    batches = make_batches(store, broker, depth=depth)
+    with pytest.raises(BrokerUnavailable):
+        batches.step()
+        batches.step()
+    # Row 1 was refused: rows 2 and 3 never went out behind it.
+    assert [m.message_id for m in broker.delivered] == [str(rows[3].message_id)]
+    drain(batches)
+    assert key_order(broker, rows) == {"a": [1, 2, 3]}
+
+
+@both_depths
+def test_ordering__a_key_with_an_older_dead_letter_is_held_at_claim(depth: int) -> None:
+    [old] = make_rows(1, ordering_keys=["a"])
+    rows = make_rows(3, start=2, ordering_keys=["a", None, "a"])
+    store, broker = FakeStore(rows), FakeBroker()
+    store.dead_letters.append(DeadLetter(old, "bad earlier"))
+    batches = make_batches(store, broker, depth=depth)
+    drain(batches)
+    assert key_order(broker, rows) == {}
+    held = {d.row.id: d.reason for d in store.dead_letters if d.row.id != 1}
+    assert set(held) == {2, 4} and all("(row 1)" in r for r in held.values())
+    assert store.rows == {}
+
+
+def test_ordering__a_batch_behind_its_own_batch_in_flight_goes_out_after_its_commit() -> None:
+    journal: Journal = []
+    rows = make_rows(20, ordering_keys=["a", "b"])  # batches of 10: 5 waves of a and b each
+    store, broker = FakeStore(rows, journal), FakeBroker(journal)
+    batches = make_batches(store, broker, depth=2)
+    drain(batches)
+    # Batch 2 holds the next rows of a and b: claimed and prepared while batch 1 waits
+    # for the broker, published only after batch 1 is committed.
+    second_prepare = journal.index("prepare obx:outbox:r1:2")
+    first_commit = journal.index("commit obx:outbox:r1:1")
+    second_send = next(
+        i for i, entry in enumerate(journal) if i > second_prepare and entry.startswith("send")
+    )
+    assert second_prepare < first_commit < second_send
+    assert key_order(broker, rows) == {"a": list(range(1, 21, 2)), "b": list(range(2, 21, 2))}
+
+
+def test_ordering__a_following_batch_is_rolled_back_unpublished_when_the_first_fails() -> None:
+    rows = make_rows(20, ordering_keys=["a", "b"])
+    store, broker = FakeStore(rows), FakeBroker()
+    broker.lose_connection_on_ledger_confirm = True  # batch 1 loses its evidence
+    batches = make_batches(store, broker, depth=2)
+    with pytest.raises(BrokerUnavailable):
+        batches.step()
+        batches.step()
+    # Batch 1 was rolled back; batch 2, never published, is in doubt until settled.
+    assert len(broker.row_messages()) == 10
+    assert [b.state for b in batches.in_flight.values()] == [State.IN_DOUBT]
+    broker.connected = True
+    batches.settle()
+    assert store.prepared == {} and len(broker.row_messages()) == 10
+    drain(batches)
+    assert key_order(broker, rows) == {"a": list(range(1, 21, 2)), "b": list(range(2, 21, 2))}
+
+
+def test_ordering__a_following_batch_holds_rows_behind_the_first_ones_dead_letters() -> None:
+    rows = make_rows(20, ordering_keys=["a", "b"])
+    rows[2] = dataclasses.replace(rows[2], routing_key="nowhere")  # row 3, key a
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=2)
+    drain(batches)
+    assert key_order(broker, rows) == {"a": [1], "b": list(range(2, 21, 2))}
+    assert sorted(d.row.id for d in store.dead_letters) == list(range(3, 21, 2))
