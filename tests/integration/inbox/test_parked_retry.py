@@ -12,8 +12,8 @@ from pathlib import Path
 import pika
 import pytest
 
-from outbox import parked
-from outbox.inbox_store import ParkedStore
+from outbox.inbox import parked
+from outbox.inbox.store import ParkedStore
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
