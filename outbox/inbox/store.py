@@ -221,6 +221,18 @@ class InboxStore:
                 raise
             self.conn.commit()
 
+    @contextlib.contextmanager
+    def _each_statement(self, what: str) -> Iterator[psycopg.Connection[Any]]:
+        """Statements that are each a transaction of their own (autocommit; the
+        session is idle between the consumer's transactions)."""
+        with self._translated(what):
+            self.conn.autocommit = True
+            try:
+                yield self.conn
+            finally:
+                if not self.broken:
+                    self.conn.autocommit = False
+
     def _params(self, **values: Any) -> dict[str, Any]:
         return {"consumer": self.consumer, **values}
 
@@ -329,19 +341,18 @@ class InboxStore:
         transaction, at most ``max_batches`` batches per call; returns how many."""
         params = self._params(retention=retention_seconds, batch=batch)
         deleted = 0
-        for _ in range(max_batches):
-            with self._transaction("pruning the inbox") as conn:
+        with self._each_statement("pruning the inbox") as conn:
+            for _ in range(max_batches):
                 count = conn.execute(self.queries["prune_inbox"], params).rowcount
-            deleted += count
-            if count < batch:
-                break
-        with self._transaction("pruning the inbox") as conn:
+                deleted += count
+                if count < batch:
+                    break
             conn.execute(self.queries["prune_attempts"], params)
         return deleted
 
     # -- figures ------------------------------------------------------------------
     def parked_count(self) -> int:
-        with self._transaction("counting parked messages") as conn:
+        with self._each_statement("counting parked messages") as conn:
             row = conn.execute(self.queries["parked_count"], self._params()).fetchone()
         return int(row[0]) if row else 0
 
@@ -385,7 +396,7 @@ class ParkedStore(InboxStore):
 
     @contextlib.contextmanager
     def taking(
-        self, ids: Sequence[str] | None, limit: int, *, after: int, last: int
+        self, ids: Sequence[str] | None, limit: int, *, after: int = 0, last: int | None = None
     ) -> Iterator[list[dict[str, Any]]]:
         """Remove up to ``limit`` parked messages (``ids`` None: any) numbered
         after ``after`` up to ``last``, with their inbox ids, and yield them;
@@ -399,7 +410,7 @@ class ParkedStore(InboxStore):
                     "ids": list(ids or []),
                     "limit": limit,
                     "after": after,
-                    "last": last,
+                    "last": last if last is not None else 2**63 - 1,
                 },
             ).fetchall()
             yield rows
