@@ -94,8 +94,8 @@ ON CONFLICT DO NOTHING
 -- those it returns are new (their effects are applied next, in the same
 -- transaction), the others are duplicates.  Sorted, so two consumers whose batches
 -- share ids take their locks in the same order.  It also clears the attempt
--- counters of new ids that were delivered before, arms {guard} and returns the
--- transaction's id, which `seal` compares before the COMMIT.
+-- counters of new ids that were delivered before, arms {guard} and returns when
+-- the transaction started, which `seal` compares before the COMMIT.
 WITH new AS (
     INSERT INTO {inbox} (consumer, message_id)
     SELECT %(consumer)s, id FROM unnest(%(ids)s::text[]) AS id ORDER BY id
@@ -106,15 +106,15 @@ WITH new AS (
     WHERE a.consumer = %(consumer)s AND a.message_id = new.message_id
       AND a.message_id = ANY(%(redelivered)s::text[])
 )
-SELECT txid_current() AS txid,
+SELECT now() AS started,
        set_config('outbox.inbox_guard', 'armed', true) AS guard,
        ARRAY(SELECT message_id FROM new) AS new
 
 -- seal --
--- The last statement before the consumer's COMMIT: the transaction's id (the
--- consumer compares it with record_messages': a handler that ended the
+-- The last statement before the consumer's COMMIT: when the transaction started
+-- (the consumer compares it with record_messages': a handler that ended the
 -- transaction and went on in a new one shows here) and {guard} sealed.
-SELECT txid_current() AS txid, set_config('outbox.inbox_guard', 'sealed', true) AS guard
+SELECT now() AS started, set_config('outbox.inbox_guard', 'sealed', true) AS guard
 
 -- forget_attempts --
 DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s

@@ -32,7 +32,9 @@ rolls back, closes the connection, leaves it aborted, changes its settings
 Its message, and only it, counts the attempt; the transaction is rolled back,
 the settings are put back, a closed or ended session is replaced.  A COMMIT run
 by a handler fails by itself (the inbox's ``guard`` trigger, see ``inbox.sql``),
-so no message's id is ever committed without its own effect.  A session that
+and outside the consumer's transactions the session is read-only, so no
+message's id is ever committed without its own effect, nor an effect without
+its id (``store``).  A session that
 cannot be replaced at once is an outage: the consumer backs off and reconnects,
 and counts the attempt of the message in hand once the database is back.
 
@@ -271,9 +273,9 @@ class StorePort(Protocol):
 
     def record_ids(
         self, keys: Sequence[str], redelivered: Sequence[str]
-    ) -> tuple[int, set[str]]: ...
+    ) -> tuple[object, set[str]]: ...
 
-    def seal(self) -> int: ...
+    def seal(self) -> object: ...
 
     def commit(self) -> None: ...
 
@@ -422,7 +424,7 @@ class Processor:
         keys = [str(m.message_id) for m in messages]
         redelivered = [str(m.message_id) for m in messages if m.redelivered]
         try:
-            txid, new = store.record_ids(keys, redelivered)
+            started, new = store.record_ids(keys, redelivered)
         except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
             return Broken(None, exc.message)
         outcomes: Outcomes = []
@@ -443,7 +445,7 @@ class Processor:
                 sealed = store.seal()
             except DatabaseUnavailable as exc:  # the session ended in the handler's time
                 return self._broken(in_hand, before, exc.message)
-            if sealed != txid:
+            if sealed != started:
                 return self._broken(
                     in_hand,
                     before,
@@ -609,6 +611,7 @@ class Inbox:
             self._connect_database()
         if not self.broker.connected:
             self.broker.open()
+        self._maybe_prune()
         s = self.settings
         emit(
             log,

@@ -4,16 +4,23 @@
 order of the steps of a message (record its id, call the handler, check what the
 handler left, commit or fail) is the loop's (``outbox.inbox.loop``), which talks
 to this class through ``loop.StorePort``.  The connection is the one handed to
-handlers: psycopg's defaults (tuple rows, not autocommit), so a transaction the
-handler's statements run in is always the consumer's, and whatever a handler does
-after ending it is rolled back, never committed on its own.
+handlers (tuple rows, autocommit, as psycopg gives them).
+
+The session is read-only by default (``default_transaction_read_only``); only the
+consumer's own transactions are ``BEGIN READ WRITE``.  So the effects of a message
+can only be written inside the transaction that records its id: a handler that
+ends that transaction (COMMIT, ROLLBACK) and writes on can write nothing, and a
+COMMIT it runs in that transaction fails by itself (the inbox's ``guard``
+trigger, see ``inbox.sql``).  No id is committed without its effect, and no
+effect without its id.
 
 Statements:
 
-- ``record_ids``: the batch's ids, one statement; starts the transaction and
-  returns its id with the ids that are new (the others are duplicates);
-- ``seal`` just before ``commit``: returns the transaction id again (a handler
-  that ended the transaction and went on in a new one shows as a different id);
+- ``record_ids`` starts the transaction (BEGIN READ WRITE, pipelined with it)
+  and records the batch's ids in one statement; it returns when the transaction
+  started with the ids that are new (the others are duplicates);
+- ``seal`` just before ``commit`` returns the start again (a handler that ended
+  the transaction and went on in a new one shows as another start);
 - ``record_failure`` counts a failed attempt and parks the message at
   ``max_attempts``, recording its id in the same transaction so that no later copy
   of it is applied; ``park`` parks a message that cannot be handled at all.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -160,10 +168,15 @@ class InboxStore:
             application_name=self._application_name,
             connect_timeout=self._connect_timeout,
         )
-        # outbox.db.session gives autocommit and dict rows; handlers get psycopg's
-        # defaults, and the consumer's transactions are its own (see the docstring).
-        conn.autocommit = False
+        # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
         conn.row_factory = tuple_row
+        try:
+            conn.execute("SET default_transaction_read_only = on")
+        except psycopg.Error as exc:
+            conn.close()
+            raise DatabaseUnavailable(
+                f"cannot configure the consumer's PostgreSQL session: {first_line(exc)}"
+            ) from exc
         return conn
 
     @property
@@ -197,7 +210,7 @@ class InboxStore:
                     "the consumer reconnects by itself; check the server if this repeats",
                 ) from exc
             with contextlib.suppress(psycopg.Error):
-                self.conn.rollback()
+                self.conn.execute("ROLLBACK")
             if isinstance(exc, psycopg.OperationalError):
                 # Transient trouble on a live session (resources, lock timeout).
                 raise DatabaseUnavailable(
@@ -211,27 +224,22 @@ class InboxStore:
 
     @contextlib.contextmanager
     def _transaction(self, what: str) -> Iterator[psycopg.Connection[Any]]:
-        """One transaction of the store's own (commits at the end)."""
+        """One read-write transaction of the store's own (commits at the end)."""
         with self._translated(what):
+            self.conn.execute("BEGIN READ WRITE")
             try:
                 yield self.conn
             except BaseException:
                 if not self.broken:
-                    self.conn.rollback()
+                    self.conn.execute("ROLLBACK")
                 raise
-            self.conn.commit()
+            self.conn.execute("COMMIT")
 
     @contextlib.contextmanager
-    def _each_statement(self, what: str) -> Iterator[psycopg.Connection[Any]]:
-        """Statements that are each a transaction of their own (autocommit; the
-        session is idle between the consumer's transactions)."""
+    def _reading(self, what: str) -> Iterator[psycopg.Connection[Any]]:
+        """Statements that only read (each its own read-only transaction)."""
         with self._translated(what):
-            self.conn.autocommit = True
-            try:
-                yield self.conn
-            finally:
-                if not self.broken:
-                    self.conn.autocommit = False
+            yield self.conn
 
     def _params(self, **values: Any) -> dict[str, Any]:
         return {"consumer": self.consumer, **values}
@@ -248,33 +256,41 @@ class InboxStore:
             conn.execute(self.queries["schema"])
 
     # -- one transaction of messages (the loop's steps) -----------------------------
-    def record_ids(self, keys: Sequence[str], redelivered: Sequence[str]) -> tuple[int, set[str]]:
-        """Start the transaction: record ``keys``; returns the transaction's id and
-        the keys that are new.  Attempt counters of new ``redelivered`` keys go."""
+    def record_ids(
+        self, keys: Sequence[str], redelivered: Sequence[str]
+    ) -> tuple[datetime.datetime, set[str]]:
+        """Start the transaction and record ``keys`` (one round trip); returns when
+        the transaction started and the keys that are new.  Attempt counters of
+        new ``redelivered`` keys go."""
         with self._translated("recording message ids"):
-            row = self.conn.execute(
-                self.queries["record_messages"],
-                self._params(ids=list(keys), redelivered=list(redelivered)),
-            ).fetchone()
+            with self.conn.pipeline():
+                self.conn.execute("BEGIN READ WRITE")
+                cur = self.conn.execute(
+                    self.queries["record_messages"],
+                    self._params(ids=list(keys), redelivered=list(redelivered)),
+                )
+            row = cur.fetchone()
         assert row is not None
-        return int(row[0]), set(row[2])
+        return row[0], set(row[2])
 
-    def seal(self) -> int:
-        """The last statement before ``commit``: the transaction's id."""
+    def seal(self) -> datetime.datetime:
+        """The last statement before ``commit``: when the transaction started."""
         with self._translated("checking the transaction before the commit"):
             row = self.conn.execute(self.queries["seal"]).fetchone()
         assert row is not None
-        return int(row[0])
+        started: datetime.datetime = row[0]
+        return started
 
     def commit(self) -> None:
         """``DatabaseUnavailable`` here: the outcome is unknown (the inbox decides
         when the messages come back); ``StatementRefused``: rolled back."""
         with self._translated("committing"):
-            self.conn.commit()
+            self.conn.execute("COMMIT")
 
     def rollback(self) -> None:
         with self._translated("rolling back"):
-            self.conn.rollback()
+            if self.conn.info.transaction_status != TransactionStatus.IDLE:
+                self.conn.execute("ROLLBACK")
 
     def session(self) -> SessionState:
         conn = self.conn
@@ -341,18 +357,19 @@ class InboxStore:
         transaction, at most ``max_batches`` batches per call; returns how many."""
         params = self._params(retention=retention_seconds, batch=batch)
         deleted = 0
-        with self._each_statement("pruning the inbox") as conn:
-            for _ in range(max_batches):
+        for _ in range(max_batches):
+            with self._transaction("pruning the inbox") as conn:
                 count = conn.execute(self.queries["prune_inbox"], params).rowcount
-                deleted += count
-                if count < batch:
-                    break
+            deleted += count
+            if count < batch:
+                break
+        with self._transaction("pruning the inbox") as conn:
             conn.execute(self.queries["prune_attempts"], params)
         return deleted
 
     # -- figures ------------------------------------------------------------------
     def parked_count(self) -> int:
-        with self._each_statement("counting parked messages") as conn:
+        with self._reading("counting parked messages") as conn:
             row = conn.execute(self.queries["parked_count"], self._params()).fetchone()
         return int(row[0]) if row else 0
 
@@ -372,7 +389,7 @@ class ParkedStore(InboxStore):
         super().__init__(
             dsn, table, "", application_name="outbox-parked", connect_timeout=connect_timeout
         )
-        with self._transaction("looking for the inbox tables") as conn:
+        with self._reading("looking for the inbox tables") as conn:
             row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
             found = row.fetchone()
         if not found or not found[0]:
@@ -384,13 +401,13 @@ class ParkedStore(InboxStore):
             )
 
     def entries(self, limit: int) -> list[dict[str, Any]]:
-        with self._transaction("listing parked messages") as conn:
+        with self._reading("listing parked messages") as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["list_parked"], {"limit": limit}).fetchall()
 
     def last_parked(self) -> int:
         """The newest parked row's number: a retry run takes none after it."""
-        with self._transaction("looking at parked messages") as conn:
+        with self._reading("looking at parked messages") as conn:
             row = conn.execute(self.queries["last_parked"]).fetchone()
         return int(row[0]) if row else 0
 

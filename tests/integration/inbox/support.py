@@ -32,7 +32,10 @@ INBOX = "inbox"
 HANDLERS = r'''
 import os, time
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
+
+EFFECTS = sql.Identifier(os.environ.get("EFFECTS_TABLE", "effects"))
 
 
 class Fatal(BaseException):
@@ -41,7 +44,7 @@ class Fatal(BaseException):
 
 def record(conn, message):
     conn.execute(
-        "INSERT INTO effects (message_id, body) VALUES (%s, %s)",
+        sql.SQL("INSERT INTO {} (message_id, body) VALUES (%s, %s)").format(EFFECTS),
         [message.message_id, message.body],
     )
 

@@ -77,9 +77,7 @@ def test_contract__a_handler_outliving_the_idle_timeout_fails_only_its_message(
     reconnects in 45 s before."""
     dsn = consumer_dsn + " options='-c idle_in_transaction_session_timeout=500'"
     publish(topology, [("sleepy", b"sleep:x"), *good(4)])
-    with consumer(
-        tmp_path, dsn, topology, max_attempts=2, prefetch=1, env={"HANDLER_SLEEP": "1"}
-    ):
+    with consumer(tmp_path, dsn, topology, max_attempts=2, prefetch=1, env={"HANDLER_SLEEP": "1"}):
         wait_settled(consumer_dsn, topology, [b"sleep:x", *(b for _, b in good(4))], 40)
     assert parked_bodies(consumer_dsn) == [b"sleep:x"]
     assert sorted(effect_bodies(consumer_dsn)) == sorted(b for _, b in good(4))

@@ -14,6 +14,7 @@ import pytest
 
 from outbox.inbox import parked
 from outbox.inbox.store import ParkedStore
+from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
@@ -24,7 +25,6 @@ from tests.integration.inbox.support import (
     scalar,
     wait_settled,
 )
-from tests.fixtures.faults import wait_for
 
 
 @pytest.fixture
@@ -48,9 +48,7 @@ def test_retry__sends_each_parked_message_once_while_the_handler_still_fails(
         finally:
             store.close()
         assert sorted(sent) == sorted(f"p-{i}" for i in range(40))
-        wait_for(
-            lambda: len(parked_bodies(consumer_dsn)) == 40, 30, "the 40 to be parked again"
-        )
+        wait_for(lambda: len(parked_bodies(consumer_dsn)) == 40, 30, "the 40 to be parked again")
 
 
 def test_retry__sends_back_exactly_what_arrived(
@@ -93,7 +91,7 @@ def test_retry__sends_back_exactly_what_arrived(
     )
     assert done.returncode == 0, done.stderr
     assert "1 parked messages sent back" in done.stdout
-    (method, props, body), *rest = topology.messages()
+    (_method, props, body), *rest = topology.messages()
     assert rest == []
     assert body == b"raise:exact"
     assert isinstance(props, pika.BasicProperties)
