@@ -19,8 +19,8 @@ import math
 import re
 
 from outbox import redaction, urls
+from outbox.tables import TABLE_NAME
 
-_TABLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 # RabbitMQ's x-max-age: a positive whole number and one unit (years, months, days,
 # hours, minutes, seconds), e.g. 7D or 12h.
 LEDGER_MAX_AGE = re.compile(r"^[1-9][0-9]{0,8}[YMDhms]$")
@@ -144,7 +144,7 @@ class Settings:
     def __post_init__(self) -> None:
         # First of all: whatever is wrong below, no message may show these passwords.
         redaction.remember(self.dsn, self.amqp_url)
-        if not _TABLE_NAME.match(self.table):
+        if not TABLE_NAME.match(self.table):
             raise ValueError(
                 f"table name {self.table!r} is not valid: use lower-case letters, digits "
                 "and underscores, at most 41 characters, not starting with a digit"

@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from outbox.db.queries import table_identifiers
+from outbox.tables import table_identifiers
 from outbox.tracing import with_trace_context
 
 _COLUMNS = (
@@ -56,7 +56,7 @@ class OutgoingMessage:
     ordering_key: str | None = None
 
 
-def _params(message: OutgoingMessage) -> tuple[Any, ...]:
+def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
     """The INSERT's parameters; every way of enqueueing (psycopg, SQLAlchemy, Django) uses
     these, so a row is the same byte for byte whichever wrote it."""
     if not isinstance(message.payload, bytes | bytearray | memoryview):
@@ -117,7 +117,7 @@ def enqueue(
     message = OutgoingMessage(
         exchange, routing_key, payload, headers, content_type, message_id, ordering_key
     )
-    params = _params(message)
+    params = row_params(message)
     conn.execute(_insert(table, returning=False), params)
     return params[0]  # type: ignore[no-any-return]
 
@@ -126,7 +126,7 @@ def enqueue_many(
     conn: psycopg.Connection[Any], messages: Iterable[OutgoingMessage], *, table: str = "outbox"
 ) -> list[uuid.UUID]:
     """Write several messages in the caller's transaction (one round trip per batch)."""
-    params = [_params(m) for m in messages]
+    params = [row_params(m) for m in messages]
     if params:
         with conn.cursor() as cur:
             cur.executemany(_insert(table, returning=False), params)
@@ -174,7 +174,7 @@ async def enqueue_async(
     message = OutgoingMessage(
         exchange, routing_key, payload, headers, content_type, message_id, ordering_key
     )
-    params = _params(message)
+    params = row_params(message)
     await conn.execute(_insert(table, returning=False), params)
     return params[0]  # type: ignore[no-any-return]
 
@@ -185,7 +185,7 @@ async def enqueue_many_async(
     *,
     table: str = "outbox",
 ) -> list[uuid.UUID]:
-    params = [_params(m) for m in messages]
+    params = [row_params(m) for m in messages]
     if params:
         async with conn.cursor() as cur:
             await cur.executemany(_insert(table, returning=False), params)

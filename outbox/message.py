@@ -16,6 +16,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+# The header that carries a message's ordering key (consistent-hash exchanges can
+# route on it; ``outbox.inbox.loop`` reads it).
+ORDERING_KEY_HEADER = "x-ordering-key"
+
 # AMQP 0-9-1 short strings (exchange, routing key, content type) are at most 255 bytes.
 SHORTSTR_MAX = 255
 # Deepest nesting of header tables and arrays we publish.  pika's encoder (and the

@@ -19,7 +19,7 @@ from outbox.config import Settings
 from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
-from resolver.decide import Action, Decision, Owner, decide, owner_state
+from resolver.decide import Action, Decision, Owner, decide, is_ours, owner_state
 
 log = logging.getLogger("outbox.resolver")
 
@@ -48,15 +48,10 @@ class Resolution:
         }
 
 
-def _is_ours(batch: PreparedBatch, table: str) -> bool:
-    parsed = gids.parse(batch.gid)
-    return batch.local and parsed is not None and parsed.table == table
-
-
 def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> list[Resolution]:
     """Resolve every in-doubt batch of dead relays; report on all the others."""
     batches = store.prepared_batches()
-    ours = [b for b in batches if _is_ours(b, settings.table)]
+    ours = [b for b in batches if is_ours(b.gid, local=b.local, table=settings.table)]
     relay_ids = sorted({gids.parse(b.gid).relay_id for b in ours})  # type: ignore[union-attr]
     liveness = store.relay_liveness(relay_ids)
 
@@ -65,7 +60,7 @@ def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> 
         parsed = gids.parse(batch.gid)
         alive = liveness.get(parsed.relay_id) if parsed else None
         owners[batch.gid] = owner_state(
-            ours=_is_ours(batch, settings.table),
+            ours=is_ours(batch.gid, local=batch.local, table=settings.table),
             lock_held=bool(alive and alive.lock_held),
             heartbeat_age=alive.heartbeat_age if alive else None,
             batch_age=batch.age_seconds,

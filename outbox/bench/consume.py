@@ -36,7 +36,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.messaging import Consumer
 
-from outbox.bench.run import Broker, Database, _database, bare_publish
+from outbox.bench.run import Broker, Database, bare_publish, bench_database
 from outbox.db import session
 from outbox.errors import OutboxError
 
@@ -192,7 +192,7 @@ def _rate(messages: int, seconds: float) -> float:
 
 def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any]:
     suffix = uuid.uuid4().hex[:8]
-    with _database(options.dsn, echo) as db:
+    with bench_database(options.dsn, echo) as db:
         broker = Broker(options.amqp_url, suffix)
         bench = ConsumeBench(options, db, broker, echo)
         try:

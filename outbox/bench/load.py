@@ -120,13 +120,13 @@ class _Writers:
 
 def bursty_run(bench: Bench, relay_count: int, shape: BurstShape, seed: int) -> BurstRun:
     """One run: relays running, writers committing bursts, until the table is empty."""
-    from outbox.bench.run import RelayProcesses, _wait_registered
+    from outbox.bench.run import RelayProcesses, wait_registered
 
     db, broker = bench.db, bench.broker
     broker.purge()
     relays = RelayProcesses(bench.settings(), relay_count, log_level="info", log_format="json")
     try:
-        _wait_registered(bench.conn, db.table, relay_count, relays)
+        wait_registered(bench.conn, db.table, relay_count, relays)
         writers = _Writers(bench, shape, bench.o.rows, seed)
         started = time.perf_counter()
         writers.start()

@@ -304,7 +304,7 @@ class Database:
 
 
 @contextlib.contextmanager
-def _database(dsn: str | None, echo: Echo) -> Iterator[Database]:
+def bench_database(dsn: str | None, echo: Echo) -> Iterator[Database]:
     suffix = uuid.uuid4().hex[:8]
     if dsn:
         table = f"outbox_bench_{suffix}"
@@ -344,7 +344,7 @@ def _fill(
     )
 
 
-def _wait_registered(conn: session.Conn, table: str, count: int, relays: RelayProcesses) -> None:
+def wait_registered(conn: session.Conn, table: str, count: int, relays: RelayProcesses) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         relays.check_alive()
@@ -432,7 +432,7 @@ class Bench:
         # from whenever autovacuum last looked), as in production: no VACUUM here.
         relays = RelayProcesses(settings, count)
         try:
-            _wait_registered(self.conn, self.db.table, count, relays)
+            wait_registered(self.conn, self.db.table, count, relays)
             with self.conn.transaction():
                 _fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
             started = time.perf_counter()
@@ -467,7 +467,7 @@ class Bench:
         relays = RelayProcesses(self.settings(), 1)
         committed: dict[str, float] = {}
         try:
-            _wait_registered(self.conn, self.db.table, 1, relays)
+            wait_registered(self.conn, self.db.table, 1, relays)
             time.sleep(0.5)
             count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
             producer = session.connect(self.db.dsn, application_name="outbox-bench-producer")
@@ -559,7 +559,7 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
     """Every measurement; returns the figures (``--json`` prints them as they are)."""
     suffix = uuid.uuid4().hex[:8]
-    with _database(options.dsn, echo) as db:
+    with bench_database(options.dsn, echo) as db:
         if options.memory_only:
             return _measure_memory(options, db, echo)
         broker = Broker(options.amqp_url, suffix)

@@ -9,6 +9,12 @@ Every error is one line (``error: …`` and maybe ``  hint: …``), or one JSON
 object with ``--log-format json``, with every password masked
 (``redaction.redact``); never a traceback, except for a bug (exit 1), and then a
 redacted one.
+
+One module per command group (``init``, ``relay``, ``resolve``, ``status``,
+``deadletters``, ``consume``, ``parked``, ``demo``, ``bench``), all built from the
+shared options of ``common`` and the option types of ``options``.
+
+May import: every other package (the CLI is the top layer); nothing imports it.
 """
 
 from __future__ import annotations

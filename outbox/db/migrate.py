@@ -17,8 +17,8 @@ from psycopg import sql
 from psycopg.rows import tuple_row
 
 from outbox.db import privileges
-from outbox.db.queries import table_identifiers
 from outbox.errors import MissingPrivileges, SchemaNotReady, SchemaTooNew
+from outbox.tables import table_identifiers
 
 # Advisory-lock class of migrations; distinct from gid.LOCK_CLASS (relay liveness).
 MIGRATION_LOCK_CLASS = 0x6F6279

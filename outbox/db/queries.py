@@ -11,6 +11,8 @@ from importlib import resources
 
 from psycopg import sql
 
+from outbox.tables import table_identifiers
+
 _BLOCK = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 
 
@@ -29,22 +31,6 @@ def load_blocks(package: str, filename: str) -> dict[str, str]:
         lines = [ln for ln in body.strip().splitlines() if not ln.lstrip().startswith("--")]
         blocks[name] = "\n".join(lines).strip()
     return blocks
-
-
-def table_identifiers(table: str) -> dict[str, sql.Identifier]:
-    """The identifiers derived from the outbox table's name."""
-    return {
-        "outbox": sql.Identifier(table),
-        "relays": sql.Identifier(f"{table}_relays"),
-        "dead_letters": sql.Identifier(f"{table}_dead_letters"),
-        "dead_letters_pkey": sql.Identifier(f"{table}_dead_letters_pkey"),
-        "dead_letters_message_id": sql.Identifier(f"{table}_dead_letters_message_id"),
-        "outbox_ordering_key": sql.Identifier(f"{table}_ordering_key"),
-        "dead_letters_ordering_key": sql.Identifier(f"{table}_dead_letters_ordering_key"),
-        "schema_version": sql.Identifier(f"{table}_schema_version"),
-        "notify_function": sql.Identifier(f"{table}_notify"),
-        "notify_trigger": sql.Identifier(f"{table}_notify"),
-    }
 
 
 class Queries:

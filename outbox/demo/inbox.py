@@ -24,7 +24,7 @@ import pika
 from outbox.config import Settings
 from outbox.db import migrate, session
 from outbox.demo import reader as consumer
-from outbox.demo.relay import _database, _write_rows
+from outbox.demo.relay import scratch_database, write_rows
 from outbox.relay.process import Relay
 
 HANDLER = '''import time
@@ -48,7 +48,7 @@ def run_inbox_demo(
     suffix = uuid.uuid4().hex[:8]
     exchange, queue = f"outbox.demo.{suffix}", f"outbox.demo.{suffix}"
     effects, inbox = f"demo_effects_{suffix}", f"demo_inbox_{suffix}"
-    with _database(dsn, echo) as database, tempfile.TemporaryDirectory() as folder:
+    with scratch_database(dsn, echo) as database, tempfile.TemporaryDirectory() as folder:
         settings = Settings(
             dsn=database,
             amqp_url=amqp_url,
@@ -61,7 +61,7 @@ def run_inbox_demo(
             conn.execute(f"CREATE TABLE {effects} (message_id text, routing_key text, body bytea)")
             echo(f"created {settings.table!r} and {effects!r} (no unique constraint)")
             consumer.declare(amqp_url, exchange=exchange, queue=queue)
-            sent = _write_rows(conn, settings.table, exchange, rows, echo)
+            sent = write_rows(conn, settings.table, exchange, rows, echo)
             relay = Relay(settings)
             relay.start()
             stats = relay.run(drain=True)

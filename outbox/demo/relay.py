@@ -18,7 +18,7 @@ from outbox.relay.process import Relay
 
 
 @contextlib.contextmanager
-def _database(dsn: str | None, echo: Callable[[str], None]) -> Iterator[str]:
+def scratch_database(dsn: str | None, echo: Callable[[str], None]) -> Iterator[str]:
     if dsn:
         yield dsn
         return
@@ -31,7 +31,7 @@ def _database(dsn: str | None, echo: Callable[[str], None]) -> Iterator[str]:
 def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str], None]) -> bool:
     suffix = uuid.uuid4().hex[:8]
     exchange, queue = f"outbox.demo.{suffix}", f"outbox.demo.{suffix}"
-    with _database(dsn, echo) as database:
+    with scratch_database(dsn, echo) as database:
         settings = Settings(
             dsn=database,
             amqp_url=amqp_url,
@@ -43,7 +43,7 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
             migrate.migrate(conn, settings.table)
             echo(f"created table {settings.table!r}; declaring exchange and queue {queue!r}")
             consumer.declare(amqp_url, exchange=exchange, queue=queue)
-            sent = _write_rows(conn, settings.table, exchange, rows, echo)
+            sent = write_rows(conn, settings.table, exchange, rows, echo)
             started = time.monotonic()
             relay = Relay(settings)
             relay.start()
@@ -66,7 +66,7 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
             conn.close()
 
 
-def _write_rows(
+def write_rows(
     conn: session.Conn, table: str, exchange: str, rows: int, echo: Callable[[str], None]
 ) -> set[str]:
     sent: set[str] = set()

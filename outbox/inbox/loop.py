@@ -89,7 +89,7 @@ import psycopg
 
 from outbox import backoff
 from outbox import fault_injection as faults
-from outbox.config import _TABLE_NAME, DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
 from outbox.errors import DatabaseUnavailable, ExitCode, OutboxError
 from outbox.events import emit
@@ -113,7 +113,8 @@ from outbox.inbox.store import (
     StatementRefused,
     describe,
 )
-from outbox.relay.ordering import ORDERING_KEY_HEADER
+from outbox.message import ORDERING_KEY_HEADER
+from outbox.tables import TABLE_NAME
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",
@@ -211,7 +212,7 @@ class ConsumerSettings:
     def __post_init__(self) -> None:
         if not self.queue:
             raise ValueError("give the queue to consume (--queue / OUTBOX_QUEUE)")
-        if not _TABLE_NAME.match(self.inbox_table):
+        if not TABLE_NAME.match(self.inbox_table):
             raise ValueError(
                 f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
                 "digits and underscores, at most 41 characters, not starting with a digit"

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from outbox.relay.ordering import ORDERING_KEY_HEADER
+from outbox.message import ORDERING_KEY_HEADER
 
 # ``outbox parked retry`` sends a message straight to the queue it was parked from
 # (through the default exchange) and keeps where it first came from in these.

@@ -24,8 +24,7 @@ from prometheus_client.registry import Collector
 from outbox import health
 from outbox.errors import OutboxError
 from outbox.inbox.store import InboxStore
-from outbox.ops.endpoints import HealthServer
-from outbox.relay.metrics import DATABASE_CACHE_SECONDS, histogram
+from outbox.probes import DATABASE_CACHE_SECONDS, HealthServer, histogram
 
 if TYPE_CHECKING:
     from outbox.inbox.loop import ConsumerSettings, Inbox

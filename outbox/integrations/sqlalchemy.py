@@ -36,7 +36,7 @@ except ImportError as exc:
         "outbox.integrations.sqlalchemy needs SQLAlchemy 2: pip install 'outbox-relay[sqlalchemy]'"
     ) from exc
 
-from outbox.enqueue import OutgoingMessage, _params, insert_sql, json_payload
+from outbox.enqueue import OutgoingMessage, insert_sql, json_payload, row_params
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def enqueue(
     table: str = "outbox",
 ) -> uuid.UUID:
     """Write one message in ``target``'s transaction; returns its ``message_id``."""
-    params = _params(
+    params = row_params(
         _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
     )
     _connection(target).exec_driver_sql(insert_sql(table), params)
@@ -120,7 +120,7 @@ def enqueue_many(
     target: Session | Connection, messages: Iterable[OutgoingMessage], *, table: str = "outbox"
 ) -> list[uuid.UUID]:
     """Write several messages in ``target``'s transaction (one executemany)."""
-    params = [_params(m) for m in messages]
+    params = [row_params(m) for m in messages]
     if params:
         _connection(target).exec_driver_sql(insert_sql(table), params)
     return [p[0] for p in params]
@@ -164,7 +164,7 @@ async def enqueue_async(
     table: str = "outbox",
 ) -> uuid.UUID:
     """``enqueue`` for an ``AsyncSession`` or ``AsyncConnection``."""
-    params = _params(
+    params = row_params(
         _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
     )
     await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
@@ -177,7 +177,7 @@ async def enqueue_many_async(
     *,
     table: str = "outbox",
 ) -> list[uuid.UUID]:
-    params = [_params(m) for m in messages]
+    params = [row_params(m) for m in messages]
     if params:
         await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
     return [p[0] for p in params]

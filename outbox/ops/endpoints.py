@@ -7,73 +7,18 @@ state; the one database query it makes runs on a connection of its own
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
 from outbox import health
-from outbox.relay.metrics import DATABASE_CACHE_SECONDS, DatabaseFigures, registry_for
+from outbox.probes import (
+    DATABASE_CACHE_SECONDS,
+    HealthServer,
+)
+from outbox.relay.metrics import DatabaseFigures, registry_for
 
 if TYPE_CHECKING:
     from outbox.relay.process import Relay
-
-METRICS_PATH = "/metrics"
-LIVENESS_PATH = "/healthz"
-READINESS_PATH = "/readyz"
-
-
-class HealthServer:
-    """``/metrics`` from a registry, ``/healthz`` and ``/readyz`` from two checks, in a
-    daemon thread; ``port=0`` picks a free port (see ``.port``).  The relay and
-    ``outbox consume`` each serve one."""
-
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        liveness: Callable[[], health.Check],
-        readiness: Callable[[], health.Check],
-        *,
-        port: int,
-        address: str = "0.0.0.0",
-    ) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == METRICS_PATH:
-                    self._answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path in (LIVENESS_PATH, READINESS_PATH):
-                    check = liveness() if path == LIVENESS_PATH else readiness()
-                    self._answer(200 if check.ok else 503, check.body().encode())
-                else:
-                    self._answer(404, b"not found\n")
-
-            def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # probes every few seconds would drown the process's own events
-
-        self._server = ThreadingHTTPServer((address, port), Handler)
-        self._server.daemon_threads = True
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="outbox-endpoints", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 class Endpoints:

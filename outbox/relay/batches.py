@@ -116,7 +116,7 @@ from outbox.errors import (
 )
 from outbox.events import emit
 from outbox.gid import Gid
-from outbox.message import DeadLetter, OutboxRow
+from outbox.message import ORDERING_KEY_HEADER, DeadLetter, OutboxRow
 from outbox.relay import ordering
 from outbox.relay.stats import Stats
 from outbox.relay.triage import Triage
@@ -222,7 +222,7 @@ def _sent(batch: Batch) -> int:
 def to_message(row: OutboxRow) -> Message:
     headers = row.headers
     if row.ordering_key is not None:
-        headers = {**(headers or {}), ordering.ORDERING_KEY_HEADER: row.ordering_key}
+        headers = {**(headers or {}), ORDERING_KEY_HEADER: row.ordering_key}
     return Message(
         exchange=row.exchange,
         routing_key=row.routing_key,

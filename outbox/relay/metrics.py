@@ -23,22 +23,19 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
 from outbox.db.batches import BatchStore
-from outbox.durations import Durations
 from outbox.errors import OutboxError
 from outbox.events import emit
+from outbox.probes import DATABASE_CACHE_SECONDS, histogram
 
 if TYPE_CHECKING:
     from outbox.relay.process import Relay
 
 log = logging.getLogger("outbox.metrics")
-
-DATABASE_CACHE_SECONDS = 5.0
 
 
 class DatabaseFigures:
@@ -173,20 +170,6 @@ class RelayCollector(Collector):
             ("outbox_live_relays", "live_relays", "Relays whose control session is alive."),
         ):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))
-
-
-def histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:
-    """A Prometheus histogram of a ``Durations`` (relay and consumer alike)."""
-    snapshot = durations.snapshot()
-    return HistogramMetricFamily(
-        name,
-        documentation,
-        buckets=[
-            ("+Inf" if bound == float("inf") else repr(bound), count)
-            for bound, count in snapshot.buckets
-        ],
-        sum_value=snapshot.total,
-    )
 
 
 def registry_for(relay: Relay, database: DatabaseFigures) -> CollectorRegistry:

@@ -31,10 +31,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from outbox.message import DeadLetter, OutboxRow
 
-# The header that carries a message's ordering key (consistent-hash exchanges can
-# route on it; ``outbox.inbox.loop`` reads it).
-ORDERING_KEY_HEADER = "x-ordering-key"
-
 
 def waves(rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
     """The rows in publishing waves: wave *i* is the *i*-th row (by id) of each key;

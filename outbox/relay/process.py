@@ -51,6 +51,7 @@ from outbox.events import emit
 from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
 from outbox.relay.stats import Stats
+from resolver.apply import resolve
 
 log = logging.getLogger("outbox.relay")
 
@@ -263,8 +264,6 @@ class Relay:
             self._resolve_dead_relays()
 
     def _resolve_dead_relays(self) -> int:
-        from resolver.apply import resolve  # the resolver imports outbox, not the reverse
-
         assert self.store is not None
         finished = 0
         for resolution in resolve(self.store, self.settings):

@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from outbox import urls
 from outbox.cli import cli
 from outbox.config import Settings
-from outbox.ops.endpoints import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -9,7 +9,7 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-from outbox.enqueue import OutgoingMessage, _params
+from outbox.enqueue import OutgoingMessage, row_params
 from outbox.tracing import context_from_headers, with_trace_context
 from tests.fixtures.tracing import recorded_spans, tracer
 
@@ -64,11 +64,11 @@ def test_tracing__tracestate_travels_with_the_traceparent() -> None:
 def test_tracing__enqueue_parameters_carry_the_trace_context() -> None:
     recorded_spans()
     with tracer().start_as_current_span("place order") as span:
-        params = _params(OutgoingMessage("orders", "k", b"1", {"tenant": "acme"}))
-        bare = _params(OutgoingMessage("orders", "k", b"1"))
+        params = row_params(OutgoingMessage("orders", "k", b"1", {"tenant": "acme"}))
+        bare = row_params(OutgoingMessage("orders", "k", b"1"))
     assert params[4].obj == {"tenant": "acme", "traceparent": traceparent_of(span)}
     assert bare[4].obj == {"traceparent": traceparent_of(span)}
-    assert _params(OutgoingMessage("orders", "k", b"1"))[4] is None  # no span: no headers
+    assert row_params(OutgoingMessage("orders", "k", b"1"))[4] is None  # no span: no headers
 
 
 @pytest.mark.parametrize("encode", [str, str.encode], ids=["str", "bytes"])

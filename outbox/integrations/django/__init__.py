@@ -41,7 +41,7 @@ except ImportError as exc:
 import psycopg
 
 from outbox.db import migrate
-from outbox.enqueue import OutgoingMessage, _params, insert_sql, json_payload
+from outbox.enqueue import OutgoingMessage, insert_sql, json_payload, row_params
 from outbox.errors import OutboxError
 
 __all__ = ["enqueue", "enqueue_json", "enqueue_many", "migrate_schema", "outbox_table"]
@@ -97,7 +97,7 @@ def enqueue(
     using: str = DEFAULT_DB_ALIAS,
 ) -> uuid.UUID:
     """Write one message in the current ``atomic()`` block of ``using``; returns its id."""
-    params = _params(
+    params = row_params(
         OutgoingMessage(
             exchange, routing_key, payload, headers, content_type, message_id, ordering_key
         )
@@ -114,7 +114,7 @@ def enqueue_many(
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[uuid.UUID]:
     """Write several messages in the current ``atomic()`` block (one executemany)."""
-    params = [_params(m) for m in messages]
+    params = [row_params(m) for m in messages]
     if params:
         with _in_transaction(using).cursor() as cursor:
             cursor.executemany(insert_sql(table or outbox_table()), params)

@@ -799,7 +799,7 @@ def test_endpoints__consumer_counters_histogram_parked_gauge_and_probes(
     topology: Topology, consumer_dsn: str
 ) -> None:
     from outbox.inbox.metrics import ConsumerEndpoints
-    from outbox.ops.endpoints import LIVENESS_PATH, READINESS_PATH
+    from outbox.probes import LIVENESS_PATH, READINESS_PATH
     from tests.integration.ops.test_observability import get, scrape
 
     ids = new_ids(4)

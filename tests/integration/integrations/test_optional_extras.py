@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXTRAS = ("sqlalchemy", "django", "opentelemetry", "greenlet")
 
 # Makes every import of an extra fail as if the package were not installed.

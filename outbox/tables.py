@@ -1,0 +1,26 @@
+"""The outbox's tables: which names a table may have, and the identifiers of the
+outbox table and its companions (relays, dead letters, schema version, trigger)."""
+
+from __future__ import annotations
+
+import re
+
+from psycopg import sql
+
+TABLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+
+def table_identifiers(table: str) -> dict[str, sql.Identifier]:
+    """The identifiers derived from the outbox table's name."""
+    return {
+        "outbox": sql.Identifier(table),
+        "relays": sql.Identifier(f"{table}_relays"),
+        "dead_letters": sql.Identifier(f"{table}_dead_letters"),
+        "dead_letters_pkey": sql.Identifier(f"{table}_dead_letters_pkey"),
+        "dead_letters_message_id": sql.Identifier(f"{table}_dead_letters_message_id"),
+        "outbox_ordering_key": sql.Identifier(f"{table}_ordering_key"),
+        "dead_letters_ordering_key": sql.Identifier(f"{table}_dead_letters_ordering_key"),
+        "schema_version": sql.Identifier(f"{table}_schema_version"),
+        "notify_function": sql.Identifier(f"{table}_notify"),
+        "notify_trigger": sql.Identifier(f"{table}_notify"),
+    }
