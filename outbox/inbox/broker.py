@@ -20,7 +20,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from struct import unpack_from
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import amqp
 from amqp import spec
@@ -39,9 +39,7 @@ from outbox.inbox.message import (
     InboxMessage,
     to_inbox_message,
 )
-
-if TYPE_CHECKING:
-    from outbox.inbox.loop import ConsumerSettings
+from outbox.inbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
 

@@ -82,7 +82,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import psycopg
@@ -105,6 +105,7 @@ from outbox.inbox.message import (
     text_safe,
     to_inbox_message,
 )
+from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
     Failure,
@@ -114,7 +115,6 @@ from outbox.inbox.store import (
     describe,
 )
 from outbox.message import ORDERING_KEY_HEADER
-from outbox.tables import TABLE_NAME
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",
@@ -125,10 +125,10 @@ __all__ = [
     "BrokerPort",
     "ConsumerSettings",
     "ConsumerStats",
+    "Disposition",
     "HandlerNotFound",
     "Inbox",
     "InboxMessage",
-    "Outcome",
     "Processor",
     "QueueMissing",
     "QueuePublisher",
@@ -184,51 +184,7 @@ def load_handler(spec: str) -> Handler:
     return target  # type: ignore[no-any-return]
 
 
-# -- settings, counters, decisions ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ConsumerSettings:
-    """Everything ``outbox consume`` takes; each field is a CLI option and OUTBOX_* variable."""
-
-    queue: str
-    dsn: str = DEFAULT_DSN
-    amqp_url: str = DEFAULT_AMQP_URL
-    inbox_table: str = DEFAULT_INBOX_TABLE
-    # Who the ids are recorded for (default: the queue).  Consumers of several
-    # queues that form one logical consumer (consistent-hash shards) share one name.
-    consumer_name: str | None = None
-    prefetch: int = 10
-    max_attempts: int = 5
-    retry_delay: float = 0.1
-    retry_delay_max: float = 5.0
-    inbox_retention: float = 7 * 86400.0
-    prune_interval: float = 60.0
-    # (exchange, binding key) pairs: declare the queue and bind it at start-up.
-    bindings: tuple[tuple[str, str], ...] = ()
-    backoff_initial: float = 0.2
-    backoff_max: float = 30.0
-    connect_timeout: float = 10.0
-    heartbeat: int = 60
-
-    def __post_init__(self) -> None:
-        if not self.queue:
-            raise ValueError("give the queue to consume (--queue / OUTBOX_QUEUE)")
-        if not TABLE_NAME.match(self.inbox_table):
-            raise ValueError(
-                f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
-                "digits and underscores, at most 41 characters, not starting with a digit"
-            )
-        if self.prefetch < 1:
-            raise ValueError("prefetch must be at least 1")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.inbox_retention <= 0:
-            raise ValueError("inbox_retention must be positive")
-
-    @property
-    def consumer(self) -> str:
-        return self.consumer_name or self.queue
-
-
+# -- counters, decisions ---------------------------------------------------------------
 @dataclasses.dataclass
 class ConsumerStats:
     handled: int = 0
@@ -243,7 +199,7 @@ class ConsumerStats:
     last_error: str | None = None
 
 
-class Outcome(enum.Enum):
+class Disposition(enum.Enum):
     HANDLED = "handled"  # effect committed: ack
     DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
     RETRY = "retry"  # handler failed: requeue after a delay
@@ -366,7 +322,7 @@ class Broken:
     reason: str
 
 
-Outcomes = list[tuple[Outcome, float]]
+Outcomes = list[tuple[Disposition, float]]
 
 
 # -- one transaction of messages ------------------------------------------------------------
@@ -407,7 +363,7 @@ class Processor:
         applied = iter(done)
         return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
 
-    def process(self, message: InboxMessage) -> tuple[Outcome, float]:
+    def process(self, message: InboxMessage) -> tuple[Disposition, float]:
         """Apply one message in its own transaction."""
         self.settle_owed()
         if _unusable(message):
@@ -432,7 +388,7 @@ class Processor:
         in_hand: InboxMessage | None = None
         for message in messages:
             if message.message_id not in new:  # applied before, or earlier in this batch
-                outcomes.append((Outcome.DUPLICATE, 0.0))
+                outcomes.append((Disposition.DUPLICATE, 0.0))
                 continue
             new.discard(message.message_id)
             in_hand = message
@@ -440,7 +396,7 @@ class Processor:
             left = handler_left(before, store.session())
             if error or left:
                 return self._broken(message, before, error or str(left))
-            outcomes.append((Outcome.HANDLED, 0.0))
+            outcomes.append((Disposition.HANDLED, 0.0))
         if in_hand is not None:
             try:
                 sealed = store.seal()
@@ -461,7 +417,7 @@ class Processor:
             store.restore(before)
             return Broken(in_hand if len(messages) == 1 else None, exc.message)
         for message, (outcome, _) in zip(messages, outcomes, strict=True):
-            if outcome is Outcome.HANDLED:
+            if outcome is Disposition.HANDLED:
                 self.stats.handled += 1
             else:
                 self._duplicate(message)
@@ -505,19 +461,19 @@ class Processor:
             self._failed(message, f"{reason} (then the database was unreachable)")
             self.owed.pop(0)
 
-    def _duplicate(self, message: InboxMessage) -> tuple[Outcome, float]:
+    def _duplicate(self, message: InboxMessage) -> tuple[Disposition, float]:
         self.stats.duplicates_skipped += 1
         emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message.message_id)
-        return Outcome.DUPLICATE, 0.0
+        return Disposition.DUPLICATE, 0.0
 
-    def _park_unusable(self, message: InboxMessage) -> tuple[Outcome, float]:
+    def _park_unusable(self, message: InboxMessage) -> tuple[Disposition, float]:
         reason = _unusable(message) or ""
         self.store.park(parking_for(message, reason))
         self.stats.parked += 1
         emit(log, "consumer.parked", logging.WARNING, reason=reason)
-        return Outcome.PARKED, 0.0
+        return Disposition.PARKED, 0.0
 
-    def _failed(self, message: InboxMessage, error: str) -> tuple[Outcome, float]:
+    def _failed(self, message: InboxMessage, error: str) -> tuple[Disposition, float]:
         """Count the failed attempt of ``message`` (its own transaction): park it at
         ``--max-attempts``, else hold it for its retry delay."""
         message_id = str(message.message_id)
@@ -540,7 +496,7 @@ class Processor:
                 attempts=failure.attempts,
                 error=error,
             )
-            return Outcome.PARKED, 0.0
+            return Disposition.PARKED, 0.0
         delay = retry_delay(failure.attempts, self.settings)
         emit(
             log,
@@ -551,7 +507,7 @@ class Processor:
             retry_in=f"{delay:.2f}s",
             error=error,
         )
-        return Outcome.RETRY, delay
+        return Disposition.RETRY, delay
 
 
 def _unusable(message: InboxMessage) -> str | None:
@@ -719,16 +675,16 @@ class Inbox:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
         messages = [d.message for d in deliveries]
         outcomes = processor.process_batch(messages)
-        if any(outcome is Outcome.HANDLED for outcome, _ in outcomes):
+        if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))
-        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Outcome.RETRY]
+        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Disposition.RETRY]
         if not retries:
             # Every earlier delivery is settled already: one frame acks the batch.
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
         else:
             for delivery, (outcome, _) in settled:
-                if outcome is not Outcome.RETRY:
+                if outcome is not Disposition.RETRY:
                     self.broker.settle(delivery, ack=True)
             self.stats.retried += len(retries)
             self._stop.wait(max(delay for _, delay in retries))  # a stop cuts it short
@@ -768,14 +724,3 @@ def consume(
         return inbox.run()
     finally:
         inbox.close()
-
-
-def parse_bindings(texts: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """``EXCHANGE:BINDING_KEY`` pairs (the key may contain ':'; '#' if omitted)."""
-    pairs = []
-    for text in texts:
-        exchange, _, key = text.partition(":")
-        if not exchange:
-            raise ValueError(f"{text!r} is not EXCHANGE:BINDING_KEY (e.g. orders:order.*)")
-        pairs.append((exchange, key or "#"))
-    return tuple(pairs)

@@ -16,8 +16,8 @@ from outbox.errors import DatabaseUnavailable
 from outbox.inbox.loop import (
     ConsumerSettings,
     ConsumerStats,
+    Disposition,
     Inbox,
-    Outcome,
     Processor,
     handler_left,
 )
@@ -115,7 +115,7 @@ def batch(*bodies: str) -> list[InboxMessage]:
 def test_loop__a_batch_records_ids_calls_handlers_seals_and_commits_once() -> None:
     store = FakeStore()
     outcomes = processor(store).process_batch(batch("ok", "ok", "ok"))
-    assert outcomes == [(Outcome.HANDLED, 0.0)] * 3
+    assert outcomes == [(Disposition.HANDLED, 0.0)] * 3
     assert store.journal == ["record_ids ['m0', 'm1', 'm2']", "seal", "commit"]
     assert store.effects == ["m0", "m1", "m2"] and store.inbox == {"m0", "m1", "m2"}
 
@@ -125,13 +125,13 @@ def test_loop__copies_are_skipped_in_the_batch_and_after_it() -> None:
     p = processor(store)
     first = [message("a", b"ok"), message("a", b"ok"), message("b", b"ok")]
     assert [o for o, _ in p.process_batch(first)] == [
-        Outcome.HANDLED,
-        Outcome.DUPLICATE,
-        Outcome.HANDLED,
+        Disposition.HANDLED,
+        Disposition.DUPLICATE,
+        Disposition.HANDLED,
     ]
     assert [o for o, _ in p.process_batch([message("a", b"ok"), message("b", b"ok")])] == [
-        Outcome.DUPLICATE,
-        Outcome.DUPLICATE,
+        Disposition.DUPLICATE,
+        Disposition.DUPLICATE,
     ]
     assert store.effects == ["a", "b"]
     assert p.stats.handled == 2 and p.stats.duplicates_skipped == 3
@@ -141,7 +141,7 @@ def test_loop__messages_without_id_or_readable_properties_are_parked_unseen() ->
     store = FakeStore()
     unreadable = message("u", b"ok", properties={"x-outbox-unreadable-properties": "bad"})
     outcomes = processor(store).process_batch([message(None, b"ok"), unreadable, *batch("ok")])
-    assert [o for o, _ in outcomes] == [Outcome.PARKED, Outcome.PARKED, Outcome.HANDLED]
+    assert [o for o, _ in outcomes] == [Disposition.PARKED, Disposition.PARKED, Disposition.HANDLED]
     assert [p.error for p in store.parked] == [
         "no message_id: cannot be deduplicated",
         "its AMQP properties cannot be read: bad",
@@ -160,15 +160,15 @@ def test_contract__a_broken_handler_fails_only_its_message(behaviour: str, size:
     p = processor(store)
     messages = [message("bad", behaviour.encode()), *batch(*["ok"] * (size - 1))]
     outcomes = p.process_batch(messages)
-    assert outcomes[0] == (Outcome.RETRY, 0.0)
-    assert all(o == Outcome.HANDLED for o, _ in outcomes[1:])
+    assert outcomes[0] == (Disposition.RETRY, 0.0)
+    assert all(o == Disposition.HANDLED for o, _ in outcomes[1:])
     assert store.attempts == {"bad": 1}
     assert sorted(store.effects) == sorted(m.message_id for m in messages[1:])
     assert store.inbox == set(store.effects)
     assert not store.broken and store.session() == FakeStore().session()
     # The second attempt parks it; a later copy is skipped.
-    assert p.process(dataclasses.replace(messages[0], redelivered=True))[0] is Outcome.PARKED
-    assert p.process(messages[0])[0] is Outcome.DUPLICATE
+    assert p.process(dataclasses.replace(messages[0], redelivered=True))[0] is Disposition.PARKED
+    assert p.process(messages[0])[0] is Disposition.DUPLICATE
     assert [x.message_id for x in store.parked] == ["bad"] and "bad" not in store.effects
     assert p.stats.handler_failures == 2
 
@@ -176,7 +176,7 @@ def test_contract__a_broken_handler_fails_only_its_message(behaviour: str, size:
 def test_contract__keyboard_interrupt_asks_to_stop_only_without_signal_handlers() -> None:
     stops: list[bool] = []
     p = processor(FakeStore(), on_interrupt=lambda: stops.append(True))
-    assert p.process(message("i", b"interrupt"))[0] is Outcome.RETRY
+    assert p.process(message("i", b"interrupt"))[0] is Disposition.RETRY
     assert stops == [True]
 
 
@@ -184,7 +184,7 @@ def test_contract__a_refused_commit_is_the_failure_of_the_message_alone() -> Non
     store = FakeStore()
     store.fail_next["commit"] = StatementRefused("deferred constraint")
     p = processor(store)
-    assert p.process(message("d", b"ok"))[0] is Outcome.RETRY
+    assert p.process(message("d", b"ok"))[0] is Disposition.RETRY
     assert store.attempts == {"d": 1} and store.effects == []
 
 
@@ -192,7 +192,7 @@ def test_contract__a_deadlock_between_batches_splits_the_batch_and_blames_nobody
     store = FakeStore()
     store.fail_next["record_ids"] = StatementRefused("deadlock detected")
     outcomes = processor(store).process_batch(batch("ok", "ok"))
-    assert [o for o, _ in outcomes] == [Outcome.HANDLED, Outcome.HANDLED]
+    assert [o for o, _ in outcomes] == [Disposition.HANDLED, Disposition.HANDLED]
     assert store.attempts == {}
 
 
@@ -205,7 +205,7 @@ def test_outage__a_session_that_cannot_be_replaced_is_an_outage_and_the_attempt_
         p.process(message("l", b"lose"))
     assert store.attempts == {} and [m.message_id for m, _ in p.owed] == ["l"]
     store.reconnect()  # the database is back
-    assert p.process(message("g", b"ok"))[0] is Outcome.HANDLED
+    assert p.process(message("g", b"ok"))[0] is Disposition.HANDLED
     assert store.attempts == {"l": 1} and p.owed == []
 
 
