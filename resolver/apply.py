@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from outbox import gid as gids
 from outbox.amqp import ledger
 from outbox.config import Settings
+from outbox.db import migrate, privileges
 from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
@@ -46,6 +47,21 @@ class Resolution:
             "why": self.decision.why,
             "outcome": self.outcome,
         }
+
+
+def run_pass(
+    settings: Settings, *, dry_run: bool = False, application_name: str = "outbox-resolve"
+) -> list[Resolution]:
+    """One pass on a session of its own, as ``outbox resolve`` and the console run it:
+    privileges and schema version checked first (MissingPrivileges, SchemaTooNew)."""
+    store = BatchStore(settings.dsn, settings.table, application_name=application_name)
+    try:
+        # Privileges first: reading the schema version needs one of them.
+        store.check_privileges(privileges.RESOLVE, "outbox resolve")
+        migrate.refuse_newer(migrate.current_version(store.conn, settings.table), settings.table)
+        return resolve(store, settings, dry_run=dry_run)
+    finally:
+        store.close()
 
 
 def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> list[Resolution]:

@@ -26,6 +26,36 @@ class DeadLetterStore(Session):
         with self._translated("listing dead letters"):
             return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
 
+    def entry(self, row_id: int) -> Row | None:
+        """One dead letter with its payload and headers (as JSON text), or None."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("reading a dead letter"):
+            return self.conn.execute(self.queries["dead_letter"], {"row_id": row_id}).fetchone()
+
+    def matching(
+        self,
+        *,
+        everything: bool = False,
+        message_ids: Sequence[uuid.UUID] = (),
+        row_ids: Sequence[int] = (),
+        ordering_keys: Sequence[str] = (),
+        limit: int = 100_000,
+    ) -> list[Row]:
+        """The dead letters ``retry`` or ``purge`` of this selection would take now
+        (id, message_id, ordering_key, reason, failed_at), changing nothing."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("selecting dead letters"):
+            return self.conn.execute(
+                self.queries["select_dead_letters"],
+                {
+                    "all": everything,
+                    "ids": list(message_ids),
+                    "row_ids": list(row_ids),
+                    "keys": list(ordering_keys),
+                    "limit": limit,
+                },
+            ).fetchall()
+
     def retry(
         self,
         *,

@@ -207,6 +207,25 @@ FROM {dead_letters}
 ORDER BY failed_at, id
 LIMIT %(limit)s
 
+-- dead_letter --
+-- One dead letter whole, for a detail view.  headers and created_at as text: a
+-- dead letter may hold a value Python cannot load (that may be why it is one).
+SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+       payload, headers::text AS headers, created_at::text AS created_at, failed_at
+FROM {dead_letters}
+WHERE id = %(row_id)s
+
+-- select_dead_letters --
+-- What retry_dead_letters and purge_dead_letters (without --older-than) take for the
+-- same selection, read without changing anything: the console shows it before the
+-- operator confirms.  The WHERE clause must stay theirs (a test compares them).
+SELECT id, message_id, ordering_key, reason, failed_at
+FROM {dead_letters}
+WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[])
+   OR ordering_key = ANY(%(keys)s::text[])
+ORDER BY id
+LIMIT %(limit)s
+
 -- retry_dead_letters --
 -- One statement, so one transaction: a dead letter is either still here or back in
 -- the outbox (same row id, message_id and created_at), never both and never neither.

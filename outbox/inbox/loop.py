@@ -322,7 +322,7 @@ class Broken:
     reason: str
 
 
-Outcomes = list[tuple[Disposition, float]]
+Dispositions = list[tuple[Disposition, float]]
 
 
 # -- one transaction of messages ------------------------------------------------------------
@@ -348,7 +348,7 @@ class Processor:
         # it is back (the messages themselves went back to the queue).
         self.owed: list[tuple[InboxMessage, str]] = []
 
-    def process_batch(self, messages: Sequence[InboxMessage]) -> Outcomes:
+    def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
         all); if it fails, apply them one by one, so a failing message costs only
         itself."""
@@ -373,7 +373,7 @@ class Processor:
             return self._failed(message, done.reason)
         return done[0]
 
-    def transaction(self, messages: Sequence[InboxMessage]) -> Outcomes | Broken:
+    def transaction(self, messages: Sequence[InboxMessage]) -> Dispositions | Broken:
         """The steps of one transaction (see the module docstring).  On ``Broken``
         the transaction is rolled back and the session is usable again."""
         store = self.store
@@ -384,7 +384,7 @@ class Processor:
             started, new = store.record_ids(keys, redelivered)
         except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
             return Broken(None, exc.message)
-        outcomes: Outcomes = []
+        outcomes: Dispositions = []
         in_hand: InboxMessage | None = None
         for message in messages:
             if message.message_id not in new:  # applied before, or earlier in this batch

@@ -411,6 +411,18 @@ class ParkedStore(InboxStore):
             row = conn.execute(self.queries["last_parked"]).fetchone()
         return int(row[0]) if row else 0
 
+    def entry(self, parked_id: int) -> dict[str, Any] | None:
+        """One parked message with its body, headers and properties (JSON text)."""
+        with self._reading("reading a parked message") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
+
+    def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
+        with self._reading("selecting parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(self.queries["select_parked"], {"ids": list(ids)}).fetchall()
+
     @contextlib.contextmanager
     def taking(
         self, ids: Sequence[str] | None, limit: int, *, after: int = 0, last: int | None = None
