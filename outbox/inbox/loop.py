@@ -623,7 +623,10 @@ class Inbox:
         self.stats.last_progress = time.monotonic()  # backing off is progress
         # Unacked messages go back to the queue; the inbox decides when they return.
         self.broker.close()
-        if isinstance(exc, DatabaseUnavailable) and self.store is not None:
+        # A new session as well, also after a refused statement: one of the consumer's
+        # own statements fails on a session whose settings a handler changed for good
+        # (a plain SET search_path that committed); a new session starts clean.
+        if self.store is not None:
             self.store.close()
             self.store = None
         pause = backoff.delay(

@@ -103,6 +103,10 @@ def act(conn, message):
         # The handler's own session is ended by the server (pg_terminate_backend).
         record(conn, message)
         conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    elif what == "set_search_path":
+        # A plain SET (not SET LOCAL) that commits with the effect: the session keeps it.
+        record(conn, message)
+        conn.execute("SELECT set_config('search_path', 'nowhere', false)")
     elif what == "own_connect":
         psycopg.connect("postgresql://nobody@127.0.0.1:1/nothing", connect_timeout=1)
     else:

@@ -109,3 +109,17 @@ def test_contract__a_handler_that_commits_loses_no_other_message(
     # c-2 ended in exactly one place: its (self-committed) effect, or parked.
     assert ("c-2" in ids_with_effect) != ("c-2" in parked_ids)
     assert len(applied) == len(set(applied))
+
+
+def test_contract__a_session_setting_that_outlives_the_transaction_does_not_stall_the_queue(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """A handler's plain SET search_path commits with its effect and stays on the
+    session: the consumer's own next statement fails on it, and the consumer goes on
+    with a new session instead of retrying the same one for ever."""
+    first = ("s", b"set_search_path:x")
+    publish(topology, [first, *good(4)])
+    with consumer(tmp_path, consumer_dsn, topology, prefetch=1):
+        wait_settled(consumer_dsn, topology, [first[1], *(b for _, b in good(4))], 40)
+    assert sorted(effect_bodies(consumer_dsn)) == sorted([first[1], *(b for _, b in good(4))])
+    assert parked_bodies(consumer_dsn) == []
