@@ -7,7 +7,7 @@ Owns the one session mechanism (``session``: connect, loss detection, error
 translation), the relay's batch store (``batches``), how claimed rows load
 (``rows``), the dead letters (``deadletters``), the relay registry and wake-ups
 (``relays``), the SQL
-(``queries.sql`` through ``queries``), the versioned schema (``migrate`` and
+(``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and
 ``schema/*.sql``), the privileges each command needs (``privileges``), the
 replication check (``replication``) and throw-away clusters for demos and tests
 (``devcluster``).
