@@ -243,7 +243,8 @@ class Broker:
 
     def drain(self, timeout: float) -> list[Delivery]:
         """The deliveries that arrive within ``timeout`` s, plus whatever else is
-        already waiting in the socket (at most ``prefetch``), without waiting more."""
+        already waiting in the socket (at most ``batch_size``: the rest of the
+        prefetch stays there for the next call), without waiting more."""
         conn = self.conn
         if conn is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
@@ -251,7 +252,7 @@ class Broker:
         self._received = received
         try:
             conn.drain_events(timeout=timeout)
-            while len(received) < self.settings.prefetch:
+            while len(received) < self.settings.batch_size:
                 conn.drain_events(timeout=0)
         except TimeoutError:  # socket.timeout: nothing (more) arrived
             pass

@@ -17,7 +17,7 @@ One transaction of messages, in this order (``Processor.transaction``)::
     COMMIT
     ack
 
-Messages that are already here when the consumer looks (at most ``--prefetch``)
+Messages that are already here when the consumer looks (at most half ``--prefetch``)
 go through this in ONE transaction and are acked after its single COMMIT: a busy
 consumer pays one durable commit per batch, not per message.  If a handler fails
 inside a batch, the batch is rolled back and its messages are applied one by one,
