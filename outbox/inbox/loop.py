@@ -577,6 +577,7 @@ class Inbox:
             consumer=s.consumer,
             inbox=s.inbox_table,
             prefetch=s.prefetch,
+            batch=s.batch_size,
         )
 
     def run(self) -> ConsumerStats:
