@@ -250,6 +250,9 @@ class StorePort(Protocol):
     @property
     def pipelining(self) -> bool: ...
 
+    @property
+    def idle_timeout(self) -> float | None: ...
+
     def pipeline(self) -> contextlib.AbstractContextManager[None]: ...
 
     def send_seal(self) -> Callable[[], object]: ...
@@ -447,8 +450,17 @@ class Processor:
                         continue
                     new.discard(message.message_id)
                     in_hand = message
+                    called = time.monotonic()
                     error = self._call(message)
                     failed = error or handler_left(before, store.session(), pending=pipelined)
+                    idle = store.idle_timeout
+                    if not failed and pipelined and idle and time.monotonic() - called >= idle:
+                        # The server would have ended the session had the
+                        # statements been synced (it does not while they are not).
+                        failed = (
+                            f"the handler ran longer than the session's "
+                            f"idle_in_transaction_session_timeout ({idle:g} s)"
+                        )
                     if failed:
                         break
                     outcomes.append((Disposition.HANDLED, 0.0))

@@ -195,6 +195,10 @@ class InboxStore:
         self._dsn = dsn
         self._application_name = application_name
         self._connect_timeout = connect_timeout
+        # The session's idle_in_transaction_session_timeout in seconds (None: off).
+        # PostgreSQL applies it only between synced statements, so a handler that
+        # runs longer in pipeline mode is failed by the loop instead.
+        self.idle_timeout: float | None = None
         self.conn = self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -208,6 +212,11 @@ class InboxStore:
         conn.cursor_factory = PipelinedCursor
         try:
             conn.execute("SET default_transaction_read_only = on")
+            row = conn.execute(
+                "SELECT setting::float8 / 1000 FROM pg_settings "
+                "WHERE name = 'idle_in_transaction_session_timeout'"
+            ).fetchone()
+            self.idle_timeout = float(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(

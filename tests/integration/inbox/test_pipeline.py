@@ -6,6 +6,7 @@ switches it off."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
@@ -129,3 +130,28 @@ def test_pipeline__a_handler_that_cannot_run_pipelined_switches_it_off(
         assert scalar(consumer_dsn, "SELECT n FROM counters WHERE k = 'same'") == 6
     else:
         assert scalar(consumer_dsn, "SELECT count(*) FROM counters") == 6
+
+
+def test_pipeline__a_handler_outliving_the_idle_timeout_fails_only_its_message(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """PostgreSQL applies idle_in_transaction_session_timeout only between synced
+    statements, so in pipeline mode it would not end the session of a handler that
+    sleeps past it: the loop fails that message itself, as the server would."""
+    ids = new_ids(3)
+
+    def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
+        record(conn, message)
+        if message.message_id == ids[1]:
+            time.sleep(0.6)
+
+    dsn = consumer_dsn + " options='-c idle_in_transaction_session_timeout=300'"
+    processor = _processor(dsn, topology, handler)
+    try:
+        outcomes = [
+            o for o, _ in processor.process_batch([_message(m, topology.queue) for m in ids])
+        ]
+    finally:
+        processor.store.close()
+    assert outcomes == [Disposition.HANDLED, Disposition.RETRY, Disposition.HANDLED]
+    assert sorted(m for m, _ in effects(consumer_dsn)) == sorted([ids[0], ids[2]])

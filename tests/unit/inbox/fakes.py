@@ -164,6 +164,7 @@ class FakeStore:
     # Pipeline mode: a fake statement's outcome is known at once, so the block
     # changes nothing but the order the loop reads the seal in.
     pipelining = True
+    idle_timeout: float | None = None
 
     def pipeline(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
