@@ -1,0 +1,61 @@
+"""Issue 18: what raw AMQP clients on a shared queue can send that py-amqp and
+kombu, left to themselves, would choke on or change: every such message still
+ends in exactly one place, with the body exactly as it arrived."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pika
+import pytest
+
+from tests.fixtures.servers import Topology
+from tests.integration.inbox.support import (
+    consumer,
+    create_effects_table,
+    effect_bodies,
+    parked_bodies,
+    publish,
+    wait_settled,
+)
+
+
+@pytest.fixture
+def consumer_dsn(empty_dsn: str) -> str:
+    return create_effects_table(empty_dsn)
+
+
+def test_foreign__a_routing_key_that_is_not_utf8_is_applied_or_parked(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """py-amqp decodes the deliver method strictly: "unexpected UnicodeDecodeError",
+    exit 1 on every start."""
+    ch = topology.channel()
+    ch.confirm_delivery()
+    for message_id, body in [("rk-ok", b"ok:rk"), ("rk-fails", b"raise:rk")]:
+        props = pika.BasicProperties(message_id=message_id, delivery_mode=2)
+        ch.basic_publish(topology.exchange, b"\xff\xfe.key", body, props)
+    ch.connection.close()
+    publish(topology, [("g", b"ok:g")])
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"ok:rk", b"raise:rk", b"ok:g"], 30)
+    assert sorted(effect_bodies(consumer_dsn)) == [b"ok:g", b"ok:rk"]
+    assert parked_bodies(consumer_dsn) == [b"raise:rk"]
+
+
+def test_foreign__the_body_is_what_arrived_whatever_its_encoding_says(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """content_encoding naming a text codec: py-amqp handed on a str body ("unexpected
+    TypeError", exit 1 on every start), as it did for an empty body; a
+    `compression` header: kombu decompressed the body, so the parked (and retried)
+    body was not the one that arrived."""
+    zipped = zlib.compress(b"raise:zipped")
+    publish(topology, [("text", b"ok:text")], content_encoding="utf-8")
+    publish(topology, [("zipped", zipped)], headers={"compression": "application/x-gzip"})
+    publish(topology, [("empty", b""), ("g", b"ok:g")])
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"ok:text", zipped, b"", b"ok:g"], 30)
+    assert sorted(effect_bodies(consumer_dsn)) == [b"ok:g", b"ok:text"]
+    assert sorted(parked_bodies(consumer_dsn)) == sorted([zipped, b""])
