@@ -139,7 +139,7 @@ def describe(exc: BaseException) -> str:
         where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
     try:
         text = first_line(exc)
-    except Exception:
+    except BaseException:  # a handler's __str__ may raise anything, SystemExit too
         text = "(its message cannot be shown)"
     return f"{type(exc).__name__}: {text}{where}"
 
