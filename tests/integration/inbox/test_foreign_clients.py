@@ -4,6 +4,7 @@ ends in exactly one place, with the body exactly as it arrived."""
 
 from __future__ import annotations
 
+import sys
 import zlib
 from pathlib import Path
 
@@ -59,3 +60,25 @@ def test_foreign__the_body_is_what_arrived_whatever_its_encoding_says(
         wait_settled(consumer_dsn, topology, [b"ok:text", zipped, b"", b"ok:g"], 30)
     assert sorted(effect_bodies(consumer_dsn)) == [b"ok:g", b"ok:text"]
     assert sorted(parked_bodies(consumer_dsn)) == sorted([zipped, b""])
+
+
+def test_foreign__headers_nested_hundreds_deep_are_parked(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """py-amqp reads a table nested 600 deep, but keeping it as JSON for the parked
+    row hit Python's recursion limit: "unexpected RecursionError", exit 1 on every
+    start."""
+    deep: dict[str, object] = {"leaf": 1}
+    for _ in range(600):
+        deep = {"k": deep}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # pika encodes tables recursively too
+    try:
+        publish(topology, [(None, b"ok:no-id"), ("deep", b"raise:deep")], headers=deep)
+    finally:
+        sys.setrecursionlimit(limit)
+    publish(topology, [("g", b"ok:g")])
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"ok:no-id", b"raise:deep", b"ok:g"], 30)
+    assert effect_bodies(consumer_dsn) == [b"ok:g"]
+    assert sorted(parked_bodies(consumer_dsn)) == [b"ok:no-id", b"raise:deep"]
