@@ -19,6 +19,8 @@ from typing import Any
 
 from amqp.serialization import dumps, loads
 
+from outbox.inbox.message import UNREADABLE_PROPERTIES
+
 # (flag bit, property, AMQP type) of the basic class, in wire order.
 # s: short string, o: octet, F: field table, T: timestamp (seconds).
 FIELDS = (
@@ -54,7 +56,9 @@ _FIXED = {
 
 def decode(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[dict[str, Any], int]:
     """The properties at ``offset`` and the offset after them.  Short strings that
-    are UTF-8 are ``str`` (as py-amqp gives them), others stay ``bytes``."""
+    are UTF-8 are ``str`` (as py-amqp gives them), others stay ``bytes``.  A header
+    table py-amqp cannot read is left out, with ``UNREADABLE_PROPERTIES`` saying why
+    (the message is parked, under its message_id)."""
     data = bytes(buf)
     (flags,) = struct.unpack_from(">H", data, offset)
     offset += 2
@@ -77,7 +81,16 @@ def decode(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[dict[s
             (properties[name],) = struct.unpack_from(">Q", data, offset)
             offset += 8
         else:
-            (properties[name],), offset = loads("F", data, offset)
+            try:
+                (properties[name],), offset = loads("F", data, offset)
+            except Exception as exc:
+                # py-amqp cannot read a value (a timestamp past year 9999, a table
+                # nested too deep): skip the table, still read the message_id.
+                (length,) = struct.unpack_from(">I", data, offset)
+                offset += 4 + length
+                properties[UNREADABLE_PROPERTIES] = (
+                    f"application_headers: {type(exc).__name__}: {exc}"
+                )
     if offset > len(data):
         raise ValueError("the property list ends early")
     return properties, offset

@@ -4,22 +4,30 @@ ends in exactly one place, with the body exactly as it arrived."""
 
 from __future__ import annotations
 
+import struct
 import sys
+import urllib.parse
 import zlib
 from pathlib import Path
 
+import amqp
 import pika
 import pytest
 
+from outbox.inbox.properties import HEADERS_FLAG
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
+    INBOX,
     consumer,
     create_effects_table,
     effect_bodies,
     parked_bodies,
     publish,
+    rows,
     wait_settled,
 )
+
+MESSAGE_ID_FLAG = 0x0080
 
 
 @pytest.fixture
@@ -82,3 +90,40 @@ def test_foreign__headers_nested_hundreds_deep_are_parked(
         wait_settled(consumer_dsn, topology, [b"ok:no-id", b"raise:deep", b"ok:g"], 30)
     assert effect_bodies(consumer_dsn) == [b"ok:g"]
     assert sorted(parked_bodies(consumer_dsn)) == [b"ok:no-id", b"raise:deep"]
+
+
+def _publish_raw(topology: Topology, body: bytes, raw_properties: bytes, copies: int) -> None:
+    """Publish with a property list given as bytes (values pika cannot write)."""
+
+    class Raw(amqp.Message):  # type: ignore[misc]
+        def _serialize_properties(self) -> bytes:
+            return raw_properties
+
+    host, port = urllib.parse.urlsplit(topology.amqp_url).netloc.split("@")[-1].split(":")
+    conn = amqp.Connection(f"{host}:{port}", userid="guest", password="guest")
+    conn.connect()
+    try:
+        channel = conn.channel()
+        channel.confirm_select()
+        for _ in range(copies):
+            channel.basic_publish_confirm(Raw(body), exchange="", routing_key=topology.queue)
+    finally:
+        conn.close()
+
+
+def test_foreign__a_header_py_amqp_cannot_read_parks_the_message_under_its_id(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """A timestamp header past year 9999 (RabbitMQ takes it) made the whole property
+    list unreadable: the message was parked without its message_id, so each copy
+    was parked again and `parked retry` could not send it back."""
+    table = b"\x01t" + b"T" + struct.pack(">Q", 2**40)
+    raw = struct.pack(">HI", HEADERS_FLAG | MESSAGE_ID_FLAG, len(table)) + table + b"\x03far"
+    _publish_raw(topology, b"ok:far", raw, copies=2)
+    publish(topology, [("g", b"ok:g")])
+    with consumer(tmp_path, consumer_dsn, topology):
+        wait_settled(consumer_dsn, topology, [b"ok:far", b"ok:g"], 30)
+    assert effect_bodies(consumer_dsn) == [b"ok:g"]
+    parked = rows(consumer_dsn, f"SELECT message_id, error FROM {INBOX}_parked")
+    assert [message_id for message_id, _ in parked] == ["far"]
+    assert "application_headers" in parked[0][1]
