@@ -303,8 +303,11 @@ class InboxStore:
         )
 
     def restore(self, state: SessionState) -> None:
-        """Put back the settings of ``state`` (after ``rollback``: the session is
-        idle, so every setting can change)."""
+        """A new session with the settings of ``state``, in place of one a handler
+        failed on: what earlier handlers left in it for good (a WITH HOLD cursor,
+        a prepared statement, a temporary table, a session lock) must not fail
+        the message again (``DatabaseUnavailable`` if no new session)."""
+        self.reconnect()
         for name, value in state.settings:
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
