@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 import urllib.parse
 import zlib
 from pathlib import Path
@@ -14,7 +15,9 @@ import amqp
 import pika
 import pytest
 
+from outbox.inbox import parked
 from outbox.inbox.properties import HEADERS_FLAG
+from outbox.inbox.store import ParkedStore
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
@@ -127,3 +130,23 @@ def test_foreign__a_header_py_amqp_cannot_read_parks_the_message_under_its_id(
     parked = rows(consumer_dsn, f"SELECT message_id, error FROM {INBOX}_parked")
     assert [message_id for message_id, _ in parked] == ["far"]
     assert "application_headers" in parked[0][1]
+
+
+def test_foreign__a_retried_message_with_an_expiration_is_not_lost_while_no_one_consumes(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """`parked retry` sent the per-message TTL back too: retried while the consumer
+    was stopped (fix the handler, retry, deploy), RabbitMQ dropped the message after
+    its TTL, and it was neither parked nor applied."""
+    publish(topology, [("ttl", b"raise:ttl")], expiration="1000")
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"raise:ttl"], 30)
+    store = ParkedStore(consumer_dsn, INBOX)
+    try:
+        assert parked.retry(store, topology.amqp_url, None) == ["ttl"]
+    finally:
+        store.close()
+    time.sleep(1.5)  # longer than the message's TTL, no consumer running
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"raise:ttl"], 30)
+    assert parked_bodies(consumer_dsn) == [b"raise:ttl"]

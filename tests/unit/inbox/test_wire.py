@@ -138,3 +138,17 @@ def test_json_safe__tables_nested_deeper_than_the_limit_are_shown_as_text() -> N
             else (shown["h"] if isinstance(shown, dict) else shown[0])
         )
     assert shown == NESTED_TOO_DEEP
+
+
+def test_for_retry__drops_the_expiration_and_keeps_what_follows_it() -> None:
+    raw = bytes(
+        amqp.Message(b"", expiration="1000", message_id="m", priority=4)._serialize_properties()
+    )
+    again = wire.for_retry(raw, {})
+    after, end = wire.decode(again)
+    assert end == len(again)
+    before, _ = wire.decode(raw)
+    assert before.pop("expiration") == "1000"
+    assert after.pop("delivery_mode") == 2
+    assert after.pop("application_headers") == {}
+    assert after == before
