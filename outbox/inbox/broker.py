@@ -395,7 +395,7 @@ class QueuePublisher:
         ``properties``."""
         message: amqp.Message
         if raw_properties is not None:
-            message = _RawMessage(body, wire.for_retry(raw_properties, headers))
+            message = _RawMessage(body, self._fitting(raw_properties, headers))
         else:
             kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
             if isinstance(kept.get("timestamp"), str):
@@ -408,6 +408,19 @@ class QueuePublisher:
                 **kept,
             )
         self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
+
+    def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:
+        """``for_retry``'s property list if it fits in one frame (the broker closes
+        the connection on a larger one, so the message could never be retried);
+        else without ``headers`` (the handler then sees the default exchange and
+        the queue as routing key), else exactly as it arrived."""
+        # A frame's payload is frame_max - 8; a content header's is 12 + properties.
+        limit = int(self.conn.connection.frame_max) - 8 - 12
+        for extra in (headers, {}):
+            properties = wire.for_retry(raw_properties, extra)
+            if len(properties) <= limit:
+                return properties
+        return raw_properties
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

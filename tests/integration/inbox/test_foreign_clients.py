@@ -150,3 +150,26 @@ def test_foreign__a_retried_message_with_an_expiration_is_not_lost_while_no_one_
     with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
         wait_settled(consumer_dsn, topology, [b"raise:ttl"], 30)
     assert parked_bodies(consumer_dsn) == [b"raise:ttl"]
+
+
+def test_foreign__a_header_table_near_frame_max_can_be_retried_and_blocks_no_other(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """The two routing headers pushed its content header past frame_max: RabbitMQ
+    closed the connection (FRAME_ERROR), so it could never be sent back, and every
+    `parked retry --all` stopped at it, the rest of its batch too."""
+    # frame_max 131072: 8 bytes of frame, 12 of content header, the property list
+    # (flags 2, table length 4, key 1+1, type and length 5, delivery mode 1, id 1+3).
+    text = "x" * (131072 - 8 - 12 - 2 - 4 - 2 - 5 - 1 - 4 - 40)
+    publish(topology, [("big", b"raise:big")], headers={"h": text})
+    publish(topology, [("small", b"raise:small")])
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        wait_settled(consumer_dsn, topology, [b"raise:big", b"raise:small"], 30)
+    store = ParkedStore(consumer_dsn, INBOX)
+    try:
+        assert parked.retry(store, topology.amqp_url, None) == ["big", "small"]
+    finally:
+        store.close()
+    (_, big_props, big), (_, _, small) = topology.messages()
+    assert (big, small) == (b"raise:big", b"raise:small")
+    assert big_props.headers["h"] == text
