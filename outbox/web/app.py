@@ -136,6 +136,26 @@ class Guard(BaseHTTPMiddleware):
         self.keys = keys
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if not self.config.credentials and not security.addressed_locally(
+            request.headers.get("host")
+        ):
+            emit(
+                log,
+                "web.refused",
+                logging.WARNING,
+                why="Host is not a loopback name",
+                host=loggable(request.headers.get("host") or ""),
+                client=_client(request),
+                path=loggable(request.scope["path"]),
+            )
+            return _with_headers(
+                PlainTextResponse(
+                    "this console answers only to 127.0.0.1, localhost or [::1] without "
+                    f"credentials: set {security.TOKEN_ENV}, or {security.USER_ENV} and "
+                    f"{security.PASSWORD_ENV}, to reach it by another name",
+                    status_code=421,
+                )
+            )
         who = security.authenticate(request.headers.get("authorization"), self.config.credentials)
         if who is None:
             emit(

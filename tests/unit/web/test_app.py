@@ -1,0 +1,75 @@
+"""The console's application as an ASGI callable, without a server or a database."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from outbox.config import Settings
+from outbox.web.app import WebConfig, create_app
+from outbox.web.console import ConsoleConfig
+from outbox.web.security import Credentials
+
+
+def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One request through the app; (status, body)."""
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8310),
+    }
+
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, body
+
+
+def local_console(credentials: Credentials | None = None) -> Any:
+    # A DSN nothing listens on: these requests must not need the database.
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    config = WebConfig(ConsoleConfig((settings,)), "amqp://localhost", credentials or Credentials())
+    return create_app(config)
+
+
+def test_web__without_credentials_a_request_for_another_host_name_is_refused() -> None:
+    # DNS rebinding: evil.example re-pointed at 127.0.0.1 makes the console the
+    # page's own origin (it could read every page and pass the Origin check).
+    app = local_console()
+    status, body = call(app, "GET", "/static/console.css", {"host": "evil.example:8310"})
+    assert status == 421 and b"OUTBOX_WEB_TOKEN" in body
+    status, _ = call(
+        app,
+        "POST",
+        "/in-doubt/resolve",
+        {"host": "evil.example:8310", "origin": "http://evil.example:8310"},
+    )
+    assert status == 421
+    for host in ("127.0.0.1:8310", "localhost:8310", "[::1]:8310"):
+        assert call(app, "GET", "/static/console.css", {"host": host})[0] == 200
+
+
+def test_web__with_credentials_any_host_name_may_come_in_with_them() -> None:
+    app = local_console(Credentials(token="t0ken-value"))
+    headers = {"host": "console.example:8310"}
+    assert call(app, "GET", "/static/console.css", headers)[0] == 401
+    headers["authorization"] = "Bearer t0ken-value"
+    assert call(app, "GET", "/static/console.css", headers)[0] == 200
