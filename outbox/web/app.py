@@ -82,12 +82,15 @@ class Pages:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
             # Every value is redacted before it is escaped: a password holding & < > "
-            # no longer looks like itself once escaped.  The page is redacted again as
-            # a whole (render), for what a template writes without an expression.
+            # no longer looks like itself once escaped.  The page is masked again as
+            # a whole (render), for what a template writes without an expression: by
+            # the remembered passwords only, since a shape (`password=\S+`) would
+            # run on from a value into the markup behind it.
             finalize=_redacted,
         )
         self.env.filters["age"] = _age
         self.env.filters["short"] = _short
+        self.env.filters["posted_back"] = _PostedBack
 
     def render(
         self, request: Request, name: str, status_code: int = 200, **context: Any
@@ -105,11 +108,17 @@ class Pages:
             "amqp_where": where_amqp(self.config.amqp_url),
         }
         html = self.env.get_template(name).render(**base, **context)
-        return HTMLResponse(redact(html), status_code=status_code)
+        return HTMLResponse(redaction.redact_remembered(html), status_code=status_code)
+
+
+class _PostedBack(str):
+    """A value a form sends back to select rows (an ordering key, a message id): kept
+    as it is, not masked by shape, or the action would select another value.  A
+    remembered password in it is still masked with the page."""
 
 
 def _redacted(value: Any) -> Any:
-    return redact(value) if isinstance(value, str) else value
+    return redact(value) if isinstance(value, str) and not isinstance(value, _PostedBack) else value
 
 
 def _age(seconds: float | None) -> str:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import html.parser
 from typing import Any
 
+from starlette.requests import Request
+
 from outbox.config import Settings
-from outbox.web.app import WebConfig, create_app
-from outbox.web.console import ConsoleConfig
+from outbox.web.app import Pages, WebConfig, create_app
+from outbox.web.console import ConsoleConfig, DeadLetterSelection
 from outbox.web.security import Credentials
 
 
@@ -73,3 +77,56 @@ def test_web__with_credentials_any_host_name_may_come_in_with_them() -> None:
     assert call(app, "GET", "/static/console.css", headers)[0] == 401
     headers["authorization"] = "Bearer t0ken-value"
     assert call(app, "GET", "/static/console.css", headers)[0] == 200
+
+
+class FormInputs(html.parser.HTMLParser):
+    """The inputs and buttons of a page, as a browser's parser finds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[dict[str, str | None]] = []
+        self.buttons: list[dict[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "input":
+            self.inputs.append(dict(attrs))
+        elif tag == "button":
+            self.buttons.append(dict(attrs))
+
+
+def test_web__a_key_that_looks_like_a_password_is_confirmed_and_posted_back_as_it_is() -> None:
+    # The page as a whole went through the redaction's shapes after escaping:
+    # `password=\S+` ate the markup behind the key up to the next blank, so the
+    # hidden field swallowed the confirm button, and the key posted back (had it
+    # been sent) was `password=***…`: another key, or none.
+    config = WebConfig(
+        ConsoleConfig((Settings(dsn="postgresql://app@127.0.0.1:1/none"),)),
+        "amqp://localhost",
+        Credentials(),
+    )
+    pages = Pages(config)
+    request = Request({"type": "http", "method": "GET", "path": "/", "headers": []})
+    keys = ("password=k1", "tenant x://a:b@c", "order-7")
+    page = pages.render(
+        request,
+        "confirm_dead_letters.html",
+        limit=10,
+        table="outbox",
+        action="retry",
+        selection=DeadLetterSelection((), keys),
+        rows=[
+            {
+                "id": 1,
+                "message_id": "m",
+                "ordering_key": key,
+                "failed_at": datetime.datetime(2026, 1, 1),
+                "reason": "r",
+            }
+            for key in keys
+        ],
+        reason=None,
+    )
+    found = FormInputs()
+    found.feed(bytes(page.body).decode())
+    assert [i["value"] for i in found.inputs if i.get("name") == "key"] == list(keys)
+    assert [b.get("id") for b in found.buttons] == ["confirm"]
