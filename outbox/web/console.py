@@ -275,7 +275,7 @@ class DeadLetterSelection:
     @classmethod
     def parse(cls, ids: Sequence[str], keys: Sequence[str]) -> DeadLetterSelection:
         """From form or query values; ValueError names a value that is not a row id."""
-        selection = deadletters.parse_ids([i for i in ids if i.strip()], ())
+        selection = deadletters.parse_ids([i for i in ids if i.strip()], keys)
         if selection.message_ids:
             raise ValueError("select dead letters by row id (a whole number)")
         return cls(tuple(sorted(set(selection.row_ids))), tuple(sorted(set(keys))))
