@@ -371,11 +371,14 @@ class ParkedStore(InboxStore):
             cur = self.conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["list_parked"], {"limit": limit}).fetchall()
 
-    def entry(self, parked_id: int) -> dict[str, Any] | None:
-        """One parked message with its body, headers and properties (JSON text)."""
+    def entry(self, parked_id: int, most: int) -> dict[str, Any] | None:
+        """One parked message with the first ``most`` bytes of its body (``body_bytes``
+        is its size), headers and properties (JSON text)."""
         with self._translated("reading a parked message"):
             cur = self.conn.cursor(row_factory=dict_row)
-            return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
+            return cur.execute(
+                self.queries["parked_message"], {"id": parked_id, "most": most}
+            ).fetchone()
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""

@@ -317,7 +317,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             "dead_letter.html",
             table=settings.table,
             row=row,
-            body=console.body_views(bytes(row["payload"])),
+            body=console.body_views(bytes(row["payload"]), row["payload_bytes"]),
             headers=console.pretty_json(row["headers"]),
         )
 
@@ -417,7 +417,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             "parked_message.html",
             inbox=target.table,
             row=row,
-            body=console.body_views(bytes(row["body"])),
+            body=console.body_views(bytes(row["body"]), row["body_bytes"]),
             headers=console.pretty_json(row["headers"]),
             properties=console.pretty_json(row["properties"]),
         )
