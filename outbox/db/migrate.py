@@ -364,6 +364,7 @@ class _Online:
         self._retried(
             "waiting for another outbox init to finish",
             lambda: conn.execute("SELECT pg_advisory_lock(%s, %s)", _lock_key(self.table)),
+            migration_lock=True,
         )
         try:
             before = current_version(conn, self.table)
@@ -426,7 +427,12 @@ class _Online:
             self.conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index))
 
     def _retried(
-        self, step: str, attempt: Callable[[], object], *, concurrent: bool = False
+        self,
+        step: str,
+        attempt: Callable[[], object],
+        *,
+        concurrent: bool = False,
+        migration_lock: bool = False,
     ) -> None:
         started = time.monotonic()
         for number in _attempts():
@@ -441,30 +447,44 @@ class _Online:
                         step=step,
                         attempt=number,
                         waited=time.monotonic() - started,
-                        holders=tuple(self._holders(concurrent)),
+                        holders=tuple(self._holders(concurrent, migration_lock)),
                         relay_claims_cancelled=_YieldToRelays.cancelled,
                         relay_claims_refused=_YieldToRelays.refused,
                     )
                 )
             time.sleep(retry_pause(number))
 
-    def _holders(self, concurrent: bool) -> Iterator[Holder]:
+    def _holders(self, concurrent: bool, migration_lock: bool = False) -> Iterator[Holder]:
         """What holds a lock on the outbox's tables (or the migration lock) now;
         for a concurrent index build, every transaction of the database, since the
-        build waits for all that started before it.
+        build waits for all that started before it; for the migration lock, only the
+        other ``outbox init`` that holds it.
 
         Sessions show only when their transaction is older than twice
-        ``LOCK_TIMEOUT``: the application's short transactions come and go.
+        ``LOCK_TIMEOUT``: the application's short transactions come and go.  The
+        other init holds the migration lock between short statements, so it shows
+        whatever its transaction's age.
         """
         cur = self.conn.cursor(row_factory=tuple_row)
         if concurrent:
             rows = cur.execute(_OLD_TRANSACTIONS).fetchall()
         else:
             rows = cur.execute(
-                _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
+                _HOLDERS,
+                {
+                    "tables": self.tables,
+                    "key": _lock_key(self.table),
+                    "migration_lock": _MIGRATION_LOCK,
+                },
             ).fetchall()
         for relation, gid, pid, name, state, seconds in rows:
-            if gid is None and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT):
+            if migration_lock != (relation == _MIGRATION_LOCK):
+                continue
+            if (
+                not migration_lock
+                and gid is None
+                and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT)
+            ):
                 # A short transaction, one that ended since, or one that waited
                 # behind this attempt (for up to LOCK_TIMEOUT) and runs now.
                 continue
@@ -478,12 +498,15 @@ class _Online:
             )
 
 
+# How a holder of the migration's advisory lock is named (``Holder.relation``).
+_MIGRATION_LOCK = "the migration lock"
+
 # Granted locks on the outbox's tables and on the migration's advisory lock, held
 # by someone else: a prepared transaction (found through its own transactionid
 # lock, which shares its virtualtransaction) or a session.
 _HOLDERS = """
 SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
-       coalesce(c.relname::text, 'the migration lock') AS relation,
+       coalesce(c.relname::text, %(migration_lock)s) AS relation,
        p.gid,
        a.pid,
        a.application_name,
@@ -633,7 +656,7 @@ def describe_holder(holder: Holder, table: str, unsettled: str = "") -> str:
             text += f" (this init could not: {unsettled})"
         return text
     name = holder.application_name or "no application_name"
-    if holder.relation == "the migration lock":
+    if holder.relation == _MIGRATION_LOCK:
         return f"another outbox init (pid {holder.pid}, {name}) to finish"
     return (
         f"session pid {holder.pid} ({name}, {holder.state}, transaction open {age}) on "
