@@ -187,6 +187,10 @@ def render_sql(table: str) -> str:
 
     Each migration is a transaction under ``lock_timeout`` (rerun the script when
     one gives up: every statement is idempotent), then its concurrent index builds.
+    Its version row is written only if that transaction committed in this session
+    (it sets ``outbox.migrated``, which a rollback undoes) and its indexes are valid:
+    a tool that goes on after an error (psql without ON_ERROR_STOP) cannot record
+    a migration that failed.
     """
     millis = round(LOCK_TIMEOUT * 1000)
     parts = [
@@ -201,13 +205,48 @@ def render_sql(table: str) -> str:
         parts.append(f"-- {migration.name}")
         parts.append("BEGIN;")
         parts.append(_composed(table, migration.in_transaction).as_string(None).strip())
+        parts.append(
+            f"DO $$ BEGIN PERFORM set_config('{_SCRIPT_MIGRATED}', "
+            f"'{migration.version}', false); END $$;"
+        )
         parts.append("COMMIT;")
         parts.extend(
             _composed(table, statement).as_string(None) + ";"
             for statement in migration.outside_a_transaction
         )
-        parts.append(_version_row(table, migration).as_string(None) + ";")
+        parts.append(_script_version_row(table, migration).as_string(None) + ";")
     return "\n".join(parts) + "\n"
+
+
+# The setting by which a script's migration says that its transaction committed.
+_SCRIPT_MIGRATED = "outbox.migrated"
+
+
+def _script_version_row(table: str, migration: Migration) -> sql.Composed:
+    """The version row of ``render_sql``: only after the migration's transaction
+    committed and with each index it builds concurrently there and valid."""
+    indexes = [
+        sql.SQL("to_regclass({})").format(
+            sql.Literal(table_identifiers(table)[match.group(1)].as_string(None))
+        )
+        for match in map(_CONCURRENT_INDEX.match, migration.outside_a_transaction)
+        if match
+    ]
+    condition = sql.SQL("current_setting({}, true) = {}").format(
+        sql.Literal(_SCRIPT_MIGRATED), sql.Literal(str(migration.version))
+    )
+    if indexes:
+        condition += sql.SQL(
+            " AND (SELECT count(*) FROM pg_index WHERE indisvalid AND indexrelid IN ({})) = {}"
+        ).format(sql.SQL(", ").join(indexes), sql.Literal(len(indexes)))
+    return sql.SQL(
+        "INSERT INTO {} (version, name) SELECT {}, {} WHERE {} ON CONFLICT DO NOTHING"
+    ).format(
+        table_identifiers(table)["schema_version"],
+        sql.Literal(migration.version),
+        sql.Literal(migration.name),
+        condition,
+    )
 
 
 def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
