@@ -183,13 +183,14 @@ class Guard(BaseHTTPMiddleware):
                 )
             )
         request.state.who = who
-        cookie = request.cookies.get(security.CSRF_COOKIE)
+        cookie_name = security.csrf_cookie(request.headers.get("host"))
+        cookie = request.cookies.get(cookie_name)
         fresh = not self.keys.valid(cookie)
         request.state.csrf = self.keys.issue() if fresh else cookie
         response = await call_next(request)
         if fresh:
             response.set_cookie(
-                security.CSRF_COOKIE,
+                cookie_name,
                 request.state.csrf,
                 httponly=True,
                 samesite="strict",
@@ -240,7 +241,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
             why = "the request came from another site (Origin)"
         elif not keys.request_ok(
-            request.cookies.get(security.CSRF_COOKIE),
+            request.cookies.get(security.csrf_cookie(request.headers.get("host"))),
             submitted if isinstance(submitted, str) else None,
         ):
             why = "missing or wrong CSRF token: reload the page and try again"

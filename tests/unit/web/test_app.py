@@ -17,6 +17,14 @@ from outbox.web.security import Credentials
 
 def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
     """One request through the app; (status, body)."""
+    status, _, body = call_with_headers(app, method, path, headers)
+    return status, body
+
+
+def call_with_headers(
+    app: Any, method: str, path: str, headers: dict[str, str]
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One request through the app; (status, response headers, body)."""
     sent: list[dict[str, Any]] = []
     scope = {
         "type": "http",
@@ -42,9 +50,9 @@ def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int
         sent.append(message)
 
     asyncio.run(app(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body
+    return start["status"], [(k.decode(), v.decode()) for k, v in start["headers"]], body
 
 
 def local_console(credentials: Credentials | None = None) -> Any:
@@ -130,3 +138,19 @@ def test_web__a_key_that_looks_like_a_password_is_confirmed_and_posted_back_as_i
     found.feed(bytes(page.body).decode())
     assert [i["value"] for i in found.inputs if i.get("name") == "key"] == list(keys)
     assert [b.get("id") for b in found.buttons] == ["confirm"]
+
+
+def test_web__two_consoles_on_one_host_keep_their_own_csrf_cookies() -> None:
+    # Cookies ignore the port: two consoles (one per database) on 127.0.0.1 shared
+    # one cookie, each replaced the other's on every request (the overview reloads
+    # itself every 5 s), and every confirmation in the other tab was refused as
+    # "wrong CSRF token".
+    app = local_console()
+
+    def cookie_names(host: str) -> list[str]:
+        _, headers, _ = call_with_headers(app, "GET", "/static/console.css", {"host": host})
+        return [v.split("=")[0] for k, v in headers if k == "set-cookie"]
+
+    assert cookie_names("127.0.0.1:8310") == ["outbox_csrf_8310"]
+    assert cookie_names("localhost:8311") == ["outbox_csrf_8311"]
+    assert cookie_names("localhost") == ["outbox_csrf"]
