@@ -495,8 +495,8 @@ class _Online:
 
     def _holders(self, concurrent: bool, migration_lock: bool = False) -> Iterator[Holder]:
         """What holds a lock on the outbox's tables (or the migration lock) now;
-        for a concurrent index build, every transaction of the database, since the
-        build waits for all that started before it; for the migration lock, only the
+        for a concurrent index build, the transactions of the database it waits for
+        (``_OLD_TRANSACTIONS``); for the migration lock, only the
         other ``outbox init`` that holds it.
 
         Sessions show only when their transaction is older than twice
@@ -506,7 +506,7 @@ class _Online:
         """
         cur = self.conn.cursor(row_factory=tuple_row)
         if concurrent:
-            rows = cur.execute(_OLD_TRANSACTIONS).fetchall()
+            rows = cur.execute(_OLD_TRANSACTIONS, {"tables": self.tables}).fetchall()
         else:
             rows = cur.execute(
                 _HOLDERS,
@@ -567,8 +567,10 @@ ORDER BY coalesce(p.gid, l.pid::text), c.relname
 """
 
 
-# What a concurrent index build waits for: every transaction of this database that
-# started before it (prepared ones included).
+# What a concurrent index build waits for: the transactions of this database that
+# started before it and hold a snapshot (backend_xmin) or a lock on the outbox's
+# tables, prepared ones included.  A session idle in a READ COMMITTED transaction
+# holds neither (a pooled connection left so): the build does not wait for it.
 _OLD_TRANSACTIONS = """
 SELECT 'this database', p.gid, NULL::int, NULL, NULL,
        greatest(0, extract(epoch FROM now() - p.prepared))
@@ -579,6 +581,9 @@ SELECT 'this database', NULL, a.pid, a.application_name, a.state,
 FROM pg_stat_activity a
 WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
   AND a.xact_start IS NOT NULL AND a.backend_type = 'client backend'
+  AND (a.backend_xmin IS NOT NULL
+       OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.relation
+                  = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))))
 ORDER BY 6 DESC
 """
 

@@ -480,6 +480,11 @@ def test_migrate__an_index_build_names_the_old_transaction_it_waits_for(empty_ds
     started before it, whatever table it reads: that transaction is named."""
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    # Older, but not waited for: idle in a READ COMMITTED transaction that holds no
+    # snapshot and no lock on the outbox's tables (a pooled connection left so).
+    idle = psycopg.connect(empty_dsn, application_name="an-idle-pool")
+    idle.execute("SELECT count(*) FROM pg_class")
+    time.sleep(0.1)
     report = psycopg.connect(empty_dsn, application_name="a-long-report")
     report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     report.execute("SELECT count(*) FROM pg_class")  # a snapshot, no lock on our tables
@@ -494,11 +499,13 @@ def test_migrate__an_index_build_names_the_old_transaction_it_waits_for(empty_ds
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         result = migrate.migrate(conn, "outbox", on_blocked=blocked)  # type: ignore[arg-type]
     report.close()
+    idle.close()
     assert result == (2, migrate.LATEST_VERSION)
     [wait] = waits
     assert wait.step == "migration 0003_ordering_keys.sql: index outbox_ordering_key", wait
     line = migrate.describe_wait(wait, "outbox")
     assert f"session pid {pid} (a-long-report, idle in transaction" in line, line
+    assert "an-idle-pool" not in line, line
 
 
 def test_migrate__names_the_other_init_it_waits_for_and_only_that(empty_dsn: str) -> None:
