@@ -178,6 +178,7 @@ class ConsumeBench:
             for table in ("bench_effects", "bench_inbox", "bench_inbox_attempts"):
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
             self.conn.execute("DROP TABLE IF EXISTS bench_inbox_parked")
+            self.conn.execute("DROP FUNCTION IF EXISTS bench_inbox_guard()")
         with contextlib.suppress(Exception):
             self.conn.close()
         with contextlib.suppress(OSError):

@@ -29,7 +29,8 @@
 -- (``batches.py``, "the schedule").
 --
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
--- of the row's key with a lower id; the relay moves such a row to the dead letters
+-- of the row's key with a lower id (through the index on md5(ordering_key), id:
+-- a key of any length can be indexed that way, schema 0004); the relay moves such a row to the dead letters
 -- too, so a blocked key never piles up in front of the others.
 --
 -- The batch also stops at `max_bytes` of payload (the first row always goes, however
@@ -80,7 +81,8 @@ RETURNING id, message_id, exchange, routing_key, payload, headers, content_type,
     ordering_key,
     CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
         SELECT min(d.id) FROM {dead_letters} d
-        WHERE d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
+        WHERE md5(d.ordering_key) = md5({outbox}.ordering_key)
+          AND d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
     END AS held_by
 
 -- has_claimable_rows --
