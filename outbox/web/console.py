@@ -229,7 +229,7 @@ class BodyViews:
     size: int
     text: str | None  # if it is UTF-8 without control characters (but tab and newlines)
     json: str | None  # if it is JSON, indented (never for a part)
-    hex: str  # always: offset, 16 bytes, printable characters
+    hex: str  # always: offset, 16 bytes, printable characters (passwords masked)
     shown: int = 0  # bytes in these views: less than size for a long body
 
 
@@ -254,11 +254,19 @@ def body_views(body: bytes, size: int | None = None) -> BodyViews:
         except ValueError:
             pretty = None
     lines = []
-    for offset in range(0, len(body), 16):
-        chunk = body[offset : offset + 16]
+    masked = _masked(body)
+    for offset in range(0, len(masked), 16):
+        chunk = masked[offset : offset + 16]
         printable = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f"{offset:08x}  {chunk.hex(' '):<47}  {printable}")
     return BodyViews(size, text, pretty, "\n".join(lines), len(body))
+
+
+def _masked(body: bytes) -> bytes:
+    """``body`` with its passwords masked as the text views are (on the page, through
+    ``redact``): a hex view shows every byte, so it must not show those."""
+    # surrogateescape: every byte that is not UTF-8 comes back as it was.
+    return redact(body.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
 
 
 def pretty_json(text: str | None) -> str:

@@ -108,3 +108,19 @@ def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
 
     assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
     assert len(loggable("/" + "a" * 500)) == 200
+
+
+def test_body_views__a_password_in_a_body_is_masked_in_the_hex_view_too() -> None:
+    # The text and JSON views were masked (on the page), but the hex view spelled
+    # the database password out byte by byte.
+    from outbox import redaction
+
+    redaction.remember("postgresql://app:Hx-s3cret-pw@db/orders")
+    for body in (
+        b'{"dsn": "postgresql://app:Hx-s3cret-pw@db/orders"}',  # text
+        b"\x00\xff password Hx-s3cret-pw",  # binary
+    ):
+        views = console.body_views(body)
+        shown = bytes.fromhex("".join(line[10:57] for line in views.hex.splitlines()))
+        assert b"Hx-s3cret-pw" not in shown and b"***" in shown, views.hex
+        assert "Hx-s3cret-pw" not in views.hex
