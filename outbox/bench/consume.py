@@ -36,7 +36,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.messaging import Consumer
 
-from outbox.bench.run import Broker, Database, bench_database, bare_publish
+from outbox.bench.harness import Broker, Database, bare_publish, bench_database
 from outbox.db import session
 from outbox.errors import OutboxError
 
