@@ -353,6 +353,52 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a process of this machine so far (``/proc/<pid>/stat``),
+    None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Backends:
+    """The PostgreSQL backends serving the relays (work, control and wake-up
+    sessions), read from ``/proc`` when the server runs on this machine."""
+
+    def __init__(self, conn: session.Conn) -> None:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE 'outbox-relay%%'"
+        ).fetchall()
+        # A pid of a remote server may name an unrelated process here: only a local
+        # postgres process counts.
+        self.pids = [int(r["pid"]) for r in rows if _is_postgres(int(r["pid"]))]
+        self.local = bool(rows) and len(self.pids) == len(rows)
+
+    def cpu_seconds(self) -> float | None:
+        if not self.local:
+            return None
+        return sum(process_cpu_seconds(pid) or 0.0 for pid in self.pids)
+
+
+def _is_postgres(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().startswith(b"postgres")
+    except OSError:
+        return False
+
+
+def per_10k(cpu_seconds: float | None, messages: int) -> float | None:
+    """CPU seconds per 10,000 messages."""
+    if cpu_seconds is None or messages <= 0:
+        return None
+    return cpu_seconds * 10_000 / messages
+
+
 @dataclasses.dataclass
 class Run:
     kind: str  # bare | relay
@@ -362,11 +408,28 @@ class Run:
     seconds: float
     delivered: int
     machine_busy: float = 0.0  # share of all CPUs busy during the run (0..1)
-    relay_cpu_seconds: float = 0.0  # user + system CPU of the relay processes
+    # User + system CPU during the run: the relay processes (the bench's own process
+    # for the bare publisher), and the relays' PostgreSQL backends (None: the server
+    # is not on this machine; the bare publisher has none).
+    cpu_seconds: float = 0.0
+    backend_cpu_seconds: float | None = None
 
     @property
     def rate(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def relay_cpu_seconds(self) -> float:
+        return self.cpu_seconds
+
+    @property
+    def cpu_per_10k(self) -> float | None:
+        """CPU seconds per 10,000 messages: the publishing process."""
+        return per_10k(self.cpu_seconds, self.rows)
+
+    @property
+    def backend_cpu_per_10k(self) -> float | None:
+        return per_10k(self.backend_cpu_seconds, self.rows)
 
 
 class Bench:
@@ -392,6 +455,8 @@ class Bench:
         bodies = self.bodies[: max(1, round(len(self.bodies) * rows_share))]
         ids = [str(uuid.uuid4()) for _ in bodies]
         self.broker.purge()
+        # The bare publisher runs in this process, alone: its CPU is the process's.
+        cpu0 = time.process_time()
         seconds = bare_publish(
             self.o.amqp_url,
             self.broker.exchange,
@@ -400,7 +465,8 @@ class Bench:
             ids,
             window=window,
         )
-        run = Run("bare", 0, window, len(ids), seconds, self.broker.depth())
+        cpu = time.process_time() - cpu0
+        run = Run("bare", 0, window, len(ids), seconds, self.broker.depth(), cpu_seconds=cpu)
         self.broker.purge()
         return run
 
@@ -422,11 +488,13 @@ class Bench:
         relays = RelayProcesses(settings, count)
         try:
             wait_registered(self.conn, self.db.table, count, relays)
+            backends = Backends(self.conn)
+            # Read before the commit wakes the relays (idle, they cost next to nothing).
+            cpu0, backend_cpu0 = relays.cpu_seconds(), backends.cpu_seconds()
             with self.conn.transaction():
                 fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
             started = time.perf_counter()
             busy0, total0 = _machine_ticks()
-            cpu0 = relays.cpu_seconds()
             deadline = time.monotonic() + 300
             while True:
                 row = self.conn.execute(f'SELECT count(*) AS n FROM "{self.db.table}"').fetchone()
@@ -439,13 +507,29 @@ class Bench:
             seconds = time.perf_counter() - started
             busy1, total1 = _machine_ticks()
             relay_cpu = relays.cpu_seconds() - cpu0
+            backend_cpu1 = backends.cpu_seconds()
         finally:
             relays.stop()
         self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
         delivered = self.broker.depth()
         self.broker.purge()
         busy = (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
-        return Run("relay", count, settings.batch_size, rows, seconds, delivered, busy, relay_cpu)
+        backend_cpu = (
+            backend_cpu1 - backend_cpu0
+            if backend_cpu0 is not None and backend_cpu1 is not None
+            else None
+        )
+        return Run(
+            "relay",
+            count,
+            settings.batch_size,
+            rows,
+            seconds,
+            delivered,
+            busy,
+            cpu_seconds=relay_cpu,
+            backend_cpu_seconds=backend_cpu,
+        )
 
     def latency(self) -> dict[str, Any]:
         self.broker.purge()
@@ -458,6 +542,8 @@ class Bench:
         try:
             wait_registered(self.conn, self.db.table, 1, relays)
             time.sleep(0.5)
+            backends = Backends(self.conn)
+            cpu0, backend_cpu0 = relays.cpu_seconds(), backends.cpu_seconds()
             count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
             producer = session.connect(self.db.dsn, application_name="outbox-bench-producer")
             insert = (
@@ -475,10 +561,14 @@ class Bench:
                 with producer.transaction():
                     producer.execute(insert, [message_id, self.broker.exchange, body])
                 committed[str(message_id)] = time.perf_counter()
+            # On a busy machine the producer may fall behind its rate: say so.
+            committed_rate = count / (time.perf_counter() - started)
             producer.close()
             deadline = time.monotonic() + 10
             while len(receiver.arrived) < count and time.monotonic() < deadline:
                 time.sleep(0.05)
+            relay_cpu = relays.cpu_seconds() - cpu0
+            backend_cpu1 = backends.cpu_seconds()
             idle = self._idle(relays)
         finally:
             relays.stop()
@@ -489,8 +579,18 @@ class Bench:
         )
         result: dict[str, Any] = {
             "rate_per_s": self.o.latency_rate,
+            "committed_per_s": round(committed_rate),
             "sent": len(committed),
             "delivered": sum(1 for m in committed if m in receiver.arrived),
+            "relay_cpu_s_per_10k": _rounded(per_10k(relay_cpu, len(committed))),
+            "backend_cpu_s_per_10k": _rounded(
+                per_10k(
+                    backend_cpu1 - backend_cpu0
+                    if backend_cpu0 is not None and backend_cpu1 is not None
+                    else None,
+                    len(committed),
+                )
+            ),
         }
         for q in (50, 95, 99):
             result[f"p{q}_ms"] = round(percentile(latencies, q), 2)
@@ -536,6 +636,10 @@ class Bench:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.close()
+
+
+def _rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

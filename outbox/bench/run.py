@@ -120,6 +120,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
                     100 * statistics.median(r.machine_busy for r in runs), 1
                 ),
                 "relay_cpu_seconds": round(statistics.median(r.relay_cpu_seconds for r in runs), 2),
+                **cpu_figures(runs),
                 "delivered": min(r.delivered for r in runs),
             }
         )
@@ -152,6 +153,8 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
             "relay_median": round(relay_rate),
             "ratio": round(relay_rate / bare_rate, 3),
             "window": o.window,
+            "bare_cpu_s_per_10k": cpu_figures(bare_runs)["cpu_s_per_10k"],
+            **{f"relay_{k}": v for k, v in cpu_figures(relay_runs[: o.repeats]).items()},
         },
         "scaling": scaling,
         "bursts": bursts,
@@ -162,6 +165,36 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "memory": memory,
         "every_row_arrived": every_row,
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known and len(known) == len(values) else None
+
+
+def cpu_figures(runs: list[Run]) -> dict[str, float | None]:
+    """Medians of the CPU seconds per 10,000 messages (``/proc``): the publishing
+    process (a relay, or the bench's own process for the bare publisher), the relays'
+    PostgreSQL backends (None: not on this machine, or the bare publisher), both."""
+    own = _median([r.cpu_per_10k for r in runs])
+    backends = _median([r.backend_cpu_per_10k for r in runs])
+    both = _median(
+        [
+            r.cpu_per_10k + r.backend_cpu_per_10k
+            if r.cpu_per_10k is not None and r.backend_cpu_per_10k is not None
+            else None
+            for r in runs
+        ]
+    )
+    return {"cpu_s_per_10k": own, "backend_cpu_s_per_10k": backends, "total_cpu_s_per_10k": both}
+
+
+def _cpu_cell(own: float | None, backends: float | None = None) -> str:
+    if own is None:
+        return "-"
+    if backends is None:
+        return f"{own:.2f}"
+    return f"{own + backends:.2f} ({own:.2f} + {backends:.2f} PostgreSQL)"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -180,25 +213,32 @@ def render(report: dict[str, Any]) -> str:
         f"{report['machine']['cpus']} CPUs, PostgreSQL {report['server_version']} "
         f"({report['machine']['postgres']}), medians of {report['repeats']}",
         "",
-        "| what | msg/s | ratio to bare |",
-        "|---|---:|---:|",
-        f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 |",
-        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} |",
+        "| what | msg/s | ratio to bare | CPU s per 10,000 msgs |",
+        "|---|---:|---:|---:|",
+        f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 "
+        f"| {_cpu_cell(t.get('bare_cpu_s_per_10k'))} |",
+        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} "
+        f"| {_cpu_cell(t.get('relay_cpu_s_per_10k'), t.get('relay_backend_cpu_s_per_10k'))} |",
+        "",
+        "CPU: user + system seconds from /proc, of the publishing process (the bare "
+        "publisher's is the bench's own), plus the relay's PostgreSQL backends",
     ]
     if report["scaling"]:
         lines += [
             "",
             f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
             "",
-            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s |",
-            "|---:|---:|---:|---:|---|---:|---:|",
+            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s "
+            "| CPU s per 10,000 msgs |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
     for s in report["scaling"]:
         runs = " / ".join(f"{r:,}" for r in s["runs_msg_per_s"])
         lines.append(
             f"| {s['relays']} | {s['batch_size']} | {s['msg_per_s']:,} | "
             f"{s['ratio_to_bare']:.2f} | {runs} | {s['machine_busy_percent']:.0f}% | "
-            f"{s['relay_cpu_seconds']:.1f} |"
+            f"{s['relay_cpu_seconds']:.1f} | "
+            f"{_cpu_cell(s.get('cpu_s_per_10k'), s.get('backend_cpu_s_per_10k'))} |"
         )
     if report["bursts"]:
         lines += render_bursts(report["bursts"], report["burst_shape"], report["repeats"])
@@ -208,7 +248,9 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "
         f"{lat['delivered']}/{lat['sent']} delivered: p50 {lat['p50_ms']} ms, "
-        f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms",
+        f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms; "
+        f"{lat.get('committed_per_s', '-')} commits/s reached; CPU s per 10,000 msgs: "
+        f"{_cpu_cell(lat.get('relay_cpu_s_per_10k'), lat.get('backend_cpu_s_per_10k'))}",
         f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
         f"{idle['db_transactions_per_s']} database transactions/s",
     ]
