@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -355,8 +356,50 @@ def _machine_ticks() -> tuple[int, int]:
 
 
 # Commits per second asked of one producer session in the latency run (each waits
-# for its WAL flush); a higher ``--latency-rate`` uses more sessions.
-PRODUCER_COMMITS_PER_S = 250
+# for its WAL flush); a higher ``--latency-rate`` uses more sessions (processes).
+PRODUCER_COMMITS_PER_S = 500
+
+
+# Seconds the latency run's producer processes get to start before the first row
+# is due.
+PRODUCER_START_SECONDS = 3.0
+
+
+def commit_rows(
+    dsn: str,
+    table: str,
+    exchange: str,
+    payload: int,
+    rate: float,
+    count: int,
+    first: int,
+    step: int,
+    start: float,
+    results: Any,
+) -> None:
+    """One latency producer (a process of its own): rows first, first + step, … of
+    ``count``, row i committed at ``start + i / rate``; puts {message_id: when its
+    COMMIT returned} on ``results`` (or the error, as text)."""
+    committed: dict[str, float] = {}
+    try:
+        insert = (
+            f'INSERT INTO "{table}" (message_id, exchange, routing_key, payload) '
+            "VALUES (%s, %s, 'bench.latency', %s)"
+        )
+        body = b"x" * payload
+        with session.connect(dsn, application_name="outbox-bench-producer") as producer:
+            for i in range(first, count, step):
+                pause = start + i / rate - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                message_id = uuid.uuid4()
+                with producer.transaction():
+                    producer.execute(insert, [message_id, exchange, body])
+                committed[str(message_id)] = time.perf_counter()
+    except Exception as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+        return
+    results.put(committed)
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -551,10 +594,8 @@ class Bench:
             backends = Backends(self.conn)
             cpu0, backend_cpu0 = relays.cpu_seconds(), backends.cpu_seconds()
             count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
-            started = time.perf_counter()
-            self._commit_at_rate(count, committed, started)
-            # On a busy machine the producers may fall behind the rate: say so.
-            committed_rate = count / (time.perf_counter() - started)
+            # On a busy machine the producers may fall behind the rate: said in the report.
+            committed_rate = self._commit_at_rate(count, committed)
             deadline = time.monotonic() + 10
             while len(receiver.arrived) < count and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -589,45 +630,45 @@ class Bench:
         result["idle"] = idle
         return result
 
-    def _commit_at_rate(self, count: int, committed: dict[str, float], started: float) -> None:
-        """Commit ``count`` single-row transactions at ``--latency-rate`` from several
-        application connections, noting when each commit returned.
+    def _commit_at_rate(self, count: int, committed: dict[str, float]) -> float:
+        """Commit ``count`` single-row transactions at ``--latency-rate``, noting when
+        each commit returned; returns the rate reached.
 
-        One connection commits at most one transaction per WAL flush (about 1 ms with
-        fsync on here): alone it could not reach 2,000 commits/s.  Row i is due at
-        ``started + i / rate`` and is committed by connection i mod n, as many
-        application sessions would."""
+        One session commits at most once per WAL flush (about 1 ms with fsync on
+        here): alone it could not reach 2,000 commits/s.  So row i is due at
+        ``start + i / rate`` and committed by session i mod n, each in a process of
+        its own, as application processes would: producer threads in this process
+        would hold the GIL that the receiver needs to timestamp arrivals.  Both read
+        the same clock (``time.perf_counter``: CLOCK_MONOTONIC, the machine's)."""
         sessions = max(1, math.ceil(self.o.latency_rate / PRODUCER_COMMITS_PER_S))
-        insert = (
-            f'INSERT INTO "{self.db.table}" (message_id, exchange, routing_key, payload) '
-            "VALUES (%s, %s, 'bench.latency', %s)"
-        )
-        body = b"x" * self.o.payload
-        failures: list[BaseException] = []
-
-        def produce(first: int) -> None:
-            try:
-                with session.connect(
-                    self.db.dsn, application_name="outbox-bench-producer"
-                ) as producer:
-                    for i in range(first, count, sessions):
-                        pause = started + i / self.o.latency_rate - time.perf_counter()
-                        if pause > 0:
-                            time.sleep(pause)
-                        message_id = uuid.uuid4()
-                        with producer.transaction():
-                            producer.execute(insert, [message_id, self.broker.exchange, body])
-                        committed[str(message_id)] = time.perf_counter()
-            except BaseException as exc:  # reported by the caller
-                failures.append(exc)
-
-        threads = [threading.Thread(target=produce, args=(n,)) for n in range(sessions)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise OutboxError(f"a latency producer failed: {failures[0]}")
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded process
+        results = context.Queue()
+        # Room for the producers to start (imports, connecting) before the first is due.
+        start = time.perf_counter() + PRODUCER_START_SECONDS
+        job = (self.db.dsn, self.db.table, self.broker.exchange, self.o.payload)
+        producers = [
+            context.Process(
+                target=commit_rows,
+                args=(*job, self.o.latency_rate, count, first, sessions, start, results),
+                daemon=True,
+            )
+            for first in range(sessions)
+        ]
+        for producer in producers:
+            producer.start()
+        try:
+            for _ in producers:
+                outcome = results.get(timeout=PRODUCER_START_SECONDS + 60 + count / 100)
+                if isinstance(outcome, str):
+                    raise OutboxError(f"a latency producer failed: {outcome}")
+                committed.update(outcome)
+        finally:
+            for producer in producers:
+                producer.join(timeout=10)
+                if producer.is_alive():
+                    producer.kill()
+        last = max(committed.values(), default=start)
+        return count / (last - start) if last > start else 0.0
 
     def _idle(self, relays: RelayProcesses) -> dict[str, Any]:
         """The relay with nothing to do: CPU and database transactions per second."""

@@ -10,7 +10,7 @@ Measures, against the same PostgreSQL and RabbitMQ:
    sizes for scaling, each cell ``repeats`` times (medians), with how busy the
    machine's CPUs were during each run.
 2. **Latency.**  One idle relay; the bench commits single-row transactions at a
-   fixed rate (from one application session per 250 commits/s) and a consumer
+   fixed rate (from one application process per 500 commits/s) and a consumer
    timestamps each message: commit returned → message received (same clock, same
    process).  It reports the rate reached and the CPU per 10,000 messages too.
 3. **Idle cost.**  The relay left alone: its CPU (``/proc/<pid>/stat``) and the
