@@ -25,6 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from outbox.message import ORDERING_KEY_MAX_BYTES
 from outbox.tables import table_identifiers
 from outbox.tracing import with_trace_context
 
@@ -68,6 +69,14 @@ def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
         raise TypeError(
             f"ordering_key must be a str or None, not {type(message.ordering_key).__name__}"
         )
+    if message.ordering_key is not None:
+        size = len(message.ordering_key.encode())
+        if size > ORDERING_KEY_MAX_BYTES:
+            raise ValueError(
+                f"ordering_key is {size:,} bytes long, more than the "
+                f"{ORDERING_KEY_MAX_BYTES:,} an outbox row may have: use the id of the "
+                "aggregate whose messages must stay in order (README, 'Per-key ordering')"
+            )
     headers = with_trace_context(message.headers)
     return (
         message.message_id or uuid.uuid4(),

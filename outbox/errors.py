@@ -32,6 +32,10 @@ class OutboxError(Exception):
 
     exit_code: ExitCode = ExitCode.FAILURE
 
+    # The relay write that failed ("claim", "prepare", "dead_letters", "ledger",
+    # "commit_prepared", "rollback_prepared"), set where the relay catches it.
+    write: str | None = None
+
     def __init__(self, message: str, hint: str = "") -> None:
         message, hint = redact(message), redact(hint)
         super().__init__(message)
@@ -84,9 +88,16 @@ class MissingPrivileges(OutboxError):
     exit_code = ExitCode.NOT_READY
 
 
+class DatabaseRefused(OutboxError):
+    """PostgreSQL refused a statement on a live session for a reason that is not a
+    timeout, a privilege or a lost connection: a constraint or a trigger someone
+    added, a value it cannot store.  The relay retries it with backoff."""
+
+
 class DeadLettersUnwritable(DatabaseUnavailable):
-    """PostgreSQL refused to record dead letters (e.g. a revoked INSERT): the batch is
-    rolled back and the relay backs off, as for an outage."""
+    """PostgreSQL refused to record dead letters, whatever the error (a revoked
+    INSERT, a lock held past the timeout, a constraint): the batch is rolled back,
+    and nothing more is published until its dead letters are written first."""
 
 
 class PreparedSlotsExhausted(OutboxError):

@@ -19,6 +19,10 @@ from typing import Any
 # The header that carries a message's ordering key (consistent-hash exchanges can
 # route on it; ``outbox.inbox.loop`` reads it).
 ORDERING_KEY_HEADER = "x-ordering-key"
+# Longest ordering key a new outbox row may have, in bytes (UTF-8): a key names an
+# aggregate.  The schema's CHECK ``<table>_ordering_key_length`` says the same to
+# plain SQL (schema 0004); rows written before it are relayed as ever.
+ORDERING_KEY_MAX_BYTES = 1024
 
 # AMQP 0-9-1 short strings (exchange, routing key, content type) are at most 255 bytes.
 SHORTSTR_MAX = 255

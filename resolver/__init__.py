@@ -6,7 +6,7 @@ pass at start-up and every ``resolve_interval``; ``outbox resolve`` and
 ``python -m resolver`` run one pass for operators.
 """
 
-from resolver.apply import Resolution, resolve
-from resolver.decide import Action, Decision, Owner, decide
+from resolver.apply import Resolution, resolve, run_pass
+from resolver.decide import Action, Decision, Owner, decide, is_ours
 
-__all__ = ["Action", "Decision", "Owner", "Resolution", "decide", "resolve"]
+__all__ = ["Action", "Decision", "Owner", "Resolution", "decide", "is_ours", "resolve", "run_pass"]

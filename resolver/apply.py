@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from outbox import gid as gids
 from outbox.amqp import ledger
 from outbox.config import Settings
+from outbox.db import migrate, privileges
 from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
 from outbox.errors import OutcomeUnknown
 from outbox.events import emit
-from resolver.decide import Action, Decision, Owner, decide, owner_state
+from resolver.decide import Action, Decision, Owner, decide, is_ours, owner_state
 
 log = logging.getLogger("outbox.resolver")
 
@@ -48,15 +49,25 @@ class Resolution:
         }
 
 
-def _is_ours(batch: PreparedBatch, table: str) -> bool:
-    parsed = gids.parse(batch.gid)
-    return batch.local and parsed is not None and parsed.table == table
+def run_pass(
+    settings: Settings, *, dry_run: bool = False, application_name: str = "outbox-resolve"
+) -> list[Resolution]:
+    """One pass on a session of its own, as ``outbox resolve`` and the console run it:
+    privileges and schema version checked first (MissingPrivileges, SchemaTooNew)."""
+    store = BatchStore(settings.dsn, settings.table, application_name=application_name)
+    try:
+        # Privileges first: reading the schema version needs one of them.
+        store.check_privileges(privileges.RESOLVE, "outbox resolve")
+        migrate.refuse_newer(migrate.current_version(store.conn, settings.table), settings.table)
+        return resolve(store, settings, dry_run=dry_run)
+    finally:
+        store.close()
 
 
 def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> list[Resolution]:
     """Resolve every in-doubt batch of dead relays; report on all the others."""
     batches = store.prepared_batches()
-    ours = [b for b in batches if _is_ours(b, settings.table)]
+    ours = [b for b in batches if is_ours(b.gid, local=b.local, table=settings.table)]
     relay_ids = sorted({gids.parse(b.gid).relay_id for b in ours})  # type: ignore[union-attr]
     liveness = store.relay_liveness(relay_ids)
 
@@ -65,7 +76,7 @@ def resolve(store: BatchStore, settings: Settings, *, dry_run: bool = False) -> 
         parsed = gids.parse(batch.gid)
         alive = liveness.get(parsed.relay_id) if parsed else None
         owners[batch.gid] = owner_state(
-            ours=_is_ours(batch, settings.table),
+            ours=is_ours(batch.gid, local=batch.local, table=settings.table),
             lock_held=bool(alive and alive.lock_held),
             heartbeat_age=alive.heartbeat_age if alive else None,
             batch_age=batch.age_seconds,

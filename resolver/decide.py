@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from outbox import gid as gids
+
 
 class Action(enum.Enum):
     COMMIT = "commit"
@@ -80,3 +82,10 @@ def decide(owner: Owner, evidence: bool | None) -> Decision:
     if evidence:
         return Decision(Action.COMMIT, owner, f"{prefix}; ledger records the whole batch")
     return Decision(Action.ROLLBACK, owner, f"{prefix}; no ledger record, rows will be resent")
+
+
+def is_ours(gid: str, *, local: bool, table: str) -> bool:
+    """Whether a prepared transaction is a batch of this outbox table's relays, in
+    this database: the only ones a resolver may ever finish (DESIGN, invariant 5)."""
+    parsed = gids.parse(gid)
+    return local and parsed is not None and parsed.table == table

@@ -1,4 +1,6 @@
-"""RabbitMQ for the relay and the resolver: the only package that talks to pika.
+"""RabbitMQ for the relay and the resolver (pika).  The consumer side uses kombu,
+in ``outbox.inbox.broker``; the bench's bare publisher uses pika directly, as the
+baseline it measures.
 
 Owns the bytes of a publish (``frames``, pure), confirm and return bookkeeping
 (``confirms``, pure), the publisher's I/O (``publisher``), failing over across the

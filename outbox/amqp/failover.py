@@ -20,7 +20,7 @@ turn and keeps the first that answers.  Two decisions follow, both pure:
   handshake per node: cheap enough to repeat twice a second for as long as an
   outage lasts.
 
-The backoff is reset by the relay after a batch succeeds.
+The backoff is reset by the relay after a batch is committed (or there is nothing to do).
 """
 
 from __future__ import annotations

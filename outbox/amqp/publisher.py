@@ -1,4 +1,5 @@
-"""The only module that does I/O with RabbitMQ (pika).
+"""The relay's I/O with RabbitMQ (pika): the only product module that drives a pika
+connection (the bench's bare publisher does too, as the baseline it measures).
 
 ``Publisher`` wraps a pika ``SelectConnection`` whose I/O loop is driven from the
 relay's own thread: ``publish`` writes a whole batch without waiting, then runs the

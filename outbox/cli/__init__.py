@@ -26,7 +26,18 @@ from collections.abc import Sequence
 import click
 
 from outbox import redaction
-from outbox.cli import bench, consume, deadletters, demo, init, parked, relay, resolve, status
+from outbox.cli import (
+    bench,
+    consume,
+    deadletters,
+    demo,
+    init,
+    parked,
+    relay,
+    resolve,
+    status,
+    web,
+)
 from outbox.cli.common import report_error, wants_json
 from outbox.errors import ExitCode
 
@@ -46,6 +57,7 @@ cli.add_command(consume.consume)
 cli.add_command(parked.parked)
 cli.add_command(demo.demo)
 cli.add_command(bench.bench)
+cli.add_command(web.web)
 
 
 def main(argv: Sequence[str] | None = None, prog_name: str = "outbox") -> None:

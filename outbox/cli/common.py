@@ -62,25 +62,86 @@ def report_error(message: str, hint: str = "", *, code: int, as_json: bool, **fi
         click.echo(f"  hint: {hint}", err=True)
 
 
+def apply(func: F, decorators: Sequence[Callable[[F], F]]) -> F:
+    """Apply option decorators so that ``--help`` lists them in the order given."""
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+# One definition of each option that several commands share: the relay's and the
+# consumer's commands check URLs, ranges and names the same way (exit 2, one line).
+def dsn_option(help: str) -> Callable[[F], F]:
+    return env_option("--dsn", "OUTBOX_DSN", default=DEFAULT_DSN, type=DsnType(), help=help)
+
+
+RELAY_DSN_HELP = (
+    "PostgreSQL connection (libpq conninfo or URL; TLS: sslmode=verify-full sslrootcert=FILE)."
+)
+CONSUMER_DSN_HELP = "The consumer's PostgreSQL: the handler's effects and the inbox."
+
+amqp_url_option = env_option(
+    "--amqp-url",
+    "OUTBOX_AMQP_URL",
+    default=DEFAULT_AMQP_URL,
+    type=AmqpUrlType(),
+    help="RabbitMQ connection URL (amqp:// or amqps://); a cluster's nodes "
+    "separated by ';' (the first that answers is used; on failure, the next).",
+)
+connect_timeout_option = env_option(
+    "--connect-timeout",
+    "OUTBOX_CONNECT_TIMEOUT",
+    default=Settings.connect_timeout,
+    type=limited("connect_timeout"),
+    help="Seconds to wait when connecting to either server.",
+)
+backoff_initial_option = env_option(
+    "--backoff-initial",
+    "OUTBOX_BACKOFF_INITIAL",
+    default=Settings.backoff_initial,
+    type=limited("backoff_initial"),
+    help="First retry delay (s) after an outage; doubles up to --backoff-max.",
+)
+backoff_max_option = env_option(
+    "--backoff-max",
+    "OUTBOX_BACKOFF_MAX",
+    default=Settings.backoff_max,
+    type=limited("backoff_max"),
+    help="Longest retry delay (s).",
+)
+log_level_option = env_option(
+    "--log-level",
+    "OUTBOX_LOG_LEVEL",
+    default="info",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+log_format_option = env_option(
+    "--log-format",
+    "OUTBOX_LOG_FORMAT",
+    default="text",
+    type=click.Choice(["text", "json"]),
+)
+metrics_port_option = env_option(
+    "--metrics-port",
+    "OUTBOX_METRICS_PORT",
+    default=0,
+    type=click.IntRange(0, 65535),
+    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
+)
+metrics_address_option = env_option(
+    "--metrics-address",
+    "OUTBOX_METRICS_ADDRESS",
+    default="0.0.0.0",
+    help="Address the metrics and health endpoints listen on.",
+)
+
+
 def server_options(func: F) -> F:
-    for decorator in reversed(
+    return apply(
+        func,
         [
-            env_option(
-                "--dsn",
-                "OUTBOX_DSN",
-                default=DEFAULT_DSN,
-                type=DsnType(),
-                help="PostgreSQL connection (libpq conninfo or URL; TLS: sslmode=verify-full "
-                "sslrootcert=FILE).",
-            ),
-            env_option(
-                "--amqp-url",
-                "OUTBOX_AMQP_URL",
-                default=DEFAULT_AMQP_URL,
-                type=AmqpUrlType(),
-                help="RabbitMQ connection URL (amqp:// or amqps://); a cluster's nodes "
-                "separated by ';' (the first that answers is used; on failure, the next).",
-            ),
+            dsn_option(RELAY_DSN_HELP),
+            amqp_url_option,
             env_option(
                 "--amqp-ca-file",
                 "OUTBOX_AMQP_CA_FILE",
@@ -99,22 +160,10 @@ def server_options(func: F) -> F:
                 type=QueueName(),
                 help="Stream queue recording finished batches (resolver evidence).",
             ),
-            env_option(
-                "--log-level",
-                "OUTBOX_LOG_LEVEL",
-                default="info",
-                type=click.Choice(["debug", "info", "warning", "error"]),
-            ),
-            env_option(
-                "--log-format",
-                "OUTBOX_LOG_FORMAT",
-                default="text",
-                type=click.Choice(["text", "json"]),
-            ),
-        ]
-    ):
-        func = decorator(func)
-    return func
+            log_level_option,
+            log_format_option,
+        ],
+    )
 
 
 def tuning_options(func: F) -> F:
@@ -190,27 +239,9 @@ def tuning_options(func: F) -> F:
                 type=limited("ledger_clock_skew"),
                 help="Seconds before a batch's PREPARE the resolver starts reading the ledger.",
             ),
-            env_option(
-                "--backoff-initial",
-                "OUTBOX_BACKOFF_INITIAL",
-                default=defaults.backoff_initial,
-                type=limited("backoff_initial"),
-                help="First retry delay (s) after an outage; doubles up to --backoff-max.",
-            ),
-            env_option(
-                "--backoff-max",
-                "OUTBOX_BACKOFF_MAX",
-                default=defaults.backoff_max,
-                type=limited("backoff_max"),
-                help="Longest retry delay (s).",
-            ),
-            env_option(
-                "--connect-timeout",
-                "OUTBOX_CONNECT_TIMEOUT",
-                default=defaults.connect_timeout,
-                type=limited("connect_timeout"),
-                help="Seconds to wait when connecting to either server.",
-            ),
+            backoff_initial_option,
+            backoff_max_option,
+            connect_timeout_option,
             env_option(
                 "--statement-timeout",
                 "OUTBOX_STATEMENT_TIMEOUT",
@@ -287,32 +318,15 @@ def inbox_table_option(func: F) -> F:
 
 
 def consumer_server_options(func: F) -> F:
-    for decorator in reversed(
+    return apply(
+        func,
         [
-            env_option(
-                "--dsn",
-                "OUTBOX_DSN",
-                default=DEFAULT_DSN,
-                help="The consumer's PostgreSQL: the handler's effects and the inbox.",
-            ),
-            env_option(
-                "--amqp-url",
-                "OUTBOX_AMQP_URL",
-                default=DEFAULT_AMQP_URL,
-                help="RabbitMQ connection URL (';'-separated URLs: failover).",
-            ),
+            dsn_option(CONSUMER_DSN_HELP),
+            amqp_url_option,
             inbox_table_option,
-            env_option(
-                "--connect-timeout",
-                "OUTBOX_CONNECT_TIMEOUT",
-                default=10.0,
-                type=float,
-                help="Seconds to wait when connecting to either server.",
-            ),
-        ]
-    ):
-        func = decorator(func)
-    return func
+            connect_timeout_option,
+        ],
+    )
 
 
 def own_servers_options(func: F) -> F:

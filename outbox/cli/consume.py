@@ -8,23 +8,35 @@ from typing import Any
 import click
 
 from outbox.cli.common import (
+    backoff_initial_option,
+    backoff_max_option,
     consumer_server_options,
     env_option,
     known_errors,
+    log_format_option,
+    log_level_option,
+    metrics_address_option,
+    metrics_port_option,
 )
+from outbox.cli.options import Age, FiniteFloatRange, QueueName
+from outbox.config import DAY
 from outbox.events import configure, emit
 
 log = logging.getLogger("outbox.cli")
 
+# basic.qos carries the prefetch count in 16 bits.
+MAX_PREFETCH = 65535
+
 
 @click.command()
 @click.argument("handler", required=False, envvar="OUTBOX_HANDLER")
-@env_option("--queue", "OUTBOX_QUEUE", default=None, help="The queue to consume.")
+@env_option("--queue", "OUTBOX_QUEUE", default=None, type=QueueName(), help="The queue to consume.")
 @consumer_server_options
 @env_option(
     "--consumer-name",
     "OUTBOX_CONSUMER_NAME",
     default=None,
+    type=QueueName("consumer name"),
     help="Name the inbox records ids under (default: the queue); consumers of "
     "consistent-hash shard queues share one.",
 )
@@ -32,34 +44,35 @@ log = logging.getLogger("outbox.cli")
     "--prefetch",
     "OUTBOX_PREFETCH",
     default=10,
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_PREFETCH),
     help="Unacked messages the broker hands this consumer at once (1 for ordered queues).",
 )
 @env_option(
     "--max-attempts",
     "OUTBOX_MAX_ATTEMPTS",
     default=5,
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 1_000_000),
     help="Failed handler calls after which a message is parked.",
 )
 @env_option(
     "--retry-delay",
     "OUTBOX_RETRY_DELAY",
     default=0.1,
-    type=float,
+    type=FiniteFloatRange(0, 3600),
     help="Seconds before a failed message goes back to the queue; doubles per attempt.",
 )
 @env_option(
     "--retry-delay-max",
     "OUTBOX_RETRY_DELAY_MAX",
     default=5.0,
-    type=float,
+    type=FiniteFloatRange(0, DAY),
     help="Longest retry delay (s).",
 )
 @env_option(
     "--inbox-retention",
     "OUTBOX_INBOX_RETENTION",
     default="7d",
+    type=Age(),
     help="Keep message ids this long (e.g. 7d, 12h); an older redelivery is applied again.",
 )
 @env_option(
@@ -69,36 +82,12 @@ log = logging.getLogger("outbox.cli")
     help="EXCHANGE:BINDING_KEY (repeatable): declare the queue (durable) and the exchange "
     "(durable topic) if missing, and bind them.",
 )
-@env_option(
-    "--backoff-initial",
-    "OUTBOX_BACKOFF_INITIAL",
-    default=0.2,
-    type=float,
-    help="First reconnect delay (s) after an outage; doubles up to --backoff-max.",
-)
-@env_option("--backoff-max", "OUTBOX_BACKOFF_MAX", default=30.0, type=float, help="Longest delay.")
-@env_option(
-    "--metrics-port",
-    "OUTBOX_METRICS_PORT",
-    default=0,
-    type=click.IntRange(0, 65535),
-    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
-)
-@env_option(
-    "--metrics-address",
-    "OUTBOX_METRICS_ADDRESS",
-    default="0.0.0.0",
-    help="Address the metrics and health endpoints listen on.",
-)
-@env_option(
-    "--log-level",
-    "OUTBOX_LOG_LEVEL",
-    default="info",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-)
-@env_option(
-    "--log-format", "OUTBOX_LOG_FORMAT", default="text", type=click.Choice(["text", "json"])
-)
+@backoff_initial_option
+@backoff_max_option
+@metrics_port_option
+@metrics_address_option
+@log_level_option
+@log_format_option
 @click.option("--print-sql", is_flag=True, help="Print the inbox tables' SQL and exit.")
 @known_errors
 def consume(

@@ -85,12 +85,17 @@ class LedgerMaxAge(_TextType):
 
 
 class QueueName(_TextType):
+    """A name RabbitMQ accepts for a queue (also the consumer name the inbox records)."""
+
     name = "queue"
+
+    def __init__(self, what: str = "queue name") -> None:
+        self.what = what
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         problem = queue_name_problem(value)
         if problem:
-            self.fail(f"the queue name {problem}", param, ctx)
+            self.fail(f"the {self.what} {problem}", param, ctx)
         return value
 
 

@@ -12,6 +12,7 @@ from outbox.cli.common import (
     consumer_server_options,
     known_errors,
 )
+from outbox.cli.options import Age
 from outbox.errors import ExitCode
 
 
@@ -93,6 +94,7 @@ def parked_retry(
     envvar="OUTBOX_PARKED_MAX_AGE",
     show_envvar=True,
     default=None,
+    type=Age(),
     help="Only those parked longer ago than this (e.g. 30d, 12h, 900s).",
 )
 @click.argument("message_ids", nargs=-1)

@@ -8,8 +8,9 @@ from typing import Any
 import click
 
 from outbox.cli.common import (
-    env_option,
     known_errors,
+    metrics_address_option,
+    metrics_port_option,
     server_options,
     settings_from,
     tuning_options,
@@ -23,19 +24,8 @@ log = logging.getLogger("outbox.cli")
 @server_options
 @tuning_options
 @click.option("--drain", is_flag=True, help="Exit 0 once no claimable row is left.")
-@env_option(
-    "--metrics-port",
-    "OUTBOX_METRICS_PORT",
-    default=0,
-    type=click.IntRange(0, 65535),
-    help="Serve /metrics, /healthz and /readyz on this port (0: off).",
-)
-@env_option(
-    "--metrics-address",
-    "OUTBOX_METRICS_ADDRESS",
-    default="0.0.0.0",
-    help="Address the metrics and health endpoints listen on.",
-)
+@metrics_port_option
+@metrics_address_option
 @known_errors
 def relay(
     drain: bool,

@@ -13,7 +13,6 @@ from outbox.cli.common import (
     settings_from,
     tuning_options,
 )
-from outbox.db import batches, migrate, privileges
 from outbox.events import configure
 
 
@@ -27,22 +26,10 @@ from outbox.events import configure
 @known_errors
 def resolve(dry_run: bool, as_json: bool, log_level: str, log_format: str, **options: Any) -> None:
     """Resolve in-doubt batches of dead relays once (relays also do this by themselves)."""
-    from resolver import resolve as resolve_pass
+    from resolver import run_pass
 
     configure(log_level, log_format)
-    settings = settings_from(**options)
-    batch_store = batches.BatchStore(
-        settings.dsn, settings.table, application_name="outbox-resolve"
-    )
-    try:
-        # Privileges first: reading the schema version needs one of them.
-        batch_store.check_privileges(privileges.RESOLVE, "outbox resolve")
-        migrate.refuse_newer(
-            migrate.current_version(batch_store.conn, settings.table), settings.table
-        )
-        results = resolve_pass(batch_store, settings, dry_run=dry_run)
-    finally:
-        batch_store.close()
+    results = run_pass(settings_from(**options), dry_run=dry_run)
     if as_json:
         click.echo(
             json.dumps({"dry_run": dry_run, "batches": [r.as_dict() for r in results]}, indent=2)

@@ -1,8 +1,13 @@
-"""PostgreSQL for the relay, the resolver and the tools: the only package that
-runs the outbox's statements (psycopg 3).
+"""PostgreSQL for the relay, the resolver and the operators' tools (psycopg 3): the
+outbox table's statements, except the application's own INSERT (``outbox.enqueue``
+and the integrations, on the application's connection).  The consumer's inbox
+statements live in ``outbox.inbox.store``.
 
-Owns the sessions and their error translation (``store``), the SQL
-(``queries.sql`` through ``queries``), the versioned schema (``migrate`` and
+Owns the one session mechanism (``session``: connect, loss detection, error
+translation), the relay's batch store (``batches``), how claimed rows load
+(``rows``), the dead letters (``deadletters``), the relay registry and wake-ups
+(``relays``), the SQL
+(``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and
 ``schema/*.sql``), the privileges each command needs (``privileges``), the
 replication check (``replication``) and throw-away clusters for demos and tests
 (``devcluster``).

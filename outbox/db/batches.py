@@ -30,9 +30,11 @@ from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, outbox_row, with_texts
 from outbox.db.session import Session, first_line, session_lost
 from outbox.errors import (
+    DatabaseRefused,
     DatabaseUnavailable,
     DeadLettersUnwritable,
     MissingPrivileges,
+    OutboxError,
     OutcomeUnknown,
     PreparedSlotsExhausted,
     PreparedTransactionsDisabled,
@@ -237,7 +239,11 @@ class BatchStore(Session):
             # before or after the server finished: look the gid up, like a cut.
             if session_lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
                 raise OutcomeUnknown(f"{verb} of {gid} was cut off: {first_line(exc)}") from exc
-            raise
+            # Refused on a live session (e.g. another role's gid): still prepared.
+            raise DatabaseRefused(
+                f"PostgreSQL refused {verb} {gid}: {first_line(exc)}",
+                "the batch stays prepared; the relay retries with backoff",
+            ) from exc
         return True
 
     def gid_exists(self, gid: str) -> bool:
@@ -252,6 +258,11 @@ class BatchStore(Session):
         the batch back: the row is then both a dead letter and in the outbox, is
         tried again and dead-lettered again (``attempts`` counts up).  At no moment
         is it in neither place.
+
+        Any failure but a lost session raises ``DeadLettersUnwritable``, whatever
+        the server said (a revoked INSERT, a lock held past ``lock_timeout``, a
+        constraint or trigger someone added): the caller then writes the batch's
+        dead letters before publishing anything of it (``relay.batches``).
         """
         params = [dead_letter_params(d, gid) for d in dead]
         try:
@@ -260,10 +271,14 @@ class BatchStore(Session):
         except MissingPrivileges as exc:
             exact = self._missing(privileges.DEAD_LETTERS_WRITE, "recording dead letters") or exc
             raise DeadLettersUnwritable(exact.message, exact.hint) from exc
-        except psycopg.Error as exc:  # a constraint or trigger someone added, ...
+        except OutboxError as exc:
+            if self.broken:
+                raise
+            said = first_line(exc.__cause__) if exc.__cause__ is not None else exc.message
             raise DeadLettersUnwritable(
-                f"PostgreSQL refused to record dead letters: {first_line(exc)}",
-                "the batch was rolled back; the relay retries with backoff",
+                f"PostgreSQL refused to record dead letters: {said}",
+                "nothing more is published until they can be written; the relay "
+                "retries with backoff",
             ) from exc
 
     def has_claimable_rows(self) -> bool:

@@ -1,21 +1,60 @@
-"""Versioned, idempotent schema migrations (``outbox init``).
+"""Versioned, idempotent schema migrations (``outbox init``), applied online.
 
-Migrations are the files ``schema/NNNN_*.sql``, applied in order inside one
-transaction that first takes an advisory lock, so several ``outbox init`` (or
-several relays' deploy hooks) running at once apply each file exactly once.
+Migrations are the files ``schema/NNNN_*.sql``, applied in order under a session
+advisory lock, so several ``outbox init`` (or several deploy hooks) running at once
+apply each file exactly once.  A file is one transaction, optionally followed by a
+line ``-- outside a transaction --`` and statements that PostgreSQL runs only
+outside one (``CREATE INDEX CONCURRENTLY``), each on its own; the version row is
+written after the last of them.
+
+Online means that the application's INSERTs never queue behind the migration for
+long (README, "Upgrading").  DDL waits in PostgreSQL's lock queue, and every later
+INSERT on that table waits behind it; a prepared batch of a relay that died keeps
+its locks until a resolver finishes it.  So on a connection in autocommit mode:
+
+- every attempt runs under ``lock_timeout`` (``LOCK_TIMEOUT``): it gives its place
+  in the queue up after that, reports what holds the lock (``Blocked``, with the
+  gid of a prepared transaction) to ``on_blocked``, pauses and tries again;
+- while an attempt waits, relay claims queued behind it are cancelled
+  (``_YieldToRelays``): a pipelined relay finishes its batch in flight only after
+  its next claim returns, so that claim, queued behind us, and our DDL, queued
+  behind that batch, would otherwise wait for each other until a timeout; a
+  cancelled claim costs the relay one retry, never a row or a duplicate;
+- indexes are built ``CONCURRENTLY`` (an invalid one left by a killed build is
+  dropped and built again);
+- ``client_connection_check_interval`` and TCP keepalives make the server drop a
+  killed ``outbox init``'s place in the queue within seconds.
+
+Inside a transaction (a Django migration marked ``atomic``) none of that is
+possible: the same statements run in that transaction, without ``CONCURRENTLY``.
+
+Rules for writing a migration, so that it stays online: every statement
+idempotent (``IF NOT EXISTS``), statements on the outbox table last in the
+transaction (the application waits only while that lock is held), nothing slow
+while it is held (no table rewrite, no full scan: add columns without volatile
+defaults, add ``CHECK``/``FOREIGN KEY`` constraints ``NOT VALID`` and validate them
+outside the transaction), every index ``CONCURRENTLY`` outside the transaction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
+import threading
+import time
 import zlib
+from collections.abc import Callable, Iterator
 from importlib import resources
+from typing import Any
 
 import psycopg
+from psycopg import errors as pgerrors
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from outbox import gid as gids
 from outbox.db import privileges
 from outbox.errors import MissingPrivileges, SchemaNotReady, SchemaTooNew
 from outbox.tables import table_identifiers
@@ -25,12 +64,83 @@ MIGRATION_LOCK_CLASS = 0x6F6279
 
 _FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
+# The line after which a migration's statements run outside its transaction.
+OUTSIDE_A_TRANSACTION = "-- outside a transaction --"
+
+# How long one attempt at a lock waits in PostgreSQL's queue, with the application's
+# INSERTs queued behind it, before it lets them go and tries again (seconds).
+LOCK_TIMEOUT = 0.5
+# A concurrent index build blocks no INSERT, so it may wait longer before it gives
+# up (each try of a build that gave up starts it again, scanning the table again).
+CONCURRENT_LOCK_TIMEOUT = 5.0
+# Pauses between attempts (seconds): short at first, so that a lock held for a
+# moment is taken at once, growing while something holds it for long.
+RETRY_PAUSE_INITIAL = 0.2
+RETRY_PAUSE_MAX = 2.0
+# How often the server checks, during a statement, that ``outbox init`` is still
+# there (PostgreSQL >= 14); a killed one then leaves the lock queue.
+CLIENT_CHECK_INTERVAL = "1s"
+# Most holders of a lock named in one line.
+SAY_HOLDERS = 3
+# How often the claims of relays queued behind an attempt are looked for (seconds).
+_YIELD_POLL = 0.05
+
+_CONCURRENT_INDEX = re.compile(
+    r"^CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+\{(\w+)\}",
+    re.IGNORECASE,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Migration:
     version: int
     name: str
     text: str
+
+    @property
+    def in_transaction(self) -> str:
+        """The statements applied in one transaction."""
+        return self.text.split(OUTSIDE_A_TRANSACTION, 1)[0]
+
+    @property
+    def outside_a_transaction(self) -> list[str]:
+        """The statements applied each on its own after the transaction, in order.
+
+        One statement per ``;`` at a line's end; no function bodies here.
+        """
+        if OUTSIDE_A_TRANSACTION not in self.text:
+            return []
+        text = self.text.split(OUTSIDE_A_TRANSACTION, 1)[1]
+        lines = [line for line in text.splitlines() if not line.lstrip().startswith("--")]
+        statements = re.split(r";\s*$", "\n".join(lines), flags=re.MULTILINE)
+        return [" ".join(s.split()) for s in statements if s.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """Something that holds a lock a migration step waits for."""
+
+    relation: str
+    gid: str | None  # a prepared transaction
+    pid: int | None  # a session
+    application_name: str
+    state: str
+    seconds: float  # how long its transaction has been open (or prepared)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """A migration step gave its place in the lock queue up after ``LOCK_TIMEOUT``."""
+
+    step: str
+    attempt: int
+    waited: float  # seconds since the step's first attempt
+    holders: tuple[Holder, ...]
+    relay_claims_cancelled: int  # relay claims queued behind it, cancelled so far
+    relay_claims_refused: str = ""  # why some could not be cancelled
+
+
+OnBlocked = Callable[[Blocked], None]
 
 
 def migrations() -> list[Migration]:
@@ -55,27 +165,48 @@ def _version_table_sql(table: str) -> sql.Composed:
     ).format(schema_version=table_identifiers(table)["schema_version"])
 
 
-def _migration_sql(table: str, migration: Migration) -> sql.Composed:
-    return sql.SQL(migration.text).format(**table_identifiers(table))
+def _composed(table: str, text: str) -> sql.Composed:
+    return sql.SQL(text).format(**table_identifiers(table))
+
+
+def _in_one_transaction(statement: str) -> str:
+    """A statement of the outside part, as it runs inside a transaction."""
+    return re.sub(r"\bCONCURRENTLY\s+", "", statement, count=1, flags=re.IGNORECASE)
+
+
+def _version_row(table: str, migration: Migration) -> sql.Composed:
+    return sql.SQL("INSERT INTO {} (version, name) VALUES ({}, {}) ON CONFLICT DO NOTHING").format(
+        table_identifiers(table)["schema_version"],
+        sql.Literal(migration.version),
+        sql.Literal(migration.name),
+    )
 
 
 def render_sql(table: str) -> str:
-    """The whole schema as one script, for teams that run their own migrations."""
-    parts = [f"-- outbox schema for table {table!r}, version {LATEST_VERSION}", "BEGIN;"]
-    parts.append(_version_table_sql(table).as_string(None) + ";")
+    """The whole schema as one script, for teams that run their own migrations.
+
+    Each migration is a transaction under ``lock_timeout`` (rerun the script when
+    one gives up: every statement is idempotent), then its concurrent index builds.
+    """
+    millis = round(LOCK_TIMEOUT * 1000)
+    parts = [
+        f"-- outbox schema for table {table!r}, version {LATEST_VERSION}",
+        "-- Online: run it with psql -v ON_ERROR_STOP=1 and run it again when a lock",
+        f"-- timeout ({millis} ms) stops it; a CREATE INDEX CONCURRENTLY that fails leaves an",
+        "-- invalid index: DROP INDEX CONCURRENTLY it before running the script again.",
+        f"SET lock_timeout = '{millis}ms';",
+        _version_table_sql(table).as_string(None) + ";",
+    ]
     for migration in migrations():
         parts.append(f"-- {migration.name}")
-        parts.append(_migration_sql(table, migration).as_string(None))
-        parts.append(
-            sql.SQL("INSERT INTO {} (version, name) VALUES ({}, {}) ON CONFLICT DO NOTHING;")
-            .format(
-                table_identifiers(table)["schema_version"],
-                sql.Literal(migration.version),
-                sql.Literal(migration.name),
-            )
-            .as_string(None)
+        parts.append("BEGIN;")
+        parts.append(_composed(table, migration.in_transaction).as_string(None).strip())
+        parts.append("COMMIT;")
+        parts.extend(
+            _composed(table, statement).as_string(None) + ";"
+            for statement in migration.outside_a_transaction
         )
-    parts.append("COMMIT;")
+        parts.append(_version_row(table, migration).as_string(None) + ";")
     return "\n".join(parts) + "\n"
 
 
@@ -117,7 +248,14 @@ def refuse_newer(version: int | None, table: str) -> None:
         )
 
 
-def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, int]:
+def migrate(
+    conn: psycopg.Connection[object],
+    table: str,
+    *,
+    on_blocked: OnBlocked | None = None,
+    before_changes: Callable[[], None] | None = None,
+    target: int | None = None,
+) -> tuple[int | None, int]:
     """Apply the missing migrations; returns (version before, version after).
 
     Refuses (``SchemaTooNew``) a schema newer than this code, changing nothing.
@@ -125,9 +263,20 @@ def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, i
     table may run ``outbox init``; changing the schema takes the right to create
     tables in the schema and ownership of the existing ones (``MissingPrivileges``
     names them otherwise).
+
+    On a connection in autocommit mode the migration is online (module docstring):
+    each time a step gives its place in the lock queue up, ``on_blocked`` hears
+    what holds the lock, and the step is tried again until it succeeds;
+    ``before_changes`` runs once before the first change to an existing schema
+    (``outbox init`` resolves dead relays' batches there).  Inside a
+    transaction everything runs in that transaction.  ``target`` stops at that
+    version (tests build earlier schemas with it).
     """
+    target = LATEST_VERSION if target is None else target
     try:
-        return _migrate(conn, table)
+        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            return _Online(conn, table, on_blocked, before_changes).run(target)
+        return _in_transaction(conn, table, target)
     except psycopg.errors.InsufficientPrivilege as exc:
         text = str(exc).strip().splitlines()[0]
         raise MissingPrivileges(
@@ -136,29 +285,360 @@ def migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, i
         ) from exc
 
 
-def _migrate(conn: psycopg.Connection[object], table: str) -> tuple[int | None, int]:
+def _lock_key(table: str) -> list[int]:
+    return [MIGRATION_LOCK_CLASS, zlib.crc32(table.encode()) & 0x7FFFFFFF]
+
+
+def _in_transaction(
+    conn: psycopg.Connection[object], table: str, target: int
+) -> tuple[int | None, int]:
     with conn.transaction():
-        conn.execute(
-            "SELECT pg_advisory_xact_lock(%s, %s)",
-            [MIGRATION_LOCK_CLASS, zlib.crc32(table.encode()) & 0x7FFFFFFF],
-        )
+        conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", _lock_key(table))
         before = current_version(conn, table)
         refuse_newer(before, table)
-        if before is not None and before >= LATEST_VERSION:
-            return before, LATEST_VERSION
+        if before is not None and before >= target:
+            return before, before
         _check_may_migrate(conn, table)
         conn.execute(_version_table_sql(table))
-        for migration in migrations():
-            if before is not None and migration.version <= before:
-                continue
-            conn.execute(_migration_sql(table, migration))
-            conn.execute(
-                sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
-                    table_identifiers(table)["schema_version"]
-                ),
-                [migration.version, migration.name],
+        for migration in _pending(before, target):
+            conn.execute(_composed(table, migration.in_transaction))
+            for statement in migration.outside_a_transaction:
+                conn.execute(_composed(table, _in_one_transaction(statement)))
+            conn.execute(_version_row(table, migration))
+    return before, target
+
+
+def _pending(before: int | None, target: int) -> list[Migration]:
+    return [m for m in migrations() if (before or 0) < m.version <= target]
+
+
+class _Online:
+    """One online migration on an autocommit connection (module docstring)."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[object],
+        table: str,
+        on_blocked: OnBlocked | None,
+        before_changes: Callable[[], None] | None,
+    ) -> None:
+        self.conn = conn
+        self.table = table
+        self.on_blocked = on_blocked
+        self.before_changes = before_changes
+        self.tables = [
+            f"{table}_schema_version",
+            f"{table}_relays",
+            f"{table}_dead_letters",
+            table,
+        ]
+
+    def run(self, target: int) -> tuple[int | None, int]:
+        """Migrate under the session settings of an online migration; the
+        connection's own settings are back afterwards (it may be Django's)."""
+        settings = {
+            "statement_timeout": "0",
+            "lock_timeout": f"{round(LOCK_TIMEOUT * 1000)}ms",
+        }
+        if self.conn.info.server_version >= 140000:
+            settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL
+        saved = {name: self._set(name, value) for name, value in settings.items()}
+        try:
+            return self._locked(target)
+        finally:
+            if not self.conn.closed and not self.conn.broken:
+                for name, value in saved.items():
+                    self._set(name, value)
+
+    def _set(self, name: str, value: str) -> str:
+        """Set a session setting; returns the value it had."""
+        cur = self.conn.cursor(row_factory=tuple_row)
+        row = cur.execute(
+            "SELECT current_setting(%s), set_config(%s, %s, false)", [name, name, value]
+        ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def _locked(self, target: int) -> tuple[int | None, int]:
+        conn = self.conn
+        self._retried(
+            "waiting for another outbox init to finish",
+            lambda: conn.execute("SELECT pg_advisory_lock(%s, %s)", _lock_key(self.table)),
+        )
+        try:
+            before = current_version(conn, self.table)
+            refuse_newer(before, self.table)
+            if before is not None and before >= target:
+                return before, before
+            _check_may_migrate(conn, self.table)
+            if before is not None and self.before_changes is not None:
+                self.before_changes()
+            self._retried(
+                "creating the schema version table",
+                lambda: conn.execute(_version_table_sql(self.table)),
             )
-    return before, LATEST_VERSION
+            for migration in _pending(before, target):
+                self._apply(migration)
+            return before, target
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", _lock_key(self.table))
+
+    def _apply(self, migration: Migration) -> None:
+        def in_transaction() -> None:
+            with self.conn.transaction(), _YieldToRelays(self.conn):
+                self.conn.execute(_composed(self.table, migration.in_transaction))
+
+        self._retried(f"migration {migration.name}", in_transaction)
+        for statement in migration.outside_a_transaction:
+            self._concurrently(migration, statement)
+        self._retried(
+            f"recording migration {migration.name}",
+            lambda: self.conn.execute(_version_row(self.table, migration)),
+        )
+
+    def _concurrently(self, migration: Migration, statement: str) -> None:
+        index = _CONCURRENT_INDEX.match(statement)
+
+        def build() -> None:
+            if index:
+                self._drop_if_invalid(table_identifiers(self.table)[index.group(1)])
+            self.conn.execute(_composed(self.table, statement))
+
+        what = f"index {index.group(1)}" if index else statement.split(" (")[0]
+        self._set("lock_timeout", f"{round(CONCURRENT_LOCK_TIMEOUT * 1000)}ms")
+        try:
+            self._retried(f"migration {migration.name}: {what}", build, concurrent=True)
+        finally:
+            self._set("lock_timeout", f"{round(LOCK_TIMEOUT * 1000)}ms")
+
+    def _drop_if_invalid(self, index: sql.Identifier) -> None:
+        """Drop the invalid index a failed or killed ``CREATE INDEX CONCURRENTLY`` left."""
+        row = (
+            self.conn.cursor(row_factory=tuple_row)
+            .execute(
+                "SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
+                [index.as_string(self.conn)],
+            )
+            .fetchone()
+        )
+        if row and row[0]:
+            self.conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index))
+
+    def _retried(
+        self, step: str, attempt: Callable[[], object], *, concurrent: bool = False
+    ) -> None:
+        started = time.monotonic()
+        for number in _attempts():
+            try:
+                attempt()
+                return
+            except pgerrors.LockNotAvailable:
+                pass
+            if self.on_blocked is not None:
+                self.on_blocked(
+                    Blocked(
+                        step=step,
+                        attempt=number,
+                        waited=time.monotonic() - started,
+                        holders=tuple(self._holders(concurrent)),
+                        relay_claims_cancelled=_YieldToRelays.cancelled,
+                        relay_claims_refused=_YieldToRelays.refused,
+                    )
+                )
+            time.sleep(retry_pause(number))
+
+    def _holders(self, concurrent: bool) -> Iterator[Holder]:
+        """What holds a lock on the outbox's tables (or the migration lock) now;
+        for a concurrent index build, every transaction of the database, since the
+        build waits for all that started before it.
+
+        Sessions show only when their transaction is older than twice
+        ``LOCK_TIMEOUT``: the application's short transactions come and go.
+        """
+        cur = self.conn.cursor(row_factory=tuple_row)
+        if concurrent:
+            rows = cur.execute(_OLD_TRANSACTIONS).fetchall()
+        else:
+            rows = cur.execute(
+                _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
+            ).fetchall()
+        for relation, gid, pid, name, state, seconds in rows:
+            if gid is None and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT):
+                # A short transaction, one that ended since, or one that waited
+                # behind this attempt (for up to LOCK_TIMEOUT) and runs now.
+                continue
+            yield Holder(
+                relation=relation,
+                gid=gid,
+                pid=pid,
+                application_name=name or "",
+                state=state or "",
+                seconds=float(seconds or 0),
+            )
+
+
+# Granted locks on the outbox's tables and on the migration's advisory lock, held
+# by someone else: a prepared transaction (found through its own transactionid
+# lock, which shares its virtualtransaction) or a session.
+_HOLDERS = """
+SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
+       coalesce(c.relname::text, 'the migration lock') AS relation,
+       p.gid,
+       a.pid,
+       a.application_name,
+       a.state,
+       greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start)))
+FROM pg_locks l
+LEFT JOIN pg_class c ON c.oid = l.relation
+LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+     AND x.virtualtransaction = l.virtualtransaction AND x.pid IS NULL
+LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.pid IS DISTINCT FROM pg_backend_pid()
+  AND (l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
+       OR (l.locktype = 'advisory' AND l.classid = (%(key)s::int[])[1]
+           AND l.objid = (%(key)s::int[])[2]))
+ORDER BY coalesce(p.gid, l.pid::text), c.relname
+"""
+
+
+# What a concurrent index build waits for: every transaction of this database that
+# started before it (prepared ones included).
+_OLD_TRANSACTIONS = """
+SELECT 'this database', p.gid, NULL::int, NULL, NULL,
+       greatest(0, extract(epoch FROM now() - p.prepared))
+FROM pg_prepared_xacts p WHERE p.database = current_database()
+UNION ALL
+SELECT 'this database', NULL, a.pid, a.application_name, a.state,
+       greatest(0, extract(epoch FROM now() - a.xact_start))
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+  AND a.xact_start IS NOT NULL AND a.backend_type = 'client backend'
+ORDER BY 6 DESC
+"""
+
+
+def _attempts() -> Iterator[int]:
+    number = 0
+    while True:
+        number += 1
+        yield number
+
+
+def retry_pause(attempt: int) -> float:
+    """Seconds before attempt ``attempt + 1``: doubling from RETRY_PAUSE_INITIAL, jittered."""
+    pause = min(RETRY_PAUSE_MAX, RETRY_PAUSE_INITIAL * 2.0 ** min(attempt - 1, 10))
+    return pause * random.uniform(0.5, 1.0)
+
+
+class _YieldToRelays:
+    """While an attempt waits for its locks, cancel relay claims queued behind it.
+
+    A pipelined relay claims its next batch before it commits the one in flight.
+    Queued behind our DDL, that claim cannot return, so the batch in flight, which
+    our DDL waits for, is never committed: each would wait for the other until a
+    timeout.  Cancelling the claim (a statement of an open, unprepared transaction
+    that has not got its lock yet) rolls it back; the relay finishes its batch in
+    flight, backs off and claims again after our DDL.  Only backends of relays
+    (``application_name`` ``outbox-relay…``) waiting for a lock that our session
+    holds or waits for are cancelled, and only while our statement runs.
+    """
+
+    cancelled = 0  # over the process: reported in ``Blocked``
+    refused = ""  # why a claim could not be cancelled (the last time): reported too
+
+    def __init__(self, conn: psycopg.Connection[object]) -> None:
+        self.pid = conn.info.backend_pid
+        self.conninfo = psycopg.conninfo.make_conninfo(
+            conn.info.dsn, password=conn.info.password, application_name="outbox-init-watch"
+        )
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="outbox-init-watch", daemon=True)
+
+    def __enter__(self) -> _YieldToRelays:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        try:
+            with psycopg.connect(self.conninfo, autocommit=True) as watch:
+                while not self.stop.wait(_YIELD_POLL):
+                    queued = watch.execute(
+                        "SELECT pid, usename FROM pg_stat_activity"
+                        " WHERE %s = ANY(pg_blocking_pids(pid))"
+                        " AND application_name LIKE 'outbox-relay%%'",
+                        [self.pid],
+                    ).fetchall()
+                    for pid, role in queued:
+                        self._cancel(watch, pid, role)
+        except psycopg.Error:
+            # Without the watch (no second connection) each attempt still ends at
+            # its lock_timeout: slower beside busy relays, never stuck.
+            return
+
+    def _cancel(self, watch: psycopg.Connection[Any], pid: int, role: str) -> None:
+        try:
+            row = watch.execute("SELECT pg_cancel_backend(%s)", [pid]).fetchone()
+        except pgerrors.InsufficientPrivilege as exc:
+            _YieldToRelays.refused = (
+                f"may not cancel the claims of relays running as {role!r} "
+                f"({str(exc).strip().splitlines()[0]}): run outbox init as that role, "
+                "or GRANT pg_signal_backend to its role"
+            )
+            return
+        if row and row[0]:
+            _YieldToRelays.cancelled += 1
+
+
+def describe_wait(blocked: Blocked, table: str, unsettled: str = "") -> str:
+    """What a waiting step waits for, and what settles it, in one line."""
+    parts = [describe_holder(h, table, unsettled) for h in blocked.holders[:SAY_HOLDERS]]
+    if len(blocked.holders) > SAY_HOLDERS:
+        parts.append(f"{len(blocked.holders) - SAY_HOLDERS} more")
+    if not parts:
+        parts = ["locks held for a moment by the application's or the relays' transactions"]
+    line = f"{blocked.step}: waiting for " + "; ".join(parts)
+    if blocked.relay_claims_cancelled:
+        line += (
+            f" ({blocked.relay_claims_cancelled} relay claims queued behind it cancelled "
+            "so far; the relays retry them)"
+        )
+    if blocked.relay_claims_refused:
+        line += f" (this init {blocked.relay_claims_refused})"
+    return line
+
+
+def describe_holder(holder: Holder, table: str, unsettled: str = "") -> str:
+    age = f"{holder.seconds:.0f} s"
+    if holder.gid is not None:
+        parsed = gids.parse(holder.gid)
+        if parsed is None or parsed.table != table:
+            return (
+                f"prepared transaction {holder.gid!r} ({age} old, not a relay batch of "
+                f"{table!r}) on {holder.relation}: its owner must finish it "
+                "(COMMIT PREPARED or ROLLBACK PREPARED)"
+            )
+        text = (
+            f"prepared batch {holder.gid!r} ({age} old) on {holder.relation}: a running "
+            "relay or `outbox resolve` settles it"
+        )
+        if unsettled:
+            text += f" (this init could not: {unsettled})"
+        return text
+    name = holder.application_name or "no application_name"
+    if holder.relation == "the migration lock":
+        return f"another outbox init (pid {holder.pid}, {name}) to finish"
+    return (
+        f"session pid {holder.pid} ({name}, {holder.state}, transaction open {age}) on "
+        f"{holder.relation}: it must commit or roll back"
+    )
 
 
 def _check_may_migrate(conn: psycopg.Connection[object], table: str) -> None:

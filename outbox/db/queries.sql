@@ -29,7 +29,8 @@
 -- (``batches.py``, "the schedule").
 --
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
--- of the row's key with a lower id; the relay moves such a row to the dead letters
+-- of the row's key with a lower id (through the index on md5(ordering_key), id:
+-- a key of any length can be indexed that way, schema 0004); the relay moves such a row to the dead letters
 -- too, so a blocked key never piles up in front of the others.
 --
 -- The batch also stops at `max_bytes` of payload (the first row always goes, however
@@ -80,7 +81,8 @@ RETURNING id, message_id, exchange, routing_key, payload, headers, content_type,
     ordering_key,
     CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
         SELECT min(d.id) FROM {dead_letters} d
-        WHERE d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
+        WHERE md5(d.ordering_key) = md5({outbox}.ordering_key)
+          AND d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
     END AS held_by
 
 -- has_claimable_rows --
@@ -205,6 +207,25 @@ SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gi
        octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at
 FROM {dead_letters}
 ORDER BY failed_at, id
+LIMIT %(limit)s
+
+-- dead_letter --
+-- One dead letter whole, for a detail view.  headers and created_at as text: a
+-- dead letter may hold a value Python cannot load (that may be why it is one).
+SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+       payload, headers::text AS headers, created_at::text AS created_at, failed_at
+FROM {dead_letters}
+WHERE id = %(row_id)s
+
+-- select_dead_letters --
+-- What retry_dead_letters and purge_dead_letters (without --older-than) take for the
+-- same selection, read without changing anything: the console shows it before the
+-- operator confirms.  The WHERE clause must stay theirs (a test compares them).
+SELECT id, message_id, ordering_key, reason, failed_at
+FROM {dead_letters}
+WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigint[])
+   OR ordering_key = ANY(%(keys)s::text[])
+ORDER BY id
 LIMIT %(limit)s
 
 -- retry_dead_letters --

@@ -3,7 +3,8 @@ tell a lost session from a refused statement, and translate driver errors.
 
 Driver exceptions never leave ``outbox.db``: ``Session.translated`` turns them into
 ``outbox.errors`` types (``DatabaseUnavailable`` when the session is gone,
-``StatementTimedOut``, ``OutboxError`` with the server's first line otherwise).
+``StatementTimedOut``, ``MissingPrivileges``, ``DatabaseRefused`` with the
+server's first line otherwise).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
+from psycopg import pq
 from psycopg.rows import dict_row
 
 from outbox.db import privileges
 from outbox.db.queries import Queries
 from outbox.errors import (
+    DatabaseRefused,
     DatabaseUnavailable,
     MissingPrivileges,
     OutboxError,
@@ -148,9 +151,8 @@ class Session:
                     f"lost the PostgreSQL connection while {what}: {first_line(exc)}",
                     "the relay reconnects by itself; check the server if this repeats",
                 ) from exc
-            if isinstance(exc, psycopg.OperationalError | pgerrors.InsufficientPrivilege):
-                # Transient trouble on a live session (resources, lock timeout), or
-                # a privilege revoked: end any open claim so the retry starts clean.
+            if self.conn.info.transaction_status != pq.TransactionStatus.IDLE:
+                # The session lives: end any open claim so the retry starts clean.
                 with contextlib.suppress(psycopg.Error):
                     self.conn.execute("ROLLBACK")
             if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
@@ -170,7 +172,13 @@ class Session:
                     f"PostgreSQL failed while {what}: {first_line(exc)}",
                     "the relay retries with backoff; check the server if this repeats",
                 ) from exc
-            raise
+            # A constraint, a trigger, a value the server cannot store: a known
+            # condition too, never a traceback (and the relay retries it).
+            raise DatabaseRefused(
+                f"PostgreSQL refused {what}: {first_line(exc)}",
+                "look for a constraint or trigger added to the outbox tables; "
+                "the relay retries with backoff",
+            ) from exc
 
     def check_privileges(self, needs: privileges.Needs, who: str) -> None:
         """Raise ``MissingPrivileges`` with the GRANTs if the role lacks any of ``needs``.

@@ -12,16 +12,22 @@ May import: ``outbox.db`` (the shared SQL loader) and the plain modules of
 ``from outbox.inbox import consume`` is the public entry point.
 """
 
-from outbox.inbox.loop import (
-    DEFAULT_INBOX_TABLE,
-    ConsumerSettings,
-    ConsumerStats,
-    HandlerNotFound,
-    Inbox,
-    InboxMessage,
-    consume,
-    load_handler,
-)
+# The public names load the loop (and kombu, which imports Django when it is
+# installed) on first use, so that ``outbox.inbox.store`` and the CLI's options do
+# not pay for it (PEP 562).
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outbox.inbox.loop import (
+        DEFAULT_INBOX_TABLE,
+        ConsumerSettings,
+        ConsumerStats,
+        HandlerNotFound,
+        Inbox,
+        InboxMessage,
+        consume,
+        load_handler,
+    )
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",
@@ -33,3 +39,11 @@ __all__ = [
     "consume",
     "load_handler",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from outbox.inbox import loop
+
+        return getattr(loop, name)
+    raise AttributeError(f"module 'outbox.inbox' has no attribute {name!r}")

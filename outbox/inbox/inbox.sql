@@ -116,6 +116,22 @@ FROM {parked}
 ORDER BY parked_at, id
 LIMIT %(limit)s
 
+-- parked_message --
+-- One parked message whole, for a detail view (headers and properties as text).
+SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers::text AS headers,
+       properties::text AS properties, error, attempts, parked_at
+FROM {parked}
+WHERE id = %(id)s
+
+-- select_parked --
+-- What take_parked (retry) and purge_parked (without --older-than) take for the same
+-- message ids, read without changing anything: the console shows it before the
+-- operator confirms.
+SELECT id, consumer, message_id, queue, exchange, routing_key, error, attempts, parked_at
+FROM {parked}
+WHERE message_id = ANY(%(ids)s::text[])
+ORDER BY id
+
 -- take_parked --
 -- Retry, step 1 (the caller publishes the rows, then commits): remove the parked
 -- rows and the inbox ids they hold, and reset their attempts.  Until the commit a

@@ -371,6 +371,18 @@ class ParkedStore(InboxStore):
             cur = self.conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["list_parked"], {"limit": limit}).fetchall()
 
+    def entry(self, parked_id: int) -> dict[str, Any] | None:
+        """One parked message with its body, headers and properties (JSON text)."""
+        with self._translated("reading a parked message"):
+            cur = self.conn.cursor(row_factory=dict_row)
+            return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
+
+    def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
+        with self._translated("selecting parked messages"):
+            cur = self.conn.cursor(row_factory=dict_row)
+            return cur.execute(self.queries["select_parked"], {"ids": list(ids)}).fetchall()
+
     @contextlib.contextmanager
     def taking(self, ids: Sequence[str] | None, limit: int) -> Iterator[list[dict[str, Any]]]:
         """Remove up to ``limit`` parked messages (``ids`` None: any) with their inbox

@@ -81,6 +81,44 @@ outage costs at most one batch at either depth, and none at depth 2 while the
 control session survives.  "resolver" is any relay's periodic pass or ``outbox
 resolve`` (``resolver/decide.py``).
 
+A write that keeps failing (whatever the error: a lock, a timeout, a refused
+value, a cut connection) must not make every retry publish a batch again.  Each
+write's retry, and what a failure lasting any length of time costs:
+
+=================  ==============================================  =====================
+failing write      what the retries do                             duplicates, in all
+=================  ==============================================  =====================
+claim              nothing new is claimed, so nothing published;   0
+                   a batch published before (depth 2) survives
+                   the failure and is committed first
+prepare            the claim ends with the failed PREPARE;         0
+                   nothing of it was published
+dead_letters       the batch is rolled back once; its dead         its accepted
+                   letters are remembered (``_unwritten``), and    messages, once
+                   until they are written every batch writes the
+                   dead letters it knows *before* publishing: a
+                   batch whose dead letters cannot be written
+                   publishes nothing
+ledger             the batches in flight are rolled back once;     the batches in
+                   the ledger is probed before every claim:        flight, once
+                   nothing is published until a record is
+                   confirmed
+commit_prepared    in doubt: looked up and committed from its      0
+                   evidence before anything else runs (``settle``)
+rollback_prepared  in doubt: looked up and rolled back before      0 more
+                   anything else runs
+=================  ==============================================  =====================
+
+So a failing write costs at most the batches in flight, once (≤ batch_size at
+depth 1, ≤ 2 x batch_size at depth 2), and no row goes out more than twice,
+however long the failure lasts.  (One case costs a batch more: a row first
+returned as unroutable while the dead-letter write is still failing, in a batch
+that held no dead letter known before; its batch is then held like the first.)
+Every failure is counted by write (``Stats.write_failures``, the metric
+``outbox_write_failures_total{write}``) and named in the retry's log line
+(``relay.retry write=…``); the relay's backoff grows until a batch is committed
+again (``process``), whichever write failed.
+
 Transient failures roll the batch back and retry with backoff; they never
 dead-letter a row.  Rows that can never be published (``triage.Triage``) and
 unroutable returns become dead letters in the same pass.
@@ -93,11 +131,12 @@ The batch talks to the database and the broker only through the two ports below
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn, Protocol
 
 from outbox import fault_injection as faults
@@ -107,8 +146,8 @@ from outbox.amqp.frames import Message
 from outbox.config import Settings
 from outbox.errors import (
     BrokerUnavailable,
+    DatabaseRefused,
     DatabaseUnavailable,
-    DeadLettersUnwritable,
     MissingPrivileges,
     OutboxError,
     OutcomeUnknown,
@@ -118,6 +157,7 @@ from outbox.events import emit
 from outbox.gid import Gid
 from outbox.message import ORDERING_KEY_HEADER, DeadLetter, OutboxRow
 from outbox.relay import ordering
+from outbox.relay.isolation import SUSPECT_TTL_SECONDS
 from outbox.relay.stats import Stats
 from outbox.relay.triage import Triage
 
@@ -127,6 +167,11 @@ log = logging.getLogger("outbox.relay")
 # bad plan, a bloated table or an overloaded server: say so in the log.
 SLOW_CLAIM_SECONDS = 1.0
 
+# How long a row whose dead letter could not be written is remembered without being
+# seen again (each failing retry refreshes it): as long as a verdict learnt from the
+# broker (``isolation.SUSPECT_TTL_SECONDS``).
+UNWRITTEN_SECONDS = SUSPECT_TTL_SECONDS
+
 # What makes a step fail and the relay back off (everything else is a bug).
 RETRYABLE: tuple[type[OutboxError], ...] = (
     DatabaseUnavailable,
@@ -134,6 +179,7 @@ RETRYABLE: tuple[type[OutboxError], ...] = (
     OutcomeUnknown,
     PreparedSlotsExhausted,
     MissingPrivileges,  # revoked while running: back off until granted
+    DatabaseRefused,  # a constraint or trigger someone added: back off until removed
 )
 
 
@@ -269,7 +315,12 @@ class Batches:
         self._may_commit = may_commit
         self._on_batch = on_batch
         self._seq = 0
-        self._dead_letters_failing = False  # the last dead-letter write was refused
+        # Rows whose dead letter could not be written (row id → reason, when last
+        # refused): while any is left, a batch writes the dead letters it knows
+        # before publishing.
+        # Each retry refreshes an entry; one left alone for ``UNWRITTEN_SECONDS`` (its
+        # row relayed by another relay meanwhile, say) is forgotten.
+        self._unwritten: dict[int, tuple[str, float]] = {}
 
     # -- the schedule ------------------------------------------------------------
     def step(self) -> int:
@@ -345,23 +396,25 @@ class Batches:
             self._probe_ledger()
         claim_started = time.monotonic()
         held = [r for r in waiting.rows if r.ordering_key is not None] if waiting else []
-        rows = store.claim_batch(
-            self.settings.batch_size,
-            self.settings.batch_max_bytes,
-            hold_keys=self.settings.hold_keys,
-            own=[r.id for r in held],
-        )
-        self._observe_claim(time.monotonic() - claim_started, len(rows))
-        if not rows:
-            store.abandon_claim()
-            return None
+        with self._writing("claim"):
+            rows = store.claim_batch(
+                self.settings.batch_size,
+                self.settings.batch_max_bytes,
+                hold_keys=self.settings.hold_keys,
+                own=[r.id for r in held],
+            )
+            self._observe_claim(time.monotonic() - claim_started, len(rows))
+            if not rows:
+                store.abandon_claim()
+                return None
         self._crash_point("after_claim")
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
         held_keys = {r.ordering_key for r in held}
         batch.follows = any(r.ordering_key in held_keys for r in rows)
         try:
-            store.prepare(batch.gid)
+            with self._writing("prepare"):
+                store.prepare(batch.gid)
         except OutcomeUnknown:
             batch.state = State.IN_DOUBT
             self.in_flight[batch.gid] = batch
@@ -374,10 +427,11 @@ class Batches:
     def _send(self, batch: Batch) -> None:
         """Publish the batch's messages without waiting ("some messages published").
 
-        Suspects go first, one at a time (``_send_alone``).  While dead-letter
-        writes are refused, the dead letters known before publishing are recorded
-        first, and nothing is published if that fails: a table the relay may not
-        write costs no further duplicates.
+        Suspects go first, one at a time (``_send_alone``).  While some dead letters
+        could not be written (``_unwritten``, whatever the error), the dead letters
+        known before publishing are recorded first, and nothing is published if
+        that fails: a dead-letter write that keeps failing costs no further
+        duplicates.
         """
         try:
             self._publish(batch)
@@ -386,11 +440,19 @@ class Batches:
 
     def _publish(self, batch: Batch) -> None:
         batch.dead, good = sort_out(self.triage, self.broker, batch.rows)
+        if self._unwritten:
+            self._forget_old_unwritten()
+        if self._unwritten:
+            # Known dead letters from a write that failed, whatever triage says now.
+            batch.dead += [
+                DeadLetter(r, self._unwritten[r.id][0]) for r in good if r.id in self._unwritten
+            ]
+            good = [r for r in good if r.id not in self._unwritten]
         if self.settings.hold_keys:
             first_dead = {**ordering.blockers(batch.dead), **batch.first_dead}
             held, good = ordering.hold(good, first_dead)
             batch.dead += held
-        if self._dead_letters_failing and batch.dead and not self._record_dead_first(batch):
+        if self._unwritten and batch.dead and not self._record_dead_first(batch):
             return
         waves = ordering.waves(good)
         first_returned: dict[str, int] = {}
@@ -455,15 +517,28 @@ class Batches:
         return True
 
     def _record_dead_first(self, batch: Batch) -> bool:
-        """Record the batch's known dead letters before publishing; False if refused."""
+        """Record the batch's known dead letters before publishing; False if refused
+        (nothing of the batch is then published: it is rolled back)."""
         try:
-            self._store().record_dead_letters(batch.dead, batch.gid)
-        except OutboxError as exc:
+            self._write_dead_letters(batch, batch.dead)
+        except RETRYABLE as exc:
             batch.unpublishable = exc
             return False
         batch.dead_recorded = len(batch.dead)
-        self._dead_letters_failing = False
         return True
+
+    def _write_dead_letters(self, batch: Batch, letters: Sequence[DeadLetter]) -> None:
+        """Record ``letters``; remember them as unwritten if that fails, whatever
+        the error, so that no later attempt publishes before writing them."""
+        try:
+            with self._writing("dead_letters"):
+                self._store().record_dead_letters(letters, batch.gid)
+        except RETRYABLE:
+            for letter in letters:
+                self._unwritten[letter.row.id] = (letter.reason, time.monotonic())
+            raise
+        for letter in letters:
+            self._unwritten.pop(letter.row.id, None)
 
     def _record(self, batch: Batch) -> None:
         """Wait for every confirm, store dead letters, send the ledger record."""
@@ -499,7 +574,8 @@ class Batches:
             dead=len(batch.dead),
             relay_id=self.relay_id,
         )
-        batch.ledger = self.broker.send([record])
+        with self._writing("ledger"):
+            batch.ledger = self.broker.send([record])
         batch.state = State.RECORDED
 
     def _not_confirmed(
@@ -528,15 +604,13 @@ class Batches:
     def _store_dead_letters(self, batch: Batch, returned: Sequence[DeadLetter]) -> None:
         if len(batch.dead) > batch.dead_recorded:
             try:
-                self._store().record_dead_letters(batch.dead[batch.dead_recorded :], batch.gid)
-            except DeadLettersUnwritable as exc:
-                # Known before publishing next time: the retry publishes nothing
-                # until the dead letters can be written.
-                self._dead_letters_failing = True
+                self._write_dead_letters(batch, batch.dead[batch.dead_recorded :])
+            except RETRYABLE as exc:
+                # Known before publishing next time (``_unwritten``): the retry
+                # publishes nothing of this batch until its dead letters are written.
                 for letter in returned:
                     self.triage.suspects.condemn(letter.row.id, letter.reason)
                 self._give_up(batch, exc, accepted=batch.published)
-            self._dead_letters_failing = False
         for letter in batch.dead:
             emit(
                 log,
@@ -555,14 +629,20 @@ class Batches:
             self.ledger_doubtful = True
             self._give_up(
                 batch,
-                BrokerUnavailable(f"could not record {batch.gid} in the ledger: {entry.reason}"),
+                self._failed(
+                    "ledger",
+                    BrokerUnavailable(
+                        f"could not record {batch.gid} in the ledger: {entry.reason}"
+                    ),
+                ),
                 accepted=batch.published,
                 reason=f"ledger record not confirmed: {entry.reason}",
             )
         self._crash_point("after_ledger")
         batch.state, batch.evidence = State.EVIDENCED, True
         self._crash_point("before_commit_prepared")
-        self._store().finish(batch.gid, commit=True)
+        with self._writing("commit_prepared"):
+            self._store().finish(batch.gid, commit=True)
         del self.in_flight[batch.gid]
         self.triage.suspects.clear(r.id for r in batch.rows)
         self._count_committed(batch)
@@ -585,7 +665,8 @@ class Batches:
         self, batch: Batch, error: OutboxError, *, accepted: int, reason: str | None = None
     ) -> NoReturn:
         """ROLLBACK PREPARED now (the rows are claimable again), then fail the step."""
-        self._store().finish(batch.gid, commit=False)
+        with self._writing("rollback_prepared"):
+            self._store().finish(batch.gid, commit=False)
         self.in_flight.pop(batch.gid, None)
         self.stats.batches_rolled_back += 1
         self.stats.duplicates_possible += accepted
@@ -614,11 +695,12 @@ class Batches:
         """Finish the batches in doubt by looking their gids up (after reconnecting)."""
         store = self._store()
         for batch in [b for b in self.in_flight.values() if b.state is State.IN_DOUBT]:
-            if store.gid_exists(batch.gid):
-                store.finish(batch.gid, commit=batch.evidence)
-                outcome = "committed" if batch.evidence else "rolled_back"
-            else:
-                outcome = "finished_elsewhere"
+            with self._writing("commit_prepared" if batch.evidence else "rollback_prepared"):
+                if store.gid_exists(batch.gid):
+                    store.finish(batch.gid, commit=batch.evidence)
+                    outcome = "committed" if batch.evidence else "rolled_back"
+                else:
+                    outcome = "finished_elsewhere"
             if batch.evidence:
                 self._count_committed(batch)
             else:
@@ -634,6 +716,27 @@ class Batches:
         return any(b.state is State.IN_DOUBT for b in self.in_flight.values())
 
     # -- helpers -----------------------------------------------------------------------
+    def _forget_old_unwritten(self) -> None:
+        cutoff = time.monotonic() - UNWRITTEN_SECONDS
+        for row_id in [i for i, (_, since) in self._unwritten.items() if since < cutoff]:
+            del self._unwritten[row_id]
+
+    def _failed(self, write: str, error: OutboxError) -> OutboxError:
+        """Name the write that ``error`` failed, once (the innermost write names it),
+        and count it (``outbox_write_failures_total{write}``)."""
+        if error.write is None:
+            error.write = write
+            self.stats.write_failures[write] += 1
+        return error
+
+    @contextlib.contextmanager
+    def _writing(self, write: str) -> Iterator[None]:
+        try:
+            yield
+        except RETRYABLE as exc:
+            self._failed(write, exc)
+            raise
+
     def _store(self) -> BatchStorePort:
         assert self.store is not None, "the relay connects the store before a step"
         return self.store
@@ -665,13 +768,17 @@ class Batches:
         Without evidence a batch is rolled back, so while the ledger stream is
         unavailable every retry would publish a whole batch only to duplicate it.
         """
-        [entry] = self.broker.publish(
-            [ledger.probe(self.settings.ledger_queue)], self.settings.publish_timeout
-        )
+        with self._writing("ledger"):
+            [entry] = self.broker.publish(
+                [ledger.probe(self.settings.ledger_queue)], self.settings.publish_timeout
+            )
         if entry.outcome is not Outcome.ACCEPTED:
-            raise BrokerUnavailable(
-                f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}",
-                "nothing is committed until it does; if the stream stays down after a broker "
-                "crash, see README, 'Known limitations'",
+            raise self._failed(
+                "ledger",
+                BrokerUnavailable(
+                    f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}",
+                    "nothing is committed until it does; if the stream stays down after a broker "
+                    "crash, see README, 'Known limitations'",
+                ),
             )
         self.ledger_doubtful = False

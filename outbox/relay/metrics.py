@@ -115,6 +115,15 @@ class RelayCollector(Collector):
             "Retries after a database or broker failure (each with backoff).",
             value=stats.reconnects,
         )
+        failures = CounterMetricFamily(
+            "outbox_write_failures",
+            "Failures of each relay write (claim, prepare, dead_letters, ledger, "
+            "commit_prepared, rollback_prepared); each is retried with backoff.",
+            labels=["write"],
+        )
+        for write, count in sorted(stats.write_failures.items()):
+            failures.add_metric([write], count)
+        yield failures
         yield CounterMetricFamily(
             "outbox_duplicates_possible",
             "Messages accepted by the broker in batches that were then rolled back.",

@@ -1,7 +1,8 @@
 """The relay process: connect, run the batch loop, wait for work, reconnect, stop.
 
 One batch's life (claim → PREPARE → publish → record → COMMIT PREPARED), its
-state machine and its crash table are in ``outbox/batches.py``; this module is
+state machine, its crash table and what a failing write costs are in
+``outbox/relay/batches.py``; this module is
 the process around it, in the spirit of dramatiq's ``Worker``:
 
 - ``start`` connects both servers and checks the database (a bad configuration
@@ -10,7 +11,10 @@ the process around it, in the spirit of dramatiq's ``Worker``:
   dead relays' batches now and then, take one step of the batches, and when
   a step neither claimed nor committed anything wait for a NOTIFY (or the
   fallback poll);
-- a failure (``batches.RETRYABLE``) is logged, backed off and retried forever;
+- a failure (``batches.RETRYABLE``) is logged (naming the write that failed),
+  backed off and retried forever; the backoff grows until a batch is committed
+  again, whichever write fails, so a failure that lets a batch be claimed and
+  published between two failures still backs off;
 - SIGTERM/SIGINT/SIGHUP set the ``StopFlag``: the batch in flight is finished,
   nothing more is claimed, the relay unregisters and exits 0.
 
@@ -51,6 +55,7 @@ from outbox.events import emit
 from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
 from outbox.relay.stats import Stats
+from resolver.apply import resolve
 
 log = logging.getLogger("outbox.relay")
 
@@ -186,10 +191,12 @@ class Relay:
             maximum=self.settings.backoff_max,
         )
         self._failures += 1
-        hint = {"hint": error.hint} if error.hint else {}
-        emit(
-            log, "relay.retry", logging.WARNING, error=error.message, sleep=f"{pause:.2f}s", **hint
-        )
+        # Which of the relay's writes failed, if it was one (``relay.batches``).
+        fields = {"write": error.write} if error.write else {}
+        fields.update({"error": error.message, "sleep": f"{pause:.2f}s"})
+        if error.hint:
+            fields["hint"] = error.hint
+        emit(log, "relay.retry", logging.WARNING, **fields)
         deadline = time.monotonic() + pause
         while not self.stop and time.monotonic() < deadline:
             step = min(0.2, max(0.0, deadline - time.monotonic()))
@@ -232,8 +239,13 @@ class Relay:
                     if self.batches.in_doubt:
                         self.batches.settle()
                     self._maintain()
+                    committed = self.stats.batches_committed
                     progress = self.batches.step()
-                    self._failures = 0
+                    if not progress or self.stats.batches_committed > committed:
+                        # Only a commit (or nothing to do) proves the writes work
+                        # again: a step that published and committed nothing, between
+                        # two failures, must not bring the backoff back to its start.
+                        self._failures = 0
                     self.stats.last_error = None
                     if progress:
                         continue
@@ -263,8 +275,6 @@ class Relay:
             self._resolve_dead_relays()
 
     def _resolve_dead_relays(self) -> int:
-        from resolver.apply import resolve  # the resolver imports outbox, not the reverse
-
         assert self.store is not None
         finished = 0
         for resolution in resolve(self.store, self.settings):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -24,6 +25,11 @@ class Stats:
     claim_seconds: Durations = dataclasses.field(default_factory=Durations)  # every claim
     slowest_claim: float = 0.0  # seconds
     largest_claim: int = 0  # rows; never more than batch_size
+    # Failures of each relay write (claim, prepare, dead_letters, ledger,
+    # commit_prepared, rollback_prepared): ``relay.batches``, "A write that keeps failing".
+    write_failures: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
     # For health checks: when the loop last went round, and why its last pass failed.
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str | None = None

@@ -54,8 +54,16 @@ def test_init__concurrent_runs_apply_the_schema_once(empty_dsn: str) -> None:
 def test_init__print_sql_applies_cleanly_with_psql_semantics(empty_dsn: str) -> None:
     result = run_cli("init", "--print-sql", "--table", "shop_outbox")
     assert result.returncode == 0
-    with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute(result.stdout)  # the script has its own BEGIN/COMMIT
+    # psql sends statement by statement: CREATE INDEX CONCURRENTLY runs outside the
+    # transactions the script opens (one per migration).
+    applied = subprocess.run(
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", empty_dsn, "-f", "-"],
+        input=result.stdout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert applied.returncode == 0, applied.stderr
     after = run_cli("init", "--dsn", empty_dsn, "--table", "shop_outbox")
     assert "up to date" in after.stdout, after.stderr
 

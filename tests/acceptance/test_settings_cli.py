@@ -259,3 +259,46 @@ def test_demo__a_wrong_broker_password_is_one_line_and_exit_3(dsn: str, amqp_url
     result = run_cli("demo", "--dsn", dsn, "--amqp-url", bad, "--rows", "10")
     assert_one_clear_error(result, UNREACHABLE, "ACCESS_REFUSED")
     assert "Wr0ngPw" not in result.stdout + result.stderr
+
+
+# Issue 18, item 4: the consumer's commands parse their options with the relay's
+# checks (one set of decorators), never a silent default broker or a traceback.
+CONSUMER_NONSENSE = [
+    (["--amqp-url", ""], "it is empty"),
+    (["--amqp-url", ";amqp://guest:guest@127.0.0.1/adv"], "an empty URL in the list"),
+    (["--amqp-url", "http://127.0.0.1/"], "'http' is not amqp or amqps"),
+    (["--prefetch", "70000"], "--prefetch"),
+    (["--queue", "q" * 300], "longer than 255 bytes"),
+    (["--consumer-name", ""], "consumer name is empty"),
+    (["--connect-timeout", "nan"], "not a finite number"),
+    (["--retry-delay", "nan"], "not a finite number"),
+    (["--retry-delay-max", "inf"], "--retry-delay-max"),
+    (["--inbox-retention", "soon"], "--inbox-retention"),
+    (["--backoff-max", "nan"], "--backoff-max"),
+    (["--dsn", "host=db password=sekrit port=x:y"], "--dsn"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"), CONSUMER_NONSENSE, ids=[" ".join(a)[:40] for a, _ in CONSUMER_NONSENSE]
+)
+def test_consume__a_nonsense_option_is_one_line_and_exit_2(args: list[str], says: str) -> None:
+    result = run_cli("consume", "no_such_module:handler", "--queue", "q", *args)
+    assert_one_clear_error(result, USAGE, says)
+    assert "sekrit" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["list", "--amqp-url", ""],
+        ["retry", "--all", "--amqp-url", ";amqp://guest:guest@127.0.0.1/"],
+        ["purge", "--older-than", "soon"],
+        ["purge", "--older-than", "99999999999999999999w"],
+        ["list", "--connect-timeout", "nan"],
+    ],
+    ids=" ".join,
+)
+def test_parked__nonsense_values_are_one_line_and_exit_2(args: list[str]) -> None:
+    result = run_cli("parked", *args)
+    assert_one_clear_error(result, USAGE, [a for a in args if a.startswith("--")][-1])

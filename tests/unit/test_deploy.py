@@ -143,7 +143,8 @@ def settings_file(path: Path) -> dict[str, str]:
 
 
 def every_deploy_file() -> list[Path]:
-    return [p for p in DEPLOY.rglob("*") if p.is_file()]
+    """Every text file under deploy/ (not the README's screenshot of the console)."""
+    return [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix != ".png"]
 
 
 # -- commands and options ------------------------------------------------------------

@@ -11,4 +11,5 @@ WHERE id IS NULL;
 ALTER TABLE {dead_letters} ALTER COLUMN id SET NOT NULL;
 ALTER TABLE {dead_letters} DROP CONSTRAINT IF EXISTS {dead_letters_pkey};
 ALTER TABLE {dead_letters} ADD PRIMARY KEY (id);
-CREATE INDEX IF NOT EXISTS {dead_letters_message_id} ON {dead_letters} (message_id);
+-- outside a transaction --
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {dead_letters_message_id} ON {dead_letters} (message_id);

@@ -25,6 +25,7 @@ byte for byte as one written by psycopg or plain SQL.
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -151,7 +152,15 @@ def migrate_schema(
 ) -> tuple[int | None, int]:
     """``outbox init`` on a Django database: (version before, version after).
 
-    Inside a Django migration this runs in the migration's transaction (psycopg makes
-    its own a savepoint), so the schema and Django's record of it commit together.
+    Outside a transaction (this package's Django migrations are not atomic, and
+    ``manage.py outbox_init``) it runs online, as ``outbox init`` does, and says on
+    stderr what it waits for; it does not resolve dead relays' batches (``outbox
+    resolve`` or a running relay does).  Inside a transaction everything runs in
+    that transaction, with no lock timeout.
     """
-    return migrate.migrate(_psycopg_connection(connection), table or outbox_table())
+    table = table or outbox_table()
+
+    def waiting(blocked: migrate.Blocked) -> None:
+        print(f"outbox: {migrate.describe_wait(blocked, table)}", file=sys.stderr, flush=True)
+
+    return migrate.migrate(_psycopg_connection(connection), table, on_blocked=waiting)

@@ -31,7 +31,7 @@ from outbox.errors import OutboxError
 from outbox.relay.process import Relay
 from tests.fixtures.servers import Topology
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SETTINGS_MODULE = "tests.fixtures.django_settings"
 PAYLOAD = b'\x00\xff{"id": 1}\n\xe9'
 HEADERS = {"tenant": "acmé", "n": 7, "flags": [True, None, "x"], "nested": {"a": {"b": -1}}}

@@ -1,7 +1,8 @@
 """The core works without the optional extras, and never imports them on its own.
 
 Each case runs in a fresh interpreter: one where SQLAlchemy, Django and
-OpenTelemetry cannot be imported (as after a plain ``pip install outbox-relay``),
+OpenTelemetry and the web console's Starlette, Jinja2 and uvicorn cannot be imported
+(as after a plain ``pip install outbox-relay``),
 and one where they are installed but the application never imported them.
 """
 
@@ -16,8 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXTRAS = ("sqlalchemy", "django", "opentelemetry", "greenlet")
+ROOT = Path(__file__).resolve().parents[3]
+EXTRAS = ("sqlalchemy", "django", "opentelemetry", "greenlet", "starlette", "jinja2", "uvicorn")
 
 # Makes every import of an extra fail as if the package were not installed.
 BLOCK_EXTRAS = textwrap.dedent(
@@ -39,7 +40,7 @@ USE_THE_CORE = textwrap.dedent(
     """
     import json, sys
     import psycopg
-    import outbox, outbox.cli, outbox.relay, outbox.metrics, outbox.status, outbox.tracing
+    import outbox, outbox.cli, outbox.relay.metrics, outbox.ops.status, outbox.tracing
     import resolver.apply
 
     with psycopg.connect(sys.argv[1]) as conn:

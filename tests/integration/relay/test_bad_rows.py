@@ -277,13 +277,8 @@ def test_publisher__frame_max_is_the_negotiated_value(topology: Topology) -> Non
 
 def test_migration_0002__keeps_old_dead_letters_and_keys_them_by_row_id(empty_dsn: str) -> None:
     """An outbox created at version 1 (dead letters keyed by message_id) upgrades in place."""
-    first = migrate.migrations()[0]
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute(migrate._version_table_sql("outbox"))
-        conn.execute(migrate._migration_sql("outbox", first))
-        conn.execute(
-            "INSERT INTO outbox_schema_version (version, name) VALUES (1, %s)", [first.name]
-        )
+        migrate.migrate(conn, "outbox", target=1)  # type: ignore[arg-type]
         conn.execute("INSERT INTO outbox (routing_key) SELECT 'k' FROM generate_series(1, 3)")
         conn.execute(
             "INSERT INTO outbox_dead_letters (message_id, exchange, routing_key, payload, "

@@ -8,8 +8,9 @@ these run in milliseconds and say exactly which step went wrong.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -17,10 +18,13 @@ from outbox import fault_injection as faults
 from outbox.config import Settings
 from outbox.errors import (
     BrokerUnavailable,
+    DatabaseRefused,
     DatabaseUnavailable,
     DeadLettersUnwritable,
+    OutboxError,
     OutcomeUnknown,
     PreparedSlotsExhausted,
+    StatementTimedOut,
 )
 from outbox.message import DeadLetter, OutboxRow
 from outbox.relay.batches import Batches, State
@@ -340,6 +344,75 @@ def test_failure__unwritable_dead_letters_roll_back_once_then_publish_nothing(
     drain(batches)  # the dead letter is known now: recorded before anything is sent
     assert [d.row.id for d in store.dead_letters] == [5]
     assert duplicates(broker, 4) == 4
+
+
+@both_depths
+@pytest.mark.parametrize(
+    "error",
+    [DeadLettersUnwritable, StatementTimedOut, DatabaseRefused],
+    ids=["unwritable", "timed-out", "refused"],
+)
+def test_failure__dead_letter_write_failing_any_way_publishes_the_batch_once_in_all(
+    depth: int, error: type[OutboxError]
+) -> None:
+    """Issue 19: only a refused INSERT was remembered; a timeout or an index error
+    published the batch's good rows again on every retry."""
+    rows = make_rows(4) + make_rows(1, start=5, key="nowhere")
+    store = FakeStore(rows)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    for _ in range(20):  # the write keeps failing, whatever the relay tries
+        store.fail_next["record_dead_letters"] = error("the dead-letter INSERT failed")
+        with pytest.raises(error) as raised:
+            for _ in range(depth):
+                batches.step()
+        assert raised.value.write == "dead_letters"
+        batches.settle()
+        assert store.prepared == {}
+    assert len(broker.row_messages()) == 4, "published again while the write failed"
+    assert batches.stats.write_failures == {"dead_letters": 20}
+    drain(batches)
+    assert [d.row.id for d in store.dead_letters] == [5]
+    assert duplicates(broker, 4) == 4
+
+
+class RefusingStore(FakeStore):
+    """Refuses the dead letter of one row (a constraint it violates), takes the others."""
+
+    def __init__(self, rows: list[OutboxRow], refused: int) -> None:
+        super().__init__(rows)
+        self.refused: int | None = refused
+
+    def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None:
+        if any(d.row.id == self.refused for d in dead):
+            raise DeadLettersUnwritable(f"row {self.refused} violates a check constraint")
+        super().record_dead_letters(dead, gid)
+
+
+@both_depths
+def test_failure__dead_letter_refused_for_one_row_holds_its_batch_unpublished(
+    depth: int,
+) -> None:
+    """A dead letter the table refuses for one row (a constraint someone added) holds
+    the claim at that row, published once, until it can be written: the rows stay
+    in the outbox, none is lost and none goes out again while it is refused."""
+    rows = make_rows(4) + make_rows(1, start=5, key="nowhere") + make_rows(5, start=6)
+    rows += make_rows(1, start=11, key="nowhere") + make_rows(4, start=12)
+    store = RefusingStore(rows, refused=5)
+    broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
+    batches = make_batches(store, broker, depth=depth)
+    batches.settings = dataclasses.replace(batches.settings, batch_size=5)
+    for _ in range(30):
+        with contextlib.suppress(DeadLettersUnwritable, OutcomeUnknown):
+            batches.step()
+        batches.settle()
+    counts = collections.Counter(broker.row_messages())
+    assert max(counts.values()) <= 2, counts
+    assert batches.stats.write_failures["dead_letters"] >= 20
+    store.refused = None
+    drain(batches)
+    assert {d.row.id for d in store.dead_letters} == {5, 11}
+    assert max(collections.Counter(broker.row_messages()).values()) <= 2
 
 
 # -- dead letters and budgets ------------------------------------------------------

@@ -1,0 +1,14 @@
+"""The operator's console in the browser (``outbox web``, the ``web`` extra).
+
+Owns the web application (``app``: Starlette routes, Jinja2 templates, htmx as a
+vendored static file), what it reads and does (``console``: the same store, parked
+and resolver calls as the CLI), who may use it and the CSRF rules (``security``),
+and serving it (``server``: uvicorn).  The click command is ``outbox.cli.web``.
+
+May import: ``outbox.ops``, ``outbox.inbox``, ``outbox.relay``, ``resolver``,
+``outbox.db`` and the plain modules of ``outbox``; only ``outbox.cli`` imports it.
+
+Public names: ``app.create_app``, ``app.WebConfig``, ``console.ConsoleConfig``,
+``console.InboxTarget``, ``server.serve``.  This module imports nothing itself, so
+the CLI can name ``security``'s settings without Starlette installed.
+"""

@@ -1,0 +1,529 @@
+"""The console's web application (Starlette): pages, actions and the rules of ``security``.
+
+Pages are rendered on the server with Jinja2 (autoescaped) and passed through
+``redaction.redact`` before they leave, so no password of a connection setting can
+reach a browser, whatever a driver's error message quoted.  htmx refreshes the
+overview and filters the lists; every action also works as a plain HTML form.
+
+Reads are GETs and change nothing.  Every change is a POST from a confirmation
+page that showed what it would touch and how many; the POST must carry this
+process's CSRF token (``security``), is refused in ``--read-only`` mode, and is
+logged with who asked, what and how many (``web.*`` events).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from outbox import redaction, urls
+from outbox.config import Settings
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
+from outbox.events import emit
+from outbox.redaction import redact
+from outbox.web import console, security
+from outbox.web.console import ConsoleConfig, DeadLetterSelection, InboxTarget
+
+log = logging.getLogger("outbox.web")
+
+HERE = pathlib.Path(__file__).parent
+
+
+@dataclasses.dataclass(frozen=True)
+class WebConfig:
+    """What ``outbox web`` was given: the tables, the broker, who may come in."""
+
+    console: ConsoleConfig
+    amqp_url: str
+    credentials: security.Credentials
+    host: str = "127.0.0.1"
+
+
+def where_dsn(dsn: str) -> str:
+    """A DSN without its password: ``user@host:port/dbname``."""
+    try:
+        parts = urls.check_dsn(dsn)
+    except urls.InvalidUrl:
+        return "(a DSN that cannot be read)"
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    port = f":{parts['port']}" if parts.get("port") else ""
+    return f"{user}{parts.get('host') or 'localhost'}{port}/{parts.get('dbname', '')}"
+
+
+def where_amqp(url: str) -> str:
+    try:
+        return " ; ".join(u.describe() for u in urls.parse_amqp_urls(url))
+    except urls.InvalidUrl:
+        return "(a URL that cannot be read)"
+
+
+class Pages:
+    """Renders templates; every page passes ``redact`` on its way out."""
+
+    def __init__(self, config: WebConfig) -> None:
+        self.config = config
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+            # Every value is redacted before it is escaped: a password holding & < > "
+            # no longer looks like itself once escaped.  The page is redacted again as
+            # a whole (render), for what a template writes without an expression.
+            finalize=_redacted,
+        )
+        self.env.filters["age"] = _age
+        self.env.filters["short"] = _short
+
+    def render(
+        self, request: Request, name: str, status_code: int = 200, **context: Any
+    ) -> Response:
+        cfg = self.config.console
+        base = {
+            "request": request,
+            "who": getattr(request.state, "who", ""),
+            "csrf": getattr(request.state, "csrf", ""),
+            "read_only": cfg.read_only,
+            "refresh_ms": round(cfg.refresh_seconds * 1000),
+            "outbox_tables": [s.table for s in cfg.outboxes],
+            "inbox_tables": [t.table for t in cfg.inboxes],
+            "outbox_where": where_dsn(cfg.outboxes[0].dsn),
+            "amqp_where": where_amqp(self.config.amqp_url),
+        }
+        html = self.env.get_template(name).render(**base, **context)
+        return HTMLResponse(redact(html), status_code=status_code)
+
+
+def _redacted(value: Any) -> Any:
+    return redact(value) if isinstance(value, str) else value
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _short(text: object, most: int = 80) -> str:
+    value = "" if text is None else str(text)
+    return value if len(value) <= most else value[: most - 1] + "…"
+
+
+class Guard(BaseHTTPMiddleware):
+    """Authentication, the CSRF cookie, and the headers every response carries."""
+
+    def __init__(self, app: Any, config: WebConfig, keys: security.CsrfKeys) -> None:
+        super().__init__(app)
+        self.config = config
+        self.keys = keys
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        who = security.authenticate(request.headers.get("authorization"), self.config.credentials)
+        if who is None:
+            emit(
+                log,
+                "web.refused",
+                logging.WARNING,
+                why="not authenticated",
+                client=_client(request),
+                path=loggable(request.url.path),
+            )
+            return _with_headers(
+                PlainTextResponse(
+                    "authentication required",
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Basic realm="outbox console", charset="UTF-8"'},
+                )
+            )
+        request.state.who = who
+        cookie = request.cookies.get(security.CSRF_COOKIE)
+        fresh = not self.keys.valid(cookie)
+        request.state.csrf = self.keys.issue() if fresh else cookie
+        response = await call_next(request)
+        if fresh:
+            response.set_cookie(
+                security.CSRF_COOKIE,
+                request.state.csrf,
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
+            )
+        return _with_headers(response)
+
+
+def _with_headers(response: Response) -> Response:
+    response.headers["Content-Security-Policy"] = (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+    )
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "same-origin"
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+def loggable(text: str, most: int = 200) -> str:
+    """Text a client chose, safe for a log line: no newline can forge another entry."""
+    return text[:most].encode("unicode_escape").decode("ascii")
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "?"
+
+
+def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None) -> Starlette:
+    """The console as an ASGI application (``server.serve`` runs it with uvicorn)."""
+    keys = csrf_keys or security.CsrfKeys()
+    # The CLI's option types remember these already; an embedding application may not.
+    redaction.remember(
+        *(s.dsn for s in config.console.outboxes),
+        *(t.dsn for t in config.console.inboxes),
+        config.amqp_url,
+    )
+    pages = Pages(config)
+    cfg = config.console
+
+    async def checked_form(request: Request, what: str) -> FormData:
+        """The form of a state-changing POST, after the CSRF and read-only checks."""
+        # A group's ids come back as fields: room for a whole page of them.
+        form = await request.form(max_fields=cfg.list_limit + 16, max_files=0)
+        submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
+        why = None
+        if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
+            why = "the request came from another site (Origin)"
+        elif not keys.request_ok(
+            request.cookies.get(security.CSRF_COOKIE),
+            submitted if isinstance(submitted, str) else None,
+        ):
+            why = "missing or wrong CSRF token: reload the page and try again"
+        elif cfg.read_only:
+            why = "the console runs with --read-only"
+        if why:
+            emit(
+                log,
+                "web.refused",
+                logging.WARNING,
+                who=request.state.who,
+                client=_client(request),
+                action=what,
+                why=why,
+            )
+            raise HTTPException(403, why)
+        return form
+
+    def outbox_of(request: Request, form: FormData | None = None) -> Settings:
+        table = (form.get("table") if form else None) or request.query_params.get("table")
+        try:
+            return cfg.outbox(str(table) if table else None)
+        except KeyError:
+            raise HTTPException(404, f"no outbox table {table!r} is configured") from None
+
+    def inbox_of(request: Request, form: FormData | None = None) -> InboxTarget:
+        table = (form.get("inbox") if form else None) or request.query_params.get("inbox")
+        try:
+            return cfg.inbox(str(table) if table else None)
+        except KeyError:
+            raise HTTPException(
+                404,
+                f"no inbox table {table!r} is configured (--inbox-table)"
+                if table
+                else "no inbox table is configured: start the console with --inbox-table",
+            ) from None
+
+    # -- overview ----------------------------------------------------------------
+    async def overview(request: Request) -> Response:
+        data = await run_in_threadpool(console.overview, cfg)
+        return pages.render(request, "overview.html", **data)
+
+    async def overview_panel(request: Request) -> Response:
+        data = await run_in_threadpool(console.overview, cfg)
+        return pages.render(request, "_overview_panel.html", **data)
+
+    # -- dead letters --------------------------------------------------------------
+    async def dead_letters(request: Request) -> Response:
+        settings = outbox_of(request)
+        query = request.query_params.get("q", "")
+        rows = await run_in_threadpool(console.dead_letter_list, settings, cfg.list_limit)
+        listed = [r for r in rows if console.matches(r, query)]
+        template = "_dead_letter_listing.html" if request.headers.get("hx-request") else None
+        return pages.render(
+            request,
+            template or "dead_letters.html",
+            table=settings.table,
+            q=query,
+            rows=listed,
+            truncated=len(rows) >= cfg.list_limit,
+            limit=cfg.list_limit,
+            reasons=console.group_rows(listed, "reason", "failed_at", "id"),
+            keys=console.group_rows(listed, "ordering_key", "failed_at", "id"),
+        )
+
+    async def dead_letter(request: Request) -> Response:
+        settings = outbox_of(request)
+        row_id = int(request.path_params["row_id"])
+        row = await run_in_threadpool(console.dead_letter, settings, row_id)
+        if row is None:
+            raise HTTPException(404, f"no dead letter with row id {row_id} in {settings.table}")
+        return pages.render(
+            request,
+            "dead_letter.html",
+            table=settings.table,
+            row=row,
+            body=console.body_views(bytes(row["payload"])),
+            headers=console.pretty_json(row["headers"]),
+        )
+
+    async def dead_letters_confirm(request: Request) -> Response:
+        settings = outbox_of(request)
+        action = _action(request.query_params.get("action"))
+        ids = list(request.query_params.getlist("id"))
+        reason = request.query_params.get("reason")
+        if reason is not None:
+            rows = await run_in_threadpool(console.dead_letter_list, settings, cfg.list_limit)
+            ids += [str(r["id"]) for r in rows if r["reason"] == reason]
+        try:
+            selection = DeadLetterSelection.parse(ids, request.query_params.getlist("key"))
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        rows = (
+            await run_in_threadpool(console.plan_dead_letters, settings, selection)
+            if selection
+            else []
+        )
+        return pages.render(
+            request,
+            "confirm_dead_letters.html",
+            limit=cfg.list_limit,
+            table=settings.table,
+            action=action,
+            selection=selection,
+            rows=rows,
+            reason=reason,
+        )
+
+    async def dead_letters_act(request: Request) -> Response:
+        action = _action(request.path_params["action"])
+        form = await checked_form(request, f"dead_letters.{action}")
+        settings = outbox_of(request, form)
+        try:
+            selection = DeadLetterSelection.parse(
+                [str(v) for v in form.getlist("id")], [str(v) for v in form.getlist("key")]
+            )
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        if not selection:
+            raise HTTPException(400, "nothing selected")
+        act = console.retry_dead_letters if action == "retry" else console.purge_dead_letters
+        done = await run_in_threadpool(act, settings, selection)
+        emit(
+            log,
+            "web.dead_letters_retried" if action == "retry" else "web.dead_letters_purged",
+            logging.WARNING,
+            who=request.state.who,
+            client=_client(request),
+            table=settings.table,
+            rows=len(done),
+            confirmed=form.get("expected"),
+            row_ids=list(selection.row_ids),
+            ordering_keys=list(selection.ordering_keys),
+        )
+        verb = "moved back to the outbox" if action == "retry" else "purged"
+        return pages.render(
+            request,
+            "done.html",
+            title="Dead letters",
+            message=f"{len(done)} dead letters {verb}",
+            count=len(done),
+            expected=form.get("expected"),
+            rows=done,
+            back=f"/dead-letters?table={settings.table}",
+        )
+
+    # -- parked messages ----------------------------------------------------------
+    async def parked(request: Request) -> Response:
+        target = inbox_of(request)
+        query = request.query_params.get("q", "")
+        rows = await run_in_threadpool(console.parked_entries, target, cfg.list_limit)
+        listed = [r for r in rows if console.matches(r, query)]
+        template = "_parked_listing.html" if request.headers.get("hx-request") else None
+        return pages.render(
+            request,
+            template or "parked.html",
+            inbox=target.table,
+            inbox_where=where_dsn(target.dsn),
+            q=query,
+            rows=listed,
+            truncated=len(rows) >= cfg.list_limit,
+            limit=cfg.list_limit,
+            groups=console.parked_groups(listed),
+        )
+
+    async def parked_message(request: Request) -> Response:
+        target = inbox_of(request)
+        parked_id = int(request.path_params["parked_id"])
+        row = await run_in_threadpool(console.parked_message, target, parked_id)
+        if row is None:
+            raise HTTPException(404, f"no parked message {parked_id} in {target.table}_parked")
+        return pages.render(
+            request,
+            "parked_message.html",
+            inbox=target.table,
+            row=row,
+            body=console.body_views(bytes(row["body"])),
+            headers=console.pretty_json(row["headers"]),
+            properties=console.pretty_json(row["properties"]),
+        )
+
+    async def parked_confirm(request: Request) -> Response:
+        target = inbox_of(request)
+        action = _action(request.query_params.get("action"))
+        wanted = list(request.query_params.getlist("id"))
+        group = request.query_params.get("group")
+        if group is not None:
+            listed = await run_in_threadpool(console.parked_entries, target, cfg.list_limit)
+            for found in console.parked_groups(listed):
+                if found.label == group:
+                    wanted += found.ids
+        ids = console.parked_selection(wanted)
+        rows = await run_in_threadpool(console.plan_parked, target, ids) if ids else []
+        return pages.render(
+            request,
+            "confirm_parked.html",
+            limit=cfg.list_limit,
+            inbox=target.table,
+            action=action,
+            ids=ids,
+            rows=rows,
+            group=group,
+        )
+
+    async def parked_act(request: Request) -> Response:
+        action = _action(request.path_params["action"])
+        form = await checked_form(request, f"parked.{action}")
+        target = inbox_of(request, form)
+        ids = console.parked_selection([str(v) for v in form.getlist("id")])
+        if not ids:
+            raise HTTPException(400, "nothing selected")
+        if action == "retry":
+            retried = await run_in_threadpool(console.retry_parked, target, config.amqp_url, ids)
+            count, rows = len(retried), [{"message_id": m} for m in retried]
+        else:
+            count = await run_in_threadpool(console.purge_parked, target, ids)
+            rows = []
+        emit(
+            log,
+            "web.parked_retried" if action == "retry" else "web.parked_purged",
+            logging.WARNING,
+            who=request.state.who,
+            client=_client(request),
+            inbox_table=target.table,
+            messages=count,
+            confirmed=form.get("expected"),
+            message_ids=list(ids),
+        )
+        verb = "sent back to their queues" if action == "retry" else "purged"
+        return pages.render(
+            request,
+            "done.html",
+            title="Parked messages",
+            message=f"{count} parked messages {verb}",
+            count=count,
+            expected=form.get("expected"),
+            rows=rows,
+            back=f"/parked?inbox={target.table}",
+        )
+
+    # -- in-doubt batches -----------------------------------------------------------
+    async def in_doubt(request: Request) -> Response:
+        settings = outbox_of(request)
+        results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=True))
+        return pages.render(
+            request, "in_doubt.html", table=settings.table, results=results, applied=False
+        )
+
+    async def resolve(request: Request) -> Response:
+        form = await checked_form(request, "resolve")
+        settings = outbox_of(request, form)
+        results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=False))
+        finished = [r for r in results if r.finished]
+        emit(
+            log,
+            "web.resolved",
+            logging.WARNING,
+            who=request.state.who,
+            client=_client(request),
+            table=settings.table,
+            batches=len(results),
+            committed=sum(1 for r in results if r.outcome == "committed"),
+            rolled_back=sum(1 for r in results if r.outcome == "rolled_back"),
+            gids=[r.gid for r in finished],
+        )
+        return pages.render(
+            request, "in_doubt.html", table=settings.table, results=results, applied=True
+        )
+
+    # -- errors ---------------------------------------------------------------------
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _with_headers(
+            pages.render(
+                request, "error.html", status_code=exc.status_code, message=str(exc.detail)
+            )
+        )
+
+    async def outbox_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OutboxError)
+        status = 503 if isinstance(exc, DatabaseUnavailable | BrokerUnavailable) else 500
+        emit(log, "web.error", logging.WARNING, path=request.url.path, error=exc.message)
+        return _with_headers(
+            pages.render(request, "error.html", status_code=status, message=console.describe(exc))
+        )
+
+    routes = [
+        Route("/", overview),
+        Route("/overview/panel", overview_panel),
+        Route("/dead-letters", dead_letters),
+        Route("/dead-letters/confirm", dead_letters_confirm),
+        Route("/dead-letters/{row_id:int}", dead_letter),
+        Route("/dead-letters/{action}", dead_letters_act, methods=["POST"]),
+        Route("/parked", parked),
+        Route("/parked/confirm", parked_confirm),
+        Route("/parked/{parked_id:int}", parked_message),
+        Route("/parked/{action}", parked_act, methods=["POST"]),
+        Route("/in-doubt", in_doubt),
+        Route("/in-doubt/resolve", resolve, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(Guard, config=config, keys=keys)],
+        exception_handlers={HTTPException: http_error, OutboxError: outbox_error},
+    )
+
+
+def _action(value: str | None) -> str:
+    if value not in ("retry", "purge"):
+        raise HTTPException(404, "the action is retry or purge")
+    return value
+
+
+__all__: Sequence[str] = ["WebConfig", "create_app", "where_amqp", "where_dsn"]

@@ -1,0 +1,49 @@
+"""The package version moves with the schema, and the changelog and deploy files follow."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from outbox.db import migrate
+from tests.fixtures.releases import RELEASES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def version_of(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def package_version() -> str:
+    match = re.search(r'^version = "([0-9.]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert match, "pyproject.toml has no version"
+    return match.group(1)
+
+
+def test_release__version_is_newer_than_every_release_and_moves_with_the_schema() -> None:
+    current = version_of(package_version())
+    last = RELEASES[-1]
+    assert current > version_of(last.version)
+    if last.schema < migrate.LATEST_VERSION:
+        # A schema change is a minor release at least (0.x: an upgrade must know).
+        assert current[:2] > version_of(last.version)[:2], (current, last)
+
+
+def test_release__changelog_has_the_version_and_every_release_with_its_schema() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## {package_version()} " in changelog
+    for release in RELEASES:
+        row = f"| {release.version} | {release.schema} | `{release.commit[:7]}` |"
+        assert row in changelog, row
+        assert f"## {release.version} (schema {release.schema}, commit" in changelog
+
+
+def test_release__deploy_files_run_this_version() -> None:
+    tags = {
+        (path.name, tag)
+        for path in (ROOT / "deploy").rglob("*")
+        if path.is_file()
+        for tag in re.findall(r"outbox-relay:([0-9][0-9.]*[0-9])", path.read_text(errors="ignore"))
+    }
+    assert tags and {tag for _, tag in tags} == {package_version()}, sorted(tags)

@@ -1,0 +1,95 @@
+"""The console's pure helpers: groups, filters, body views, selections."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from outbox.web import console
+from outbox.web.app import where_amqp, where_dsn
+
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def at(minutes: int) -> datetime.datetime:
+    return T0 + datetime.timedelta(minutes=minutes)
+
+
+def test_group_rows__biggest_group_first_with_its_ids_and_oldest() -> None:
+    rows = [
+        {"id": 1, "reason": "b", "failed_at": at(5)},
+        {"id": 2, "reason": "a", "failed_at": at(3)},
+        {"id": 3, "reason": "b", "failed_at": at(1)},
+        {"id": 4, "reason": None, "failed_at": at(0)},
+    ]
+    groups = console.group_rows(rows, "reason", "failed_at", "id")
+    assert [(g.label, g.count, g.ids, g.oldest) for g in groups] == [
+        ("b", 2, ("1", "3"), at(1)),
+        ("a", 1, ("2",), at(3)),
+    ]
+
+
+def test_matches__filters_on_ids_reason_destination_and_key_case_blind() -> None:
+    row = {"id": 17, "message_id": "abc", "reason": "Exchange gone", "ordering_key": "cust-9"}
+    assert console.matches(row, "")
+    assert console.matches(row, "exchange GONE")
+    assert console.matches(row, "cust-9")
+    assert console.matches(row, "17")
+    assert not console.matches(row, "timeout")
+
+
+def test_body_views__text_json_and_hex() -> None:
+    views = console.body_views(b'{"b": 1, "a": [2]}')
+    assert views.size == 18
+    assert views.text == '{"b": 1, "a": [2]}'
+    assert views.json == '{\n  "a": [\n    2\n  ],\n  "b": 1\n}'
+    assert views.hex.startswith("00000000  7b 22 62 22")
+    binary = console.body_views(bytes(range(20)))
+    assert binary.text is None and binary.json is None
+    assert binary.hex.splitlines()[1].startswith("00000010  10 11 12 13")
+
+
+def test_dead_letter_selection__row_ids_and_keys_deduplicated_message_ids_refused() -> None:
+    selection = console.DeadLetterSelection.parse(["3", "1", "3", " "], ["k2", "k1", "k2"])
+    assert selection == console.DeadLetterSelection((1, 3), ("k1", "k2"))
+    assert not console.DeadLetterSelection.parse([], [])
+    with pytest.raises(ValueError, match="row id"):
+        console.DeadLetterSelection.parse(["0b7a1b5e-8a4f-4b57-9d0e-2f1d0c6e9a10"], [])
+    with pytest.raises(ValueError):
+        console.DeadLetterSelection.parse(["drop table"], [])
+
+
+def test_where__connection_settings_are_shown_without_their_password() -> None:
+    assert (
+        where_dsn("postgresql://app:S3cr%40t@db.internal:5433/orders")
+        == "app@db.internal:5433/orders"
+    )
+    assert where_dsn("host=db dbname=app password=S3cret") == "db/app"
+    amqp = where_amqp("amqp://u:S3cret@mq1:5672/%2F;amqp://u:S3cret@mq2:5672/%2F")
+    assert "S3cret" not in amqp and "mq1:5672" in amqp and "mq2:5672" in amqp
+
+
+def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
+    from outbox import redaction
+    from outbox.config import Settings
+    from outbox.web.app import Pages, WebConfig
+    from outbox.web.security import Credentials
+
+    secret = "Pw<&\"'>x9"
+    redaction.remember(f"host=db password='{secret}'")
+    pages = Pages(
+        WebConfig(console.ConsoleConfig((Settings(),)), "amqp://localhost", Credentials())
+    )
+    template = pages.env.from_string("<pre>{{ body }}</pre><p>{{ reason }}</p>")
+    html = template.render(body='{"password": "hunter2-x"}', reason=f"refused: {secret}")
+    assert secret not in html and "Pw&lt;&amp;" not in html
+    assert "hunter2-x" not in html
+    assert "***" in html
+
+
+def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
+    from outbox.web.app import loggable
+
+    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
+    assert len(loggable("/" + "a" * 500)) == 200

@@ -1,0 +1,92 @@
+"""The console's access rules: binds, credentials, CSRF tokens, Origin (pure)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from outbox.redaction import redact
+from outbox.web import security
+from outbox.web.security import BindRefused, Credentials, CsrfKeys
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_check_bind__loopback_needs_no_credentials(host: str) -> None:
+    security.check_bind(host, Credentials())
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "console.example.com"])
+def test_check_bind__any_other_address_refuses_to_start_without_credentials(host: str) -> None:
+    with pytest.raises(BindRefused, match="OUTBOX_WEB_TOKEN"):
+        security.check_bind(host, Credentials())
+    security.check_bind(host, Credentials(token="t0ken-value"))
+    security.check_bind(host, Credentials(user="ops", password="pw-value"))
+
+
+def test_credentials__half_a_basic_auth_pair_is_refused() -> None:
+    with pytest.raises(BindRefused, match="both"):
+        Credentials.from_env({"OUTBOX_WEB_USER": "ops"})
+    assert not Credentials.from_env({"OUTBOX_WEB_TOKEN": ""})
+
+
+def test_credentials__their_secrets_are_masked_in_everything_printed() -> None:
+    Credentials.from_env(
+        {
+            "OUTBOX_WEB_TOKEN": "Tok3n-Secr3t",
+            "OUTBOX_WEB_USER": "ops",
+            "OUTBOX_WEB_PASSWORD": "Pa55-w0rd-x",
+        }
+    )
+    assert "Tok3n-Secr3t" not in redact("token Tok3n-Secr3t given")
+    assert "Pa55-w0rd-x" not in redact("password Pa55-w0rd-x given")
+
+
+def test_authenticate__no_credentials_configured_means_local() -> None:
+    assert security.authenticate(None, Credentials()) == security.LOCAL
+
+
+def test_authenticate__token_as_bearer_or_as_basic_password() -> None:
+    creds = Credentials(token="s3cret-token")
+    assert security.authenticate("Bearer s3cret-token", creds) == "token"
+    assert security.authenticate(basic("alice", "s3cret-token"), creds) == "token"
+    assert security.authenticate("Bearer wrong", creds) is None
+    assert security.authenticate(basic("alice", "wrong"), creds) is None
+    assert security.authenticate(None, creds) is None
+
+
+def test_authenticate__basic_user_and_password_name_who_acted() -> None:
+    creds = Credentials(user="ops", password="pw-value")
+    assert security.authenticate(basic("ops", "pw-value"), creds) == "ops"
+    assert security.authenticate(basic("ops", "other"), creds) is None
+    assert security.authenticate(basic("eve", "pw-value"), creds) is None
+    assert security.authenticate("Basic not-base64!", creds) is None
+    assert security.authenticate("Basic " + base64.b64encode(b"no-colon").decode(), creds) is None
+    assert security.authenticate("Digest x", creds) is None
+
+
+def test_csrf__only_a_token_this_process_issued_and_the_page_sent_back_passes() -> None:
+    keys = CsrfKeys()
+    token = keys.issue()
+    assert keys.valid(token)
+    assert keys.request_ok(token, token)
+    assert not keys.request_ok(token, None)  # no token in the form
+    assert not keys.request_ok(None, token)  # no cookie
+    assert not keys.request_ok(token, keys.issue())  # another page's token
+    forged = token.split(".")[0] + "." + "0" * 32
+    assert not keys.request_ok(forged, forged)  # a cookie planted by someone else
+    assert not CsrfKeys().valid(token)  # another process (a restart) issued it
+
+
+def test_same_origin__a_foreign_origin_is_refused_a_missing_one_is_left_to_the_token() -> None:
+    assert security.same_origin(None, "127.0.0.1:8310")
+    assert security.same_origin("http://127.0.0.1:8310", "127.0.0.1:8310")
+    assert security.same_origin("https://console.example", "console.example")  # behind TLS
+    assert not security.same_origin("http://evil.example", "127.0.0.1:8310")
+    assert not security.same_origin("http://127.0.0.1:9999", "127.0.0.1:8310")
+    assert not security.same_origin("null", "127.0.0.1:8310")
+    assert not security.same_origin("garbage", "127.0.0.1:8310")
