@@ -174,10 +174,14 @@ class BatchStore(Session):
             "own": list(own),
         }
         with self._translated("claiming a batch"), claim_cursor(self.conn) as cur:
-            # BEGIN, the planner settings and the claim in one round trip.
-            with self.conn.pipeline():
-                self.conn.execute("BEGIN")
-                self.conn.execute(PINNED_CLAIM_PLAN)
+            if psycopg.Pipeline.is_supported():
+                # BEGIN, the planner settings and the claim in one round trip.
+                with self.conn.pipeline():
+                    self.conn.execute("BEGIN")
+                    self.conn.execute(PINNED_CLAIM_PLAN)
+                    cur.execute(self.queries["claim_batch"], params)
+            else:  # a libpq older than 14: two round trips
+                self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
                 cur.execute(self.queries["claim_batch"], params)
             records = cur.fetchall()
             rows = [outbox_row(r) for r in with_texts(self.conn, records)]

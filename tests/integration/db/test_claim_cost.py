@@ -14,6 +14,7 @@ import struct
 import threading
 
 import psycopg
+import pytest
 
 from outbox.db.batches import BatchStore
 
@@ -100,5 +101,22 @@ def test_claim__planned_once_per_session(dsn: str) -> None:
         assert row is not None, "the claim is not a prepared statement"
         assert row["custom_plans"] == 0
         assert row["generic_plans"] >= 5
+    finally:
+        store.close()
+
+
+def test_claim__two_round_trips_without_pipeline_mode(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A libpq older than 14 has no pipeline mode: the claim still works, as before."""
+    monkeypatch.setattr(psycopg.Pipeline, "is_supported", classmethod(lambda cls: False))
+    _fill(dsn, 5)
+    proxy = _CountingProxy(dsn)
+    store = BatchStore(proxy.dsn, "outbox", statement_timeout=30)
+    try:
+        before = proxy.round_trips
+        assert len(store.claim_batch(100)) == 5
+        assert proxy.round_trips - before == 2
+        store.abandon_claim()
     finally:
         store.close()
