@@ -303,6 +303,7 @@ class ConsumeBench:
             ):
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
             self.conn.execute("DROP TABLE IF EXISTS bench_inbox_parked")
+            self.conn.execute("DROP FUNCTION IF EXISTS bench_inbox_guard()")
         with contextlib.suppress(Exception):
             self.conn.close()
         with contextlib.suppress(OSError):

@@ -107,6 +107,7 @@ def run_inbox_demo(
                     conn.execute(f'DROP TABLE IF EXISTS "{settings.table}{name}" CASCADE')
                 for table in (effects, inbox, f"{inbox}_attempts", f"{inbox}_parked"):
                     conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+                conn.execute(f'DROP FUNCTION IF EXISTS "{inbox}_guard"()')
             conn.close()
 
 

@@ -1,13 +1,15 @@
 """The consumer side: ``outbox consume`` and its inbox, for exactly-once effects.
 
-Owns the consume loop and its settings (``loop``), the kombu broker code
-(``broker``), the inbox and parked tables (``store``, ``inbox.sql``), what a
-handler sees of a delivery and what is kept of a parked one (``message``), the
-consumer's metrics and health endpoints (``metrics``) and ``outbox parked``
-(``parked``).
+Owns the consume loop (``loop``: the steps of each message, over the store and
+broker ports, and the process around them), its settings (``settings``), the
+kombu broker code (``broker``) and the AMQP property list read as it arrived
+(``properties``), the inbox and parked tables (``store``: statements only,
+``inbox.sql``), what a handler sees of a delivery and what is kept of a parked
+one (``message``), the consumer's metrics and health endpoints (``metrics``) and
+``outbox parked`` (``parked``).
 
-May import: ``outbox.db`` (the shared SQL loader) and the plain modules of
-``outbox``; never the relay.
+May import: ``outbox.db`` (connections and the shared SQL loader) and the plain
+modules of ``outbox``; never the relay.
 
 ``from outbox.inbox import consume`` is the public entry point.
 """

@@ -2,17 +2,29 @@
 deliver, ack, reject) and ``QueuePublisher`` publishes for ``outbox parked retry``.
 
 kombu and py-amqp errors come out as ``BrokerUnavailable`` (or ``QueueMissing``).
+
+py-amqp decodes each delivery's property list with UTF-8 inside the connection's
+frame reader, so a ``message_id`` that is not UTF-8 raised out of ``drain`` on
+every start.  The consumer's connection reads frames with ``frame_handler``
+below instead: the same reader, whose messages decode their properties with
+``outbox.inbox.properties`` (which never fails on text) and keep the raw
+property list for parking.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from struct import unpack_from
+from typing import Any
 
 import amqp
+from amqp import spec
+from amqp.exceptions import UnexpectedFrame
 from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
@@ -20,12 +32,97 @@ from kombu.messaging import Consumer
 
 from outbox.errors import BrokerUnavailable, ExitCode, OutboxError
 from outbox.events import emit
-from outbox.inbox.message import KEPT_PROPERTIES
-
-if TYPE_CHECKING:
-    from outbox.inbox.loop import ConsumerSettings
+from outbox.inbox import properties as wire
+from outbox.inbox.message import (
+    KEPT_PROPERTIES,
+    UNREADABLE_PROPERTIES,
+    InboxMessage,
+    to_inbox_message,
+)
+from outbox.inbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
+
+# Where a delivery's raw property list travels from the frame reader to ``Broker``
+# (kombu hands the property dict on as it is); removed before anyone sees it.
+_RAW = "x-outbox-raw-properties"
+
+
+class _Delivery(amqp.Message):  # type: ignore[misc]
+    """A py-amqp message whose properties never fail to decode."""
+
+    def _load_properties(self, class_id: int, buf: Any, offset: int) -> int:
+        try:
+            props, end = wire.decode(buf, offset)
+        except Exception as exc:  # a malformed list: park the message, say why
+            props, end = {UNREADABLE_PROPERTIES: f"{type(exc).__name__}: {exc}"}, len(buf)
+        props[_RAW] = bytes(buf[offset:end])
+        self.properties = props
+        return end
+
+
+_CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.GetOk])
+
+
+def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[Any], bool]:
+    """py-amqp's ``method_framing.frame_handler`` (5.x), with ``_Delivery`` as the
+    message class; passed to ``amqp.Connection(frame_handler=...)``."""
+    expected_types: defaultdict[int, int] = defaultdict(lambda: 1)
+    partial_messages: dict[int, _Delivery] = {}
+
+    def on_frame(frame: tuple[int, int, Any]) -> bool:
+        frame_type, channel, buf = frame
+        connection.bytes_recv += 1
+        if frame_type not in (expected_types[channel], 8):
+            raise UnexpectedFrame(
+                f"Received frame {frame_type} while expecting type: {expected_types[channel]}"
+            )
+        if frame_type == 1:
+            method_sig = unpack_from(">HH", buf, 0)
+            if method_sig in _CONTENT_METHODS:
+                partial_messages[channel] = _Delivery(frame_method=method_sig, frame_args=buf)
+                expected_types[channel] = 2
+                return False
+            callback(channel, method_sig, buf, None)
+        elif frame_type == 2:
+            msg = partial_messages[channel]
+            msg.inbound_header(buf)
+            if not msg.ready:
+                expected_types[channel] = 3
+                return False
+            expected_types[channel] = 1
+            partial_messages.pop(channel, None)
+            callback(channel, msg.frame_method, msg.frame_args, msg)
+        elif frame_type == 3:
+            msg = partial_messages[channel]
+            msg.inbound_body(buf)
+            if not msg.ready:
+                return False
+            expected_types[channel] = 1
+            partial_messages.pop(channel, None)
+            callback(channel, msg.frame_method, msg.frame_args, msg)
+        elif frame_type == 8:
+            return False
+        return True
+
+    return on_frame
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """One delivery: the handler's view of it and the broker's handle to settle it."""
+
+    message: InboxMessage
+    handle: Any
+
+
+def to_delivery(received: Any, queue: str) -> Delivery:
+    properties = dict(received.properties or {})
+    raw = properties.pop(_RAW, None)
+    message = to_inbox_message(
+        received.body, properties, received.delivery_info, queue, raw_properties=raw
+    )
+    return Delivery(message, received)
 
 
 class QueueMissing(OutboxError):
@@ -73,7 +170,12 @@ class Broker:
 
     def open(self) -> None:
         s = self.settings
-        conn = Connection(s.amqp_url, heartbeat=s.heartbeat, connect_timeout=s.connect_timeout)
+        conn = Connection(
+            s.amqp_url,
+            heartbeat=s.heartbeat,
+            connect_timeout=s.connect_timeout,
+            transport_options={"frame_handler": frame_handler},
+        )
         self.conn = conn
         errors = broker_errors(conn)
         try:
@@ -139,7 +241,7 @@ class Broker:
                 emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
             channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
 
-    def drain(self, timeout: float) -> list[Any]:
+    def drain(self, timeout: float) -> list[Delivery]:
         """The deliveries that arrive within ``timeout`` s, plus whatever else is
         already waiting in the socket (at most ``prefetch``), without waiting more."""
         conn = self.conn
@@ -158,7 +260,7 @@ class Broker:
         finally:
             self._received = None
         self.heartbeat()
-        return received
+        return [to_delivery(r, self.settings.queue) for r in received]
 
     def heartbeat(self) -> None:
         conn = self.conn
@@ -169,16 +271,16 @@ class Broker:
         except broker_errors(conn) as exc:
             raise self._translate("sending a heartbeat", exc) from exc
 
-    def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None:
+    def settle(self, delivery: Delivery, *, ack: bool, multiple: bool = False) -> None:
         """Ack (``multiple``: this and every earlier delivery not settled yet), or
         reject with requeue (the message goes back to its queue position)."""
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
         try:
             if ack:
-                delivery.ack(multiple=multiple)
+                delivery.handle.ack(multiple=multiple)
             else:
-                delivery.reject(requeue=True)
+                delivery.handle.reject(requeue=True)
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
 
@@ -196,6 +298,17 @@ class Broker:
             with contextlib.suppress(Exception):
                 self.conn.release()
             self.conn = None
+
+
+class _RawMessage(amqp.Message):  # type: ignore[misc]
+    """A message sent with a property list given as bytes."""
+
+    def __init__(self, body: bytes, raw_properties: bytes) -> None:
+        super().__init__(body)
+        self._raw_properties = raw_properties
+
+    def _serialize_properties(self) -> bytes:
+        return self._raw_properties
 
 
 class QueuePublisher:
@@ -222,16 +335,30 @@ class QueuePublisher:
         queue: str,
         body: bytes,
         *,
-        message_id: str,
+        raw_properties: bytes | None,
+        message_id: bytes,
         headers: dict[str, Any],
         properties: Mapping[str, Any],
     ) -> None:
-        kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
-        if isinstance(kept.get("timestamp"), str):
-            kept["timestamp"] = datetime.datetime.fromisoformat(kept["timestamp"])
-        message = amqp.Message(
-            body, message_id=message_id, delivery_mode=2, application_headers=headers, **kept
-        )
+        """Publish ``body`` to ``queue``.  With ``raw_properties`` (the property
+        list as it arrived) exactly those properties are sent, persistent and with
+        ``headers`` set in the header table; without (rows parked before raw
+        properties were kept), ``message_id``, ``headers`` and the kept
+        ``properties``."""
+        message: amqp.Message
+        if raw_properties is not None:
+            message = _RawMessage(body, wire.for_retry(raw_properties, headers))
+        else:
+            kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
+            if isinstance(kept.get("timestamp"), str):
+                kept["timestamp"] = datetime.datetime.fromisoformat(kept["timestamp"])
+            message = amqp.Message(
+                body,
+                message_id=message_id.decode("utf-8", "surrogatepass"),
+                delivery_mode=2,
+                application_headers=headers,
+                **kept,
+            )
         self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
 
     def close(self) -> None:

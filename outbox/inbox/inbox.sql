@@ -43,25 +43,78 @@ CREATE TABLE IF NOT EXISTS {parked} (
     parked_at   timestamptz NOT NULL DEFAULT now(),
     UNIQUE (consumer, message_id)
 );
+-- Upgrades in place, idempotent: run at every start (under the schema lock), and
+-- skipped when already done, so a role that does not own the tables can still start.
+--  * {parked}.raw_properties: the AMQP property list exactly as it arrived (headers
+--    with their AMQP types, a message_id that is not UTF-8), sent back unchanged by
+--    `outbox parked retry`.  NULL for rows parked before it existed (those are sent
+--    back from the headers and properties columns, as before).
+--  * {guard}: ids are recorded first in the consumer's transaction, so a handler
+--    that ran COMMIT would commit the ids of messages whose effects had not run
+--    yet.  The consumer arms this check when it records ids and seals it just
+--    before its own COMMIT; any other COMMIT of that transaction fails and rolls
+--    it back whole.  Transactions that never arm it (other writers, older
+--    consumers) are not affected.
+DO $migrate$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute
+                   WHERE attrelid = to_regclass({parked_name}) AND attname = 'raw_properties'
+                     AND NOT attisdropped) THEN
+        ALTER TABLE {parked} ADD COLUMN raw_properties bytea;
+    END IF;
+    IF to_regprocedure({guard_signature}) IS NULL THEN
+        CREATE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $guard$
+        BEGIN
+            IF current_setting('outbox.inbox_guard', true) = 'armed' THEN
+                RAISE EXCEPTION 'a handler committed the transaction of outbox consume'
+                    USING HINT = 'a handler must not run COMMIT or ROLLBACK: the consumer '
+                                 'commits each effect together with its message id';
+            END IF;
+            RETURN NULL;
+        END
+        $guard$;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = to_regclass({inbox_name}) AND tgname = {guard_name}) THEN
+        CREATE CONSTRAINT TRIGGER {guard} AFTER INSERT ON {inbox}
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {guard}();
+    END IF;
+END
+$migrate$;
 
 -- record_message --
--- The first statement of every message's transaction.  A concurrent transaction
--- holding the same id makes this one wait for its outcome: committed means
--- "duplicate" here, rolled back means this one goes ahead.
+-- Records the id of a message being parked (its own transaction, not armed).  A
+-- concurrent transaction holding the same id makes this one wait for its
+-- outcome: committed means "duplicate" here, rolled back means this one goes on.
 INSERT INTO {inbox} (consumer, message_id) VALUES (%(consumer)s, %(message_id)s)
 ON CONFLICT DO NOTHING
 
 -- record_messages --
--- The batch's ids in one statement; those it returns are new (their effects are
--- applied next, in the same transaction), the others are duplicates.  Sorted, so
--- two consumers whose batches share ids take their locks in the same order.
-INSERT INTO {inbox} (consumer, message_id)
-SELECT %(consumer)s, id FROM unnest(%(ids)s::text[]) AS id ORDER BY id
-ON CONFLICT DO NOTHING
-RETURNING message_id
+-- The first statement of a batch's transaction: the batch's ids in one statement;
+-- those it returns are new (their effects are applied next, in the same
+-- transaction), the others are duplicates.  Sorted, so two consumers whose batches
+-- share ids take their locks in the same order.  It also clears the attempt
+-- counters of new ids that were delivered before, arms {guard} and returns when
+-- the transaction started, which `seal` compares before the COMMIT.
+WITH new AS (
+    INSERT INTO {inbox} (consumer, message_id)
+    SELECT %(consumer)s, id FROM unnest(%(ids)s::text[]) AS id ORDER BY id
+    ON CONFLICT DO NOTHING
+    RETURNING message_id
+), forgotten AS (
+    DELETE FROM {attempts} a USING new
+    WHERE a.consumer = %(consumer)s AND a.message_id = new.message_id
+      AND a.message_id = ANY(%(redelivered)s::text[])
+)
+SELECT now() AS started,
+       set_config('outbox.inbox_guard', 'armed', true) AS guard,
+       ARRAY(SELECT message_id FROM new) AS new
 
--- forget_attempts_of --
-DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = ANY(%(ids)s::text[])
+-- seal --
+-- The last statement before the consumer's COMMIT: when the transaction started
+-- (the consumer compares it with record_messages': a handler that ended the
+-- transaction and went on in a new one shows here) and {guard} sealed.
+SELECT now() AS started, set_config('outbox.inbox_guard', 'sealed', true) AS guard
 
 -- forget_attempts --
 DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
@@ -76,13 +129,14 @@ RETURNING attempts
 -- park_message --
 INSERT INTO {parked} AS p
     (consumer, message_id, queue, exchange, routing_key, body, headers, properties,
-     error, attempts)
+     raw_properties, error, attempts)
 VALUES
     (%(consumer)s, %(message_id)s, %(queue)s, %(exchange)s, %(routing_key)s, %(body)s,
-     %(headers)s, %(properties)s, %(error)s, %(attempts)s)
+     %(headers)s, %(properties)s, %(raw_properties)s, %(error)s, %(attempts)s)
 ON CONFLICT (consumer, message_id) DO UPDATE
 SET queue = EXCLUDED.queue, exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key,
     body = EXCLUDED.body, headers = EXCLUDED.headers, properties = EXCLUDED.properties,
+    raw_properties = EXCLUDED.raw_properties,
     error = EXCLUDED.error, attempts = p.attempts + EXCLUDED.attempts, parked_at = now()
 
 -- prune_inbox --
@@ -116,6 +170,11 @@ FROM {parked}
 ORDER BY parked_at, id
 LIMIT %(limit)s
 
+-- last_parked --
+-- Where a retry run stops: rows parked after it started (the same messages parked
+-- again while the handler still fails) wait for the next run.
+SELECT coalesce(max(id), 0) AS last FROM {parked}
+
 -- parked_message --
 -- One parked message whole, for a detail view (headers and properties as text).
 SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers::text AS headers,
@@ -138,15 +197,18 @@ ORDER BY id
 -- consumer that receives the republished message waits on the inbox id; if the
 -- retry dies before committing, the parked row and the id come back and the copy
 -- is skipped as a duplicate.  Messages without an id cannot be consumed: purge them.
+-- Rows after %(after)s up to %(last)s only: each row at most once per run.
 WITH taken AS (
     DELETE FROM {parked}
     WHERE id = ANY(ARRAY(
         SELECT id FROM {parked}
         WHERE message_id IS NOT NULL AND (%(all)s OR message_id = ANY(%(ids)s::text[]))
+          AND id > %(after)s AND id <= %(last)s
         ORDER BY id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED))
-    RETURNING id, consumer, message_id, queue, exchange, routing_key, body, headers, properties
+    RETURNING id, consumer, message_id, queue, exchange, routing_key, body, headers, properties,
+              raw_properties
 ), unrecorded AS (
     DELETE FROM {inbox} i USING taken t
     WHERE i.consumer = t.consumer AND i.message_id = t.message_id
@@ -154,7 +216,8 @@ WITH taken AS (
     DELETE FROM {attempts} a USING taken t
     WHERE a.consumer = t.consumer AND a.message_id = t.message_id
 )
-SELECT consumer, message_id, queue, exchange, routing_key, body, headers, properties
+SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers, properties,
+       raw_properties
 FROM taken
 ORDER BY id
 

@@ -1,44 +1,73 @@
 """Exactly-once effects on the consumer side: ``outbox consume`` and ``Inbox``.
 
-The relay delivers every committed row at least once.  The inbox turns that into
-exactly one committed effect per message in the consumer's own database:
+The promise: every delivered message ends in exactly one place, one committed
+effect or parked with the reason, and a later copy of either is skipped.  The
+consumer exits only on a signal or a start-up error; no message makes it exit,
+loop or stall the queue.  Only a real outage of its own servers is retried as an
+outage, and the message in hand still gets its attempt counted.
 
-    BEGIN
-      INSERT INTO <inbox> (consumer, message_id) ... ON CONFLICT DO NOTHING
-      -- already there: a duplicate; commit nothing new, ack
-      handler(conn, message)            -- the effect, on the same connection
+One transaction of messages, in this order (``Processor.transaction``)::
+
+    record_ids      INSERT the batch's ids ... ON CONFLICT DO NOTHING
+                    (the ones already there are duplicates: acked, no effect)
+    for each new message:
+        handler(conn, message)            -- the effect, on the same connection
+        check what the handler left       -- pure: ``handler_left``
+    seal            the same transaction still? (a handler may have ended it)
     COMMIT
     ack
 
 Messages that are already here when the consumer looks (at most ``--prefetch``)
-go through this in ONE transaction, one after the other, and are acked after its
-single COMMIT: a busy consumer pays one durable commit per batch, not per
-message, and an idle one still handles each message as it arrives.  If a handler
-fails inside a batch, the batch is rolled back and its messages are applied one
-by one, so a failing message costs only itself (and a handler may run more than
-once for a message; only its database effect commits once).
+go through this in ONE transaction and are acked after its single COMMIT: a busy
+consumer pays one durable commit per batch, not per message.  If a handler fails
+inside a batch, the batch is rolled back and its messages are applied one by one,
+so a failing message costs only itself (a handler may run more than once for a
+message; only its database effect commits once).
+
+The handler contract, enforced after each call: a handler that raises (any
+``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
+rolls back, closes the connection, leaves it aborted, changes its settings
+(row factory, autocommit, isolation, ...) or gets its session ended by the server
+(``idle_in_transaction_session_timeout``, ``pg_terminate_backend``) has failed.
+Its message, and only it, counts the attempt; the transaction is rolled back,
+the settings are put back, a closed or ended session is replaced.  A COMMIT run
+by a handler fails by itself (the inbox's ``guard`` trigger, see ``inbox.sql``),
+and outside the consumer's transactions the session is read-only, so no
+message's id is ever committed without its own effect, nor an effect without
+its id (``store``).  A session that
+cannot be replaced at once is an outage: the consumer backs off and reconnects,
+and counts the attempt of the message in hand once the database is back.
+
+``BaseException`` policy: whatever a handler raises is that message's failure.
+``SystemExit`` never ends the consumer.  ``KeyboardInterrupt`` cannot be Ctrl-C
+in ``outbox consume`` (SIGINT/SIGTERM only set a flag there), so it is a failure
+too; without the signal handlers (``consume(..., install_signal_handlers=False)``
+in an application) it may be Ctrl-C, so it also stops the consumer once the
+batch in hand is settled.
 
 Crash table (kill -9 or a lost connection at any point):
 
 | crash point | state left | when the message comes back |
 |---|---|---|
-| before COMMIT (insert, handler) | rolled back, unacked | applied then |
+| before COMMIT (ids, handler) | rolled back, unacked | applied then |
 | after COMMIT, before the acks | effects and ids committed, unacked | ids found: acked, no effect |
 | after the ack | done | (a relay duplicate) id found: skipped |
 | database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
 
-A handler that raises: the transaction rolls back, the failed attempt is counted in
-``<inbox>_attempts``, and the message goes back to the queue after a short capped
-backoff (``--retry-delay``, doubling up to ``--retry-delay-max``).  At
-``--max-attempts`` it is parked in ``<inbox>_parked`` (with its id recorded, in one
-transaction) and acked, so it never blocks the queue; ``outbox parked retry`` puts
-it back.  A message without a ``message_id`` cannot be deduplicated: it is parked
-at once and the handler never sees it.
+A failed attempt is counted in ``<inbox>_attempts`` and the message goes back to
+the queue after a short capped backoff (``--retry-delay``, doubling up to
+``--retry-delay-max``).  At ``--max-attempts`` it is parked in ``<inbox>_parked``
+(with its id recorded, in one transaction) and acked, so it never blocks the
+queue; ``outbox parked retry`` puts it back.  A message without a ``message_id``
+(or whose properties cannot be read) cannot be deduplicated: it is parked at
+once and the handler never sees it.
 
-Roles: ``Processor`` is one message's (or batch's) life (database only, no
-broker); ``Inbox`` is the process (start, reconnect with backoff, retention,
-stop).  ``inbox_broker`` holds the kombu code, ``inbox_store`` the psycopg code,
-``inbox_message`` the handler's view of a delivery.
+Roles: ``Processor`` is one transaction of messages (the steps above; the
+database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
+settle, reconnect with backoff, retention, stop; the broker through
+``BrokerPort``).  ``store`` runs the statements, ``broker`` holds the kombu code,
+``message`` the handler's view of a delivery.  Unit tests run both roles on
+in-memory fakes (``tests/unit/inbox/fakes.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +82,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import psycopg
 
@@ -62,7 +91,7 @@ from outbox import backoff
 from outbox import fault_injection as faults
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
-from outbox.errors import BrokerUnavailable, DatabaseUnavailable, ExitCode, OutboxError
+from outbox.errors import DatabaseUnavailable, ExitCode, OutboxError
 from outbox.events import emit
 from outbox.inbox.broker import Broker, QueueMissing, QueuePublisher
 from outbox.inbox.message import (
@@ -70,13 +99,22 @@ from outbox.inbox.message import (
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     InboxMessage,
+    Parking,
     json_safe,
     parking_for,
+    text_safe,
     to_inbox_message,
 )
-from outbox.inbox.store import DEFAULT_INBOX_TABLE, HandlerFailed, InboxStore
+from outbox.inbox.settings import ConsumerSettings, parse_bindings
+from outbox.inbox.store import (
+    DEFAULT_INBOX_TABLE,
+    Failure,
+    InboxStore,
+    SessionState,
+    StatementRefused,
+    describe,
+)
 from outbox.message import ORDERING_KEY_HEADER
-from outbox.tables import TABLE_NAME
 
 __all__ = [
     "DEFAULT_INBOX_TABLE",
@@ -84,16 +122,19 @@ __all__ = [
     "ORDERING_KEY_HEADER",
     "ORIGINAL_EXCHANGE_HEADER",
     "ORIGINAL_ROUTING_KEY_HEADER",
+    "BrokerPort",
     "ConsumerSettings",
     "ConsumerStats",
+    "Disposition",
     "HandlerNotFound",
     "Inbox",
     "InboxMessage",
-    "Outcome",
     "Processor",
     "QueueMissing",
     "QueuePublisher",
+    "StorePort",
     "consume",
+    "handler_left",
     "json_safe",
     "load_handler",
     "parking_for",
@@ -132,8 +173,6 @@ def load_handler(spec: str) -> Handler:
             "run from the folder that holds it, or add that folder to PYTHONPATH",
         ) from exc
     except Exception as exc:
-        from outbox.inbox.store import describe
-
         raise HandlerNotFound(f"importing {module_name!r} failed: {describe(exc)}") from exc
     target: Any = module
     for part in attribute.split("."):
@@ -145,51 +184,7 @@ def load_handler(spec: str) -> Handler:
     return target  # type: ignore[no-any-return]
 
 
-# -- settings, counters, decisions ----------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ConsumerSettings:
-    """Everything ``outbox consume`` takes; each field is a CLI option and OUTBOX_* variable."""
-
-    queue: str
-    dsn: str = DEFAULT_DSN
-    amqp_url: str = DEFAULT_AMQP_URL
-    inbox_table: str = DEFAULT_INBOX_TABLE
-    # Who the ids are recorded for (default: the queue).  Consumers of several
-    # queues that form one logical consumer (consistent-hash shards) share one name.
-    consumer_name: str | None = None
-    prefetch: int = 10
-    max_attempts: int = 5
-    retry_delay: float = 0.1
-    retry_delay_max: float = 5.0
-    inbox_retention: float = 7 * 86400.0
-    prune_interval: float = 60.0
-    # (exchange, binding key) pairs: declare the queue and bind it at start-up.
-    bindings: tuple[tuple[str, str], ...] = ()
-    backoff_initial: float = 0.2
-    backoff_max: float = 30.0
-    connect_timeout: float = 10.0
-    heartbeat: int = 60
-
-    def __post_init__(self) -> None:
-        if not self.queue:
-            raise ValueError("give the queue to consume (--queue / OUTBOX_QUEUE)")
-        if not TABLE_NAME.match(self.inbox_table):
-            raise ValueError(
-                f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
-                "digits and underscores, at most 41 characters, not starting with a digit"
-            )
-        if self.prefetch < 1:
-            raise ValueError("prefetch must be at least 1")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.inbox_retention <= 0:
-            raise ValueError("inbox_retention must be positive")
-
-    @property
-    def consumer(self) -> str:
-        return self.consumer_name or self.queue
-
-
+# -- counters, decisions ---------------------------------------------------------------
 @dataclasses.dataclass
 class ConsumerStats:
     handled: int = 0
@@ -204,7 +199,7 @@ class ConsumerStats:
     last_error: str | None = None
 
 
-class Outcome(enum.Enum):
+class Disposition(enum.Enum):
     HANDLED = "handled"  # effect committed: ack
     DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
     RETRY = "retry"  # handler failed: requeue after a delay
@@ -223,89 +218,274 @@ def retry_delay(
     )
 
 
-# -- one message's life -----------------------------------------------------------------
+# -- the ports ------------------------------------------------------------------------------
+class StorePort(Protocol):
+    """The statements ``Processor`` runs (``store.InboxStore``; a fake in unit tests)."""
+
+    @property
+    def connection(self) -> Any: ...  # handed to the handler
+
+    @property
+    def broken(self) -> bool: ...
+
+    def record_ids(
+        self, keys: Sequence[str], redelivered: Sequence[str]
+    ) -> tuple[object, set[str]]: ...
+
+    def seal(self) -> object: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def session(self) -> SessionState: ...
+
+    def restore(self, state: SessionState) -> None: ...
+
+    def reconnect(self) -> None: ...
+
+    def record_failure(
+        self, message_id: str, error: str, *, max_attempts: int, parking: Parking
+    ) -> Failure: ...
+
+    def park(self, parking: Parking) -> None: ...
+
+    # for the process (``Inbox``)
+    def ensure_schema(self) -> None: ...
+
+    def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class DeliveryPort(Protocol):
+    @property
+    def message(self) -> InboxMessage: ...
+
+
+class BrokerPort(Protocol):
+    """What ``Inbox`` asks of the broker (``broker.Broker``; a fake in unit tests)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def open(self) -> None: ...
+
+    def drain(self, timeout: float) -> Sequence[Any]: ...
+
+    def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None: ...
+
+    def stop_consuming(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- what a handler left (pure) ------------------------------------------------------------
+def handler_left(before: SessionState, after: SessionState) -> str | None:
+    """Why the session a handler returned breaks the contract, or None if it does
+    not (the handler's transaction may go on to the COMMIT)."""
+    if after.closed:
+        return "the handler closed the connection it was handed"
+    if after.broken:
+        return "the handler's session ended (the server closed it)"
+    if after.transaction == "inerror":
+        return (
+            "the handler caught a database error; its transaction was aborted and cannot "
+            "commit (let the error propagate, or use conn.transaction() as a savepoint "
+            "around the statement that may fail)"
+        )
+    if after.transaction != "intrans":
+        return (
+            "the handler ended the transaction itself (commit or rollback); it must leave "
+            "that to the consumer (use conn.transaction() for savepoints)"
+        )
+    changed = [
+        name
+        for (name, was), (_, now) in zip(before.settings, after.settings, strict=True)
+        if was != now
+    ]
+    if changed:
+        return (
+            f"the handler changed the connection's settings ({', '.join(changed)}); "
+            "set them per cursor or per statement instead"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Broken:
+    """A transaction of messages that failed: ``message`` is the one whose handler
+    broke it (None: no handler is to blame, e.g. a deadlock between two
+    consumers' batches), ``reason`` says how."""
+
+    message: InboxMessage | None
+    reason: str
+
+
+Dispositions = list[tuple[Disposition, float]]
+
+
+# -- one transaction of messages ------------------------------------------------------------
 class Processor:
-    """Apply one message through the inbox; no broker I/O.  Returns the outcome and,
-    for ``RETRY``, how long to wait before requeueing.  ``DatabaseUnavailable``
-    means: do not ack; the message comes back and the inbox decides then."""
+    """Apply messages through the inbox; no broker I/O.  Returns each message's
+    outcome and, for ``RETRY``, how long to wait before requeueing it.
+    ``DatabaseUnavailable`` means: an outage; do not ack; the messages come back and
+    the inbox decides then."""
 
     def __init__(
         self,
-        store: InboxStore,
+        store: StorePort,
         handler: Handler,
         settings: ConsumerSettings,
         stats: ConsumerStats,
+        *,
+        on_interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.store, self.handler, self.settings, self.stats = store, handler, settings, stats
+        # Called when a handler raises KeyboardInterrupt (see the BaseException policy).
+        self.on_interrupt = on_interrupt
+        # Attempts of messages in hand when the database went away, counted once
+        # it is back (the messages themselves went back to the queue).
+        self.owed: list[tuple[InboxMessage, str]] = []
 
-    def process_batch(self, messages: Sequence[InboxMessage]) -> list[tuple[Outcome, float]]:
+    def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
-        all, which is what makes a busy consumer fast); if any of them fails, apply
-        them one by one instead, so a failing message costs only itself."""
-        identified = [m for m in messages if m.message_id is not None]
-        if len(identified) < 2:
+        all); if it fails, apply them one by one, so a failing message costs only
+        itself."""
+        self.settle_owed()
+        usable = [m for m in messages if _unusable(m) is None]
+        if len(usable) < 2:
             return [self.process(m) for m in messages]
-        try:
-            applied = iter(
-                self.store.apply_many(
-                    [(str(m.message_id), self._effect(m), m.redelivered) for m in identified]
-                )
-            )
-        except HandlerFailed as failed:
-            emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=failed)
+        done = self.transaction(usable)
+        if isinstance(done, Broken):
+            emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=done.reason)
             return [self.process(m) for m in messages]
-        return [
-            self.process(m) if m.message_id is None else self._applied(m, next(applied))
-            for m in messages
-        ]
+        applied = iter(done)
+        return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
 
-    def process(self, message: InboxMessage) -> tuple[Outcome, float]:
+    def process(self, message: InboxMessage) -> tuple[Disposition, float]:
         """Apply one message in its own transaction."""
-        if message.message_id is None:
-            self.store.park(parking_for(message, "no message_id: cannot be deduplicated"))
-            self.stats.parked += 1
-            emit(log, "consumer.parked", logging.WARNING, reason="no message_id")
-            return Outcome.PARKED, 0.0
-        message_id = message.message_id
+        self.settle_owed()
+        if _unusable(message):
+            return self._park_unusable(message)
+        done = self.transaction([message])
+        if isinstance(done, Broken):
+            return self._failed(message, done.reason)
+        return done[0]
+
+    def transaction(self, messages: Sequence[InboxMessage]) -> Dispositions | Broken:
+        """The steps of one transaction (see the module docstring).  On ``Broken``
+        the transaction is rolled back and the session is usable again."""
+        store = self.store
+        before = store.session()
+        keys = [str(m.message_id) for m in messages]
+        redelivered = [str(m.message_id) for m in messages if m.redelivered]
         try:
-            applied = self.store.apply(
-                message_id, self._effect(message), had_failed=message.redelivered
-            )
-        except HandlerFailed as failed:
-            return self._failed(message, message_id, failed)
-        return self._applied(message, applied)
-
-    def _effect(self, message: InboxMessage) -> Callable[[psycopg.Connection[Any]], None]:
-        def effect(conn: psycopg.Connection[Any]) -> None:
-            started = time.perf_counter()
+            started, new = store.record_ids(keys, redelivered)
+        except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
+            return Broken(None, exc.message)
+        outcomes: Dispositions = []
+        in_hand: InboxMessage | None = None
+        for message in messages:
+            if message.message_id not in new:  # applied before, or earlier in this batch
+                outcomes.append((Disposition.DUPLICATE, 0.0))
+                continue
+            new.discard(message.message_id)
+            in_hand = message
+            error = self._call(message)
+            left = handler_left(before, store.session())
+            if error or left:
+                return self._broken(message, before, error or str(left))
+            outcomes.append((Disposition.HANDLED, 0.0))
+        if in_hand is not None:
             try:
-                self.handler(conn, message)
-            finally:
-                self.stats.handler_seconds.observe(time.perf_counter() - started)
+                sealed = store.seal()
+            except DatabaseUnavailable as exc:  # the session ended in the handler's time
+                return self._broken(in_hand, before, exc.message)
+            if sealed != started:
+                return self._broken(
+                    in_hand,
+                    before,
+                    "the handler ended the transaction itself (commit or rollback) and went "
+                    "on in a new one",
+                )
+        try:
+            store.commit()  # DatabaseUnavailable: outcome unknown, the inbox decides
+        except StatementRefused as exc:
+            # A deferred constraint or a serialization failure refused the COMMIT:
+            # the effect of a message in the transaction failed.
+            store.restore(before)
+            return Broken(in_hand if len(messages) == 1 else None, exc.message)
+        for message, (outcome, _) in zip(messages, outcomes, strict=True):
+            if outcome is Disposition.HANDLED:
+                self.stats.handled += 1
+            else:
+                self._duplicate(message)
+        return outcomes
 
-        return effect
+    def _call(self, message: InboxMessage) -> str | None:
+        """Call the handler; the description of what it raised, if it raised."""
+        started = time.perf_counter()
+        try:
+            self.handler(self.store.connection, message)
+        except BaseException as exc:  # any of them is this message's failure (policy above)
+            if isinstance(exc, KeyboardInterrupt) and self.on_interrupt is not None:
+                self.on_interrupt()
+            return describe(exc)
+        finally:
+            self.stats.handler_seconds.observe(time.perf_counter() - started)
+        return None
 
-    def _applied(self, message: InboxMessage, applied: bool) -> tuple[Outcome, float]:
-        if applied:
-            self.stats.handled += 1
-            return Outcome.HANDLED, 0.0
+    def _broken(self, message: InboxMessage, before: SessionState, reason: str) -> Broken:
+        """Roll back and put the session back as it was before the handler, or
+        replace it if it is gone.  No new session at once: an outage
+        (``DatabaseUnavailable``), and the message's attempt is owed."""
+        store = self.store
+        try:
+            if store.broken:
+                raise DatabaseUnavailable(reason)
+            store.rollback()
+            store.restore(before)
+        except DatabaseUnavailable:
+            try:
+                store.reconnect()
+            except DatabaseUnavailable:
+                self.owed.append((message, reason))
+                raise
+        return Broken(message, reason)
+
+    def settle_owed(self) -> None:
+        """Count the attempts owed since an outage (see ``owed``)."""
+        while self.owed:
+            message, reason = self.owed[0]
+            self._failed(message, f"{reason} (then the database was unreachable)")
+            self.owed.pop(0)
+
+    def _duplicate(self, message: InboxMessage) -> tuple[Disposition, float]:
         self.stats.duplicates_skipped += 1
         emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message.message_id)
-        return Outcome.DUPLICATE, 0.0
+        return Disposition.DUPLICATE, 0.0
 
-    def _failed(
-        self, message: InboxMessage, message_id: str, failed: HandlerFailed
-    ) -> tuple[Outcome, float]:
+    def _park_unusable(self, message: InboxMessage) -> tuple[Disposition, float]:
+        reason = _unusable(message) or ""
+        self.store.park(parking_for(message, reason))
+        self.stats.parked += 1
+        emit(log, "consumer.parked", logging.WARNING, reason=reason)
+        return Disposition.PARKED, 0.0
+
+    def _failed(self, message: InboxMessage, error: str) -> tuple[Disposition, float]:
+        """Count the failed attempt of ``message`` (its own transaction): park it at
+        ``--max-attempts``, else hold it for its retry delay."""
+        message_id = str(message.message_id)
         self.stats.handler_failures += 1
         failure = self.store.record_failure(
             message_id,
-            failed.description,
+            text_safe(error),
             max_attempts=self.settings.max_attempts,
-            parking=parking_for(message, failed.description),
+            parking=parking_for(message, error),
         )
         if failure.duplicate:
-            self.stats.duplicates_skipped += 1
-            return Outcome.DUPLICATE, 0.0
+            return self._duplicate(message)
         if failure.parked:
             self.stats.parked += 1
             emit(
@@ -314,9 +494,9 @@ class Processor:
                 logging.ERROR,
                 message_id=message_id,
                 attempts=failure.attempts,
-                error=failed.description,
+                error=error,
             )
-            return Outcome.PARKED, 0.0
+            return Disposition.PARKED, 0.0
         delay = retry_delay(failure.attempts, self.settings)
         emit(
             log,
@@ -325,9 +505,18 @@ class Processor:
             message_id=message_id,
             attempt=failure.attempts,
             retry_in=f"{delay:.2f}s",
-            error=failed.description,
+            error=error,
         )
-        return Outcome.RETRY, delay
+        return Disposition.RETRY, delay
+
+
+def _unusable(message: InboxMessage) -> str | None:
+    """Why ``message`` cannot go to the handler at all (it is parked at once)."""
+    if message.unreadable is not None:
+        return f"its AMQP properties cannot be read: {message.unreadable}"
+    if message.message_id is None:
+        return "no message_id: cannot be deduplicated"
+    return None
 
 
 # -- the process ----------------------------------------------------------------------------
@@ -335,14 +524,23 @@ class Inbox:
     """A consumer with exactly-once effects: ``start()``, then ``run()`` until
     ``stop()`` (or SIGTERM/SIGINT with ``install_signal_handlers``)."""
 
-    def __init__(self, handler: Handler, settings: ConsumerSettings) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        settings: ConsumerSettings,
+        *,
+        broker: BrokerPort | None = None,
+        connect_store: Callable[[ConsumerSettings], StorePort] | None = None,
+    ) -> None:
         self.handler = handler
         self.settings = settings
         self.stats = ConsumerStats()
         self._stop = threading.Event()
-        self.store: InboxStore | None = None
+        self._signal_handlers = False
+        self.store: StorePort | None = None
         self.processor: Processor | None = None
-        self.broker = Broker(settings)
+        self.broker: BrokerPort = broker if broker is not None else Broker(settings)
+        self._connect_store = connect_store or _connect_store
         self._next_prune = 0.0
 
     # -- control --------------------------------------------------------------
@@ -357,6 +555,10 @@ class Inbox:
         """SIGTERM/SIGINT: finish the message in hand, commit, ack, then return."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
+        # A KeyboardInterrupt inside a handler is then never Ctrl-C (see the policy).
+        self._signal_handlers = True
+        if self.processor is not None:
+            self.processor.on_interrupt = None
 
     # -- life -------------------------------------------------------------------
     def start(self) -> None:
@@ -366,6 +568,7 @@ class Inbox:
             self._connect_database()
         if not self.broker.connected:
             self.broker.open()
+        self._maybe_prune()
         s = self.settings
         emit(
             log,
@@ -394,7 +597,7 @@ class Inbox:
                 self.stats.last_progress = time.monotonic()
                 self.stats.last_error = None
                 failures = 0
-            except (DatabaseUnavailable, BrokerUnavailable, QueueMissing) as exc:
+            except OutboxError as exc:  # an outage, or a statement the server refused
                 self._outage(exc, failures)
                 failures += 1
         self.broker.stop_consuming()
@@ -420,7 +623,10 @@ class Inbox:
         self.stats.last_progress = time.monotonic()  # backing off is progress
         # Unacked messages go back to the queue; the inbox decides when they return.
         self.broker.close()
-        if isinstance(exc, DatabaseUnavailable) and self.store is not None:
+        # A new session as well, also after a refused statement: one of the consumer's
+        # own statements fails on a session whose settings a handler changed for good
+        # (a plain SET search_path that committed); a new session starts clean.
+        if self.store is not None:
             self.store.close()
             self.store = None
         pause = backoff.delay(
@@ -430,15 +636,23 @@ class Inbox:
         self._stop.wait(pause)
 
     def _connect_database(self) -> None:
-        s = self.settings
-        store = InboxStore(s.dsn, s.inbox_table, s.consumer, connect_timeout=s.connect_timeout)
+        store = self._connect_store(self.settings)
         try:
             store.ensure_schema()
         except Exception:
             store.close()
             raise
         self.store = store
-        self.processor = Processor(store, self.handler, s, self.stats)
+        if self.processor is None:
+            self.processor = Processor(
+                store,
+                self.handler,
+                self.settings,
+                self.stats,
+                on_interrupt=None if self._signal_handlers else self.stop,
+            )
+        else:  # the same processor: it may owe attempts from before the outage
+            self.processor.store = store
 
     def _maybe_prune(self) -> None:
         now = time.monotonic()
@@ -456,33 +670,39 @@ class Inbox:
         self._next_prune = now + (1.0 if full else self.settings.prune_interval)
 
     # -- the deliveries in hand -----------------------------------------------------
-    def _handle(self, deliveries: list[Any]) -> None:
+    def _handle(self, deliveries: Sequence[Any]) -> None:
         """Apply, then settle: ack what committed (or was skipped or parked); hold
         failed ones for their retry delay and put them back on the queue."""
         processor = self.processor
         if processor is None:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
-        messages = [
-            to_inbox_message(d.body, d.properties, d.delivery_info, self.settings.queue)
-            for d in deliveries
-        ]
+        messages = [d.message for d in deliveries]
         outcomes = processor.process_batch(messages)
-        if any(outcome is Outcome.HANDLED for outcome, _ in outcomes):
+        if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))
-        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Outcome.RETRY]
+        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Disposition.RETRY]
         if not retries:
             # Every earlier delivery is settled already: one frame acks the batch.
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
         else:
             for delivery, (outcome, _) in settled:
-                if outcome is not Outcome.RETRY:
+                if outcome is not Disposition.RETRY:
                     self.broker.settle(delivery, ack=True)
             self.stats.retried += len(retries)
             self._stop.wait(max(delay for _, delay in retries))  # a stop cuts it short
             for delivery, _ in retries:
                 self.broker.settle(delivery, ack=False)
         self.stats.last_progress = time.monotonic()
+
+
+def _connect_store(settings: ConsumerSettings) -> InboxStore:
+    return InboxStore(
+        settings.dsn,
+        settings.inbox_table,
+        settings.consumer,
+        connect_timeout=settings.connect_timeout,
+    )
 
 
 def consume(
@@ -507,14 +727,3 @@ def consume(
         return inbox.run()
     finally:
         inbox.close()
-
-
-def parse_bindings(texts: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """``EXCHANGE:BINDING_KEY`` pairs (the key may contain ':'; '#' if omitted)."""
-    pairs = []
-    for text in texts:
-        exchange, _, key = text.partition(":")
-        if not exchange:
-            raise ValueError(f"{text!r} is not EXCHANGE:BINDING_KEY (e.g. orders:order.*)")
-        pairs.append((exchange, key or "#"))
-    return tuple(pairs)

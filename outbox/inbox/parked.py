@@ -1,12 +1,17 @@
 """``outbox parked``: look at, retry and purge messages the consumer gave up on.
 
-A parked message keeps its body, headers, the AMQP properties that matter, where it
-came from (exchange, routing key, queue), the error and the number of attempts.
+A parked message keeps its body, its AMQP property list exactly as it arrived
+(headers with their AMQP types, a message_id that is not UTF-8), where it came
+from (exchange, routing key, queue), the error and the number of attempts; the
+headers and the main properties are also kept as JSON for people to read.
 
 ``retry`` sends it again **to the queue it was parked from** (through the default
 exchange, so other queues bound to the original exchange do not see it a second
-time) with the same ``message_id``; the consumer restores the original exchange and
-routing key from two headers.  It runs in one database transaction per batch:
+time) with the same property list as it arrived, marked persistent and with two more
+headers from which the consumer restores the original exchange and routing key.
+Each parked message is sent at most once per call: the rows parked when the call
+starts, in order; those parked again meanwhile wait for the next call.  It runs in
+one database transaction per batch:
 
 1. delete the parked rows, their inbox ids and attempt counters (not committed);
 2. publish each message, persistent and ``mandatory``, and wait for the confirms;
@@ -25,7 +30,11 @@ from typing import Any
 
 from outbox.errors import BrokerUnavailable
 from outbox.inbox.broker import QueuePublisher
-from outbox.inbox.message import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
+from outbox.inbox.message import (
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    key_bytes,
+)
 from outbox.inbox.store import ParkedStore
 
 RETRY_BATCH = 500
@@ -66,34 +75,51 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 def retry(
     store: ParkedStore, amqp_url: str, ids: Sequence[str] | None, *, connect_timeout: float = 10.0
 ) -> list[str]:
-    """Send parked messages (``ids`` None: all) back to their queues; returns their ids."""
+    """Send parked messages (``ids`` None: all) back to their queues, each at most
+    once: the rows parked when the call starts, in order (a message parked again
+    while this runs waits for the next call).  Returns the ids of those sent."""
     retried: list[str] = []
+    last = store.last_parked()
+    after = 0
     publisher = QueuePublisher(amqp_url, connect_timeout=connect_timeout)
     try:
         while True:
-            with store.taking(ids, RETRY_BATCH) as rows:
+            with store.taking(ids, RETRY_BATCH, after=after, last=last) as rows:
                 for row in rows:
-                    headers = dict(row["headers"] or {})
-                    headers[ORIGINAL_EXCHANGE_HEADER] = row["exchange"]
-                    headers[ORIGINAL_ROUTING_KEY_HEADER] = row["routing_key"]
-                    try:
-                        publisher.publish(
-                            row["queue"],
-                            bytes(row["body"]),
-                            message_id=row["message_id"],
-                            headers=headers,
-                            properties=row["properties"] or {},
-                        )
-                    except Exception as exc:
-                        raise BrokerUnavailable(
-                            f"RabbitMQ did not take parked message {row['message_id']} "
-                            f"for queue {row['queue']!r}: {exc!r}",
-                            f"{len(retried)} were retried before it, the rest stay parked; "
-                            "check that the queue exists, then retry again",
-                        ) from exc
+                    _send(publisher, row, len(retried))
             retried.extend(row["message_id"] for row in rows)
             if len(rows) < RETRY_BATCH:
                 break
+            after = rows[-1]["id"]
     finally:
         publisher.close()
     return retried
+
+
+def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> None:
+    headers = {
+        ORIGINAL_EXCHANGE_HEADER: _text(row["exchange"]),
+        ORIGINAL_ROUTING_KEY_HEADER: _text(row["routing_key"]),
+    }
+    raw = row["raw_properties"]
+    try:
+        publisher.publish(
+            row["queue"],
+            bytes(row["body"]),
+            raw_properties=bytes(raw) if raw is not None else None,
+            message_id=key_bytes(row["message_id"]),
+            headers=headers if raw is not None else {**(row["headers"] or {}), **headers},
+            properties=row["properties"] or {},
+        )
+    except Exception as exc:
+        raise BrokerUnavailable(
+            f"RabbitMQ did not take parked message {row['message_id']} "
+            f"for queue {row['queue']!r}: {exc!r}",
+            f"{sent_before} were retried before it, the rest stay parked; "
+            "check that the queue exists, then retry again",
+        ) from exc
+
+
+def _text(key: str) -> str:
+    """An exchange or routing key back from its inbox key, as AMQP text."""
+    return key_bytes(key).decode("utf-8", "surrogatepass")

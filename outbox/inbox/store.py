@@ -1,57 +1,89 @@
-"""The consumer's inbox in its own PostgreSQL database (psycopg 3).
+"""The consumer's inbox in its own PostgreSQL database: statements only.
 
-``InboxStore`` owns one connection.  ``apply`` is the exactly-once step: in ONE
-transaction it records the message id in the inbox and runs the handler's effect,
-then commits; the caller acks only after that.  The id is the primary key, so a
-second copy of a message, delivered before or after the commit, finds it and
-changes nothing.  A crash anywhere before the COMMIT loses the whole transaction
-(the message comes back and is applied then); a crash after it leaves the id, so
-the redelivered message is skipped.
+``InboxStore`` owns one connection and runs the inbox's statements on it; the
+order of the steps of a message (record its id, call the handler, check what the
+handler left, commit or fail) is the loop's (``outbox.inbox.loop``), which talks
+to this class through ``loop.StorePort``.  The connection is the one handed to
+handlers (tuple rows, autocommit, as psycopg gives them).
 
-``record_failure`` counts a failed attempt and parks the message once it has
-failed ``max_attempts`` times, in the same transaction that also records its id,
-so a parked message is never applied later by a stray copy.  ``take_parked`` is
-the first half of ``outbox parked retry`` (see ``outbox.inbox.parked``).
+The session is read-only by default (``default_transaction_read_only``); only the
+consumer's own transactions are ``BEGIN READ WRITE``.  So the effects of a message
+can only be written inside the transaction that records its id: a handler that
+ends that transaction (COMMIT, ROLLBACK) and writes on can write nothing, and a
+COMMIT it runs in that transaction fails by itself (the inbox's ``guard``
+trigger, see ``inbox.sql``).  No id is committed without its effect, and no
+effect without its id.
 
-The tables are created at start-up (``ensure_schema``) under an advisory lock, the
-way ``outbox init`` migrates the outbox: the consumer's database is not the
-outbox's, so this is not an outbox migration.
+Statements:
+
+- ``record_ids`` starts the transaction (BEGIN READ WRITE, pipelined with it)
+  and records the batch's ids in one statement; it returns when the transaction
+  started with the ids that are new (the others are duplicates);
+- ``seal`` just before ``commit`` returns the start again (a handler that ended
+  the transaction and went on in a new one shows as another start);
+- ``record_failure`` counts a failed attempt and parks the message at
+  ``max_attempts``, recording its id in the same transaction so that no later copy
+  of it is applied; ``park`` parks a message that cannot be handled at all.
+
+The inbox records ids as text; ids a text column cannot hold are escaped
+losslessly (``outbox.inbox.message.inbox_key``).  The tables are created and
+upgraded at start-up (``ensure_schema``, idempotent) under an advisory lock; the
+consumer's database is not the outbox's, so this is not an outbox migration.
+Connections and the telling of a lost session from a refused statement are
+``outbox.db.session``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.db.queries import load_blocks
+from outbox.db.session import connect, first_line, session_lost
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady
+from outbox.inbox.message import Parking
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
 
-# SQLSTATE classes that mean the session is gone (as in ``outbox.db.session``).
-_SESSION_GONE = ("08", "57P01", "57P02", "57P03")
+# The connection settings a handler could change; restored after each failure.
+SETTINGS = (
+    "autocommit",
+    "isolation_level",
+    "read_only",
+    "deferrable",
+    "row_factory",
+    "cursor_factory",
+    "server_cursor_factory",
+    "prepare_threshold",
+    "prepared_max",
+)
 
-Effect = Callable[["psycopg.Connection[Any]"], None]
 
-
-def inbox_identifiers(table: str) -> dict[str, sql.Identifier]:
+def inbox_identifiers(table: str) -> dict[str, sql.Composable]:
     return {
         "inbox": sql.Identifier(table),
         "inbox_by_age": sql.Identifier(f"{table}_by_age"),
         "attempts": sql.Identifier(f"{table}_attempts"),
         "parked": sql.Identifier(f"{table}_parked"),
+        "guard": sql.Identifier(f"{table}_guard"),
+        # Names as values, for the upgrade's catalog look-ups.
+        "inbox_name": sql.Literal(table),
+        "parked_name": sql.Literal(f"{table}_parked"),
+        "guard_name": sql.Literal(f"{table}_guard"),
+        "guard_signature": sql.Literal(f"{table}_guard()"),
     }
 
 
@@ -69,13 +101,10 @@ def render_sql(table: str) -> str:
     return f"-- outbox consume: inbox tables {table!r}\nBEGIN;\n{schema}\nCOMMIT;\n"
 
 
-class HandlerFailed(Exception):
-    """The handler raised (or broke the transaction): the message's effect failed."""
-
-    def __init__(self, error: BaseException, description: str) -> None:
-        super().__init__(description)
-        self.error = error
-        self.description = description
+class StatementRefused(OutboxError):
+    """PostgreSQL refused a statement on a live session (a deadlock between two
+    consumers' batches, a deferred constraint at COMMIT, a serialization failure).
+    The transaction is over; the session is fine."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,53 +118,30 @@ class Failure:
 
 
 @dataclasses.dataclass(frozen=True)
-class Parking:
-    """Everything kept about a parked message, enough to publish it again."""
+class SessionState:
+    """What a handler can see and change of the session it is handed (read
+    without I/O): the loop compares it before and after each handler call."""
 
-    message_id: str | None
-    queue: str
-    exchange: str
-    routing_key: str
-    body: bytes
-    headers: dict[str, Any]
-    properties: dict[str, Any]
-    error: str
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    closed: bool
+    broken: bool
+    transaction: str  # idle, active, intrans, inerror, unknown
+    settings: tuple[tuple[str, Any], ...]
 
 
 def describe(exc: BaseException) -> str:
-    """One line for logs and the parked table: type, message, and where it was raised."""
+    """One line for logs and the parked table: type, message, and where it was
+    raised.  Never raises, whatever the exception's ``str`` does."""
     where = ""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is not None:
         where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
-    return f"{type(exc).__name__}: {_first_line(exc)}{where}"
-
-
-def connect(dsn: str, *, application_name: str, connect_timeout: float) -> psycopg.Connection[Any]:
-    """An autocommit connection with psycopg's default (tuple) rows, as handlers expect."""
     try:
-        return psycopg.connect(
-            dsn,
-            autocommit=True,
-            application_name=application_name,
-            connect_timeout=max(1, round(connect_timeout)),
-            keepalives=1,
-            keepalives_idle=10,
-            keepalives_interval=5,
-            keepalives_count=3,
-        )
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"cannot connect to the consumer's PostgreSQL: {_first_line(exc)}",
-            "check --dsn / OUTBOX_DSN and that the server is running",
-        ) from exc
+        text = first_line(exc)
+    except Exception:
+        text = "(its message cannot be shown)"
+    return f"{type(exc).__name__}: {text}{where}"
 
 
 class InboxStore:
@@ -151,163 +157,181 @@ class InboxStore:
         self.table = table
         self.consumer = consumer
         self.queries = _statements(table)
-        self.conn = connect(dsn, application_name=application_name, connect_timeout=connect_timeout)
+        self._dsn = dsn
+        self._application_name = application_name
+        self._connect_timeout = connect_timeout
+        self.conn = self._connect()
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn: psycopg.Connection[Any] = connect(
+            self._dsn,
+            application_name=self._application_name,
+            connect_timeout=self._connect_timeout,
+        )
+        # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
+        conn.row_factory = tuple_row
+        try:
+            conn.execute("SET default_transaction_read_only = on")
+        except psycopg.Error as exc:
+            conn.close()
+            raise DatabaseUnavailable(
+                f"cannot configure the consumer's PostgreSQL session: {first_line(exc)}"
+            ) from exc
+        return conn
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The connection handed to handlers."""
+        return self.conn
 
     @property
     def broken(self) -> bool:
         return self.conn.broken or self.conn.closed
 
+    def reconnect(self) -> None:
+        """A new session in place of this one (``DatabaseUnavailable`` if none)."""
+        self.close()
+        self.conn = self._connect()
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.close()
-
-    def _lost(self, exc: BaseException) -> bool:
-        if self.broken:
-            return True
-        if not isinstance(exc, psycopg.OperationalError):
-            return False
-        sqlstate = getattr(exc, "sqlstate", None)
-        return sqlstate is None or sqlstate.startswith(_SESSION_GONE)
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
         try:
             yield
-        except (OutboxError, HandlerFailed):
+        except OutboxError:
             raise
         except psycopg.Error as exc:
-            if self._lost(exc):
+            if session_lost(self.conn, exc):
                 raise DatabaseUnavailable(
-                    f"lost the consumer's PostgreSQL connection while {what}: {_first_line(exc)}",
+                    f"lost the consumer's PostgreSQL connection while {what}: {first_line(exc)}",
                     "the consumer reconnects by itself; check the server if this repeats",
                 ) from exc
+            with contextlib.suppress(psycopg.Error):
+                self.conn.execute("ROLLBACK")
             if isinstance(exc, psycopg.OperationalError):
                 # Transient trouble on a live session (resources, lock timeout).
                 raise DatabaseUnavailable(
-                    f"PostgreSQL failed while {what}: {_first_line(exc)}",
+                    f"PostgreSQL failed while {what}: {first_line(exc)}",
                     "the consumer retries with backoff; check the server if this repeats",
                 ) from exc
-            raise OutboxError(
-                f"PostgreSQL failed while {what}: {_first_line(exc)}",
+            raise StatementRefused(
+                f"PostgreSQL refused {what}: {first_line(exc)}",
                 "check the inbox tables (outbox consume --print-sql) and the role's rights",
             ) from exc
+
+    @contextlib.contextmanager
+    def _transaction(self, what: str) -> Iterator[psycopg.Connection[Any]]:
+        """One read-write transaction of the store's own (commits at the end)."""
+        with self._translated(what):
+            self.conn.execute("BEGIN READ WRITE")
+            try:
+                yield self.conn
+            except BaseException:
+                if not self.broken:
+                    self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[psycopg.Connection[Any]]:
+        """Statements that only read (each its own read-only transaction)."""
+        with self._translated(what):
+            yield self.conn
 
     def _params(self, **values: Any) -> dict[str, Any]:
         return {"consumer": self.consumer, **values}
 
     # -- set-up ---------------------------------------------------------------
     def ensure_schema(self) -> None:
-        """Create the inbox tables if missing; concurrent consumers wait on one lock."""
-        with self._translated("creating the inbox tables"), self.conn.transaction():
-            self.conn.execute(
+        """Create the inbox tables if missing and upgrade them in place (idempotent);
+        concurrent consumers wait on one lock."""
+        with self._transaction("creating the inbox tables") as conn:
+            conn.execute(
                 "SELECT pg_advisory_xact_lock(%s, %s)",
                 [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF],
             )
-            self.conn.execute(self.queries["schema"])
+            conn.execute(self.queries["schema"])
 
-    # -- messages -------------------------------------------------------------------
-    def apply(self, message_id: str, effect: Effect, *, had_failed: bool) -> bool:
-        """Record ``message_id`` and run ``effect`` in one transaction; False: duplicate.
+    # -- one transaction of messages (the loop's steps) -----------------------------
+    def record_ids(
+        self, keys: Sequence[str], redelivered: Sequence[str]
+    ) -> tuple[datetime.datetime, set[str]]:
+        """Start the transaction and record ``keys`` (one round trip); returns when
+        the transaction started and the keys that are new.  Attempt counters of
+        new ``redelivered`` keys go."""
+        with self._translated("recording message ids"):
+            with self.conn.pipeline():
+                self.conn.execute("BEGIN READ WRITE")
+                cur = self.conn.execute(
+                    self.queries["record_messages"],
+                    self._params(ids=list(keys), redelivered=list(redelivered)),
+                )
+            row = cur.fetchone()
+        assert row is not None
+        return row[0], set(row[2])
 
-        ``had_failed``: the message may have failed before (it was redelivered), so
-        its attempt counter is cleared in the same transaction.  Raises
-        ``HandlerFailed`` (rolled back) or ``DatabaseUnavailable`` (outcome of the
-        commit unknown: process the message again after reconnecting, the inbox
-        knows).
-        """
-        return self.apply_many([(message_id, effect, had_failed)])[0]
+    def seal(self) -> datetime.datetime:
+        """The last statement before ``commit``: when the transaction started."""
+        with self._translated("checking the transaction before the commit"):
+            row = self.conn.execute(self.queries["seal"]).fetchone()
+        assert row is not None
+        started: datetime.datetime = row[0]
+        return started
 
-    def apply_many(self, items: Sequence[tuple[str, Effect, bool]]) -> list[bool]:
-        """``apply`` for several messages in ONE transaction (one commit for all):
-        all their effects and ids commit together, or none.  Raises like ``apply``
-        if any effect fails; the caller then applies them one by one."""
-        applied = []
-        ids = [message_id for message_id, _, _ in items]
-        try:
-            with self.conn.transaction():
-                cur = self.conn.execute(self.queries["record_messages"], self._params(ids=ids))
-                new = {row[0] for row in cur.fetchall()}
-                failed_before = [m for m, _, had_failed in items if had_failed and m in new]
-                if failed_before:
-                    self.conn.execute(
-                        self.queries["forget_attempts_of"], self._params(ids=failed_before)
-                    )
-                for message_id, effect, _ in items:
-                    if message_id not in new:
-                        applied.append(False)  # a copy was applied before, or earlier here
-                        continue
-                    new.discard(message_id)
-                    try:
-                        effect(self.conn)
-                    except Exception as exc:
-                        if self._lost(exc):
-                            raise
-                        raise HandlerFailed(exc, describe(exc)) from exc
-                    self._check_still_in_transaction()
-                    applied.append(True)
-        except HandlerFailed:
-            if self.broken:
-                raise DatabaseUnavailable(
-                    "lost the consumer's PostgreSQL connection while applying messages",
-                    "the consumer reconnects by itself; check the server if this repeats",
-                ) from None
-            raise
-        except psycopg.Error as exc:
-            if self._lost(exc):
-                raise DatabaseUnavailable(
-                    "lost the consumer's PostgreSQL connection while applying messages: "
-                    f"{_first_line(exc)}",
-                    "the consumer reconnects by itself; the inbox decides when they come back",
-                ) from exc
-            # The COMMIT refused an effect (a deferred constraint, a serialization
-            # failure), or two consumers' batches deadlocked on their ids: the
-            # transaction failed, like a raise inside a handler.
-            raise HandlerFailed(exc, describe(exc)) from exc
-        return applied
+    def commit(self) -> None:
+        """``DatabaseUnavailable`` here: the outcome is unknown (the inbox decides
+        when the messages come back); ``StatementRefused``: rolled back."""
+        with self._translated("committing"):
+            self.conn.execute("COMMIT")
 
-    def _check_still_in_transaction(self) -> None:
-        """psycopg "commits" an aborted transaction without an error (the server just
-        rolls back): a handler that caught a database error must not be acked."""
-        status = self.conn.info.transaction_status
-        if status == TransactionStatus.INERROR:
-            error = RuntimeError(
-                "the handler caught a database error; its transaction was aborted and "
-                "cannot commit (let the error propagate, or use conn.transaction() as a "
-                "savepoint around the statement that may fail)"
-            )
-        elif status != TransactionStatus.INTRANS:
-            error = RuntimeError(
-                "the handler ended the transaction itself (commit or rollback); it must "
-                "leave that to the consumer (use conn.transaction() for savepoints)"
-            )
-        else:
-            return
-        raise HandlerFailed(error, describe(error))
+    def rollback(self) -> None:
+        with self._translated("rolling back"):
+            if self.conn.info.transaction_status != TransactionStatus.IDLE:
+                self.conn.execute("ROLLBACK")
 
+    def session(self) -> SessionState:
+        conn = self.conn
+        status = conn.info.transaction_status
+        return SessionState(
+            closed=conn.closed,
+            broken=conn.broken,
+            transaction=_STATUS.get(status, "unknown"),
+            settings=tuple((name, getattr(conn, name)) for name in SETTINGS),
+        )
+
+    def restore(self, state: SessionState) -> None:
+        """Put back the settings of ``state`` (after ``rollback``: the session is
+        idle, so every setting can change)."""
+        for name, value in state.settings:
+            if getattr(self.conn, name) != value:
+                setattr(self.conn, name, value)
+
+    # -- failures and parking (transactions of their own) ---------------------------
     def record_failure(
         self, message_id: str, error: str, *, max_attempts: int, parking: Parking
     ) -> Failure:
         """Count a failed attempt; at ``max_attempts`` park the message (its id goes
         into the inbox in the same transaction, so no later copy applies it)."""
         params = self._params(message_id=message_id)
-        with self._translated("recording a failed attempt"), self.conn.transaction():
-            row = self.conn.execute(
-                self.queries["count_attempt"], {**params, "error": error}
-            ).fetchone()
+        with self._transaction("recording a failed attempt") as conn:
+            row = conn.execute(self.queries["count_attempt"], {**params, "error": error}).fetchone()
             attempts = int(row[0]) if row else 1
             if attempts < max_attempts:
                 return Failure(attempts, parked=False)
-            if self.conn.execute(self.queries["record_message"], params).rowcount == 0:
+            if conn.execute(self.queries["record_message"], params).rowcount == 0:
                 # Another copy was applied since: nothing to park, the effect exists.
-                self.conn.execute(self.queries["forget_attempts"], params)
+                conn.execute(self.queries["forget_attempts"], params)
                 return Failure(attempts, parked=False, duplicate=True)
             self._park(parking, attempts)
-            self.conn.execute(self.queries["forget_attempts"], params)
+            conn.execute(self.queries["forget_attempts"], params)
         return Failure(attempts, parked=True)
 
     def park(self, parking: Parking) -> None:
         """Park a message that cannot be handled at all (no message id)."""
-        with self._translated("parking a message"), self.conn.transaction():
+        with self._transaction("parking a message"):
             self._park(parking, attempts=0)
 
     def _park(self, parking: Parking, attempts: int) -> None:
@@ -321,6 +345,7 @@ class InboxStore:
                 body=parking.body,
                 headers=Jsonb(parking.headers),
                 properties=Jsonb(parking.properties),
+                raw_properties=parking.raw_properties,
                 error=parking.error,
                 attempts=attempts,
             ),
@@ -332,20 +357,29 @@ class InboxStore:
         transaction, at most ``max_batches`` batches per call; returns how many."""
         params = self._params(retention=retention_seconds, batch=batch)
         deleted = 0
-        with self._translated("pruning the inbox"):
-            for _ in range(max_batches):
-                count = self.conn.execute(self.queries["prune_inbox"], params).rowcount
-                deleted += count
-                if count < batch:
-                    break
-            self.conn.execute(self.queries["prune_attempts"], params)
+        for _ in range(max_batches):
+            with self._transaction("pruning the inbox") as conn:
+                count = conn.execute(self.queries["prune_inbox"], params).rowcount
+            deleted += count
+            if count < batch:
+                break
+        with self._transaction("pruning the inbox") as conn:
+            conn.execute(self.queries["prune_attempts"], params)
         return deleted
 
     # -- figures ------------------------------------------------------------------
     def parked_count(self) -> int:
-        with self._translated("counting parked messages"):
-            row = self.conn.execute(self.queries["parked_count"], self._params()).fetchone()
+        with self._reading("counting parked messages") as conn:
+            row = conn.execute(self.queries["parked_count"], self._params()).fetchone()
         return int(row[0]) if row else 0
+
+
+_STATUS = {
+    TransactionStatus.IDLE: "idle",
+    TransactionStatus.ACTIVE: "active",
+    TransactionStatus.INTRANS: "intrans",
+    TransactionStatus.INERROR: "inerror",
+}
 
 
 class ParkedStore(InboxStore):
@@ -355,8 +389,8 @@ class ParkedStore(InboxStore):
         super().__init__(
             dsn, table, "", application_name="outbox-parked", connect_timeout=connect_timeout
         )
-        with self._translated("looking for the inbox tables"):
-            row = self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
+        with self._reading("looking for the inbox tables") as conn:
+            row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
             found = row.fetchone()
         if not found or not found[0]:
             self.close()
@@ -367,37 +401,52 @@ class ParkedStore(InboxStore):
             )
 
     def entries(self, limit: int) -> list[dict[str, Any]]:
-        with self._translated("listing parked messages"):
-            cur = self.conn.cursor(row_factory=dict_row)
+        with self._reading("listing parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["list_parked"], {"limit": limit}).fetchall()
+
+    def last_parked(self) -> int:
+        """The newest parked row's number: a retry run takes none after it."""
+        with self._reading("looking at parked messages") as conn:
+            row = conn.execute(self.queries["last_parked"]).fetchone()
+        return int(row[0]) if row else 0
 
     def entry(self, parked_id: int) -> dict[str, Any] | None:
         """One parked message with its body, headers and properties (JSON text)."""
-        with self._translated("reading a parked message"):
-            cur = self.conn.cursor(row_factory=dict_row)
+        with self._reading("reading a parked message") as conn:
+            cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
-        with self._translated("selecting parked messages"):
-            cur = self.conn.cursor(row_factory=dict_row)
+        with self._reading("selecting parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["select_parked"], {"ids": list(ids)}).fetchall()
 
     @contextlib.contextmanager
-    def taking(self, ids: Sequence[str] | None, limit: int) -> Iterator[list[dict[str, Any]]]:
-        """Remove up to ``limit`` parked messages (``ids`` None: any) with their inbox
-        ids, and yield them; commit when the block ends, roll back if it raises."""
-        with self._translated("taking parked messages"), self.conn.transaction():
-            cur = self.conn.cursor(row_factory=dict_row)
+    def taking(
+        self, ids: Sequence[str] | None, limit: int, *, after: int = 0, last: int | None = None
+    ) -> Iterator[list[dict[str, Any]]]:
+        """Remove up to ``limit`` parked messages (``ids`` None: any) numbered
+        after ``after`` up to ``last``, with their inbox ids, and yield them;
+        commit when the block ends, roll back if it raises."""
+        with self._transaction("taking parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
             rows = cur.execute(
                 self.queries["take_parked"],
-                {"all": ids is None, "ids": list(ids or []), "limit": limit},
+                {
+                    "all": ids is None,
+                    "ids": list(ids or []),
+                    "limit": limit,
+                    "after": after,
+                    "last": last if last is not None else 2**63 - 1,
+                },
             ).fetchall()
             yield rows
 
     def purge(self, ids: Sequence[str] | None, older_than: float | None) -> int:
-        with self._translated("purging parked messages"):
-            cur = self.conn.execute(
+        with self._transaction("purging parked messages") as conn:
+            cur = conn.execute(
                 self.queries["purge_parked"],
                 {"all": ids is None, "ids": list(ids or []), "older_than": older_than},
             )

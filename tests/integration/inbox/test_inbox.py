@@ -29,9 +29,9 @@ from outbox.config import Settings
 from outbox.inbox import parked
 from outbox.inbox.loop import (
     ConsumerSettings,
+    Disposition,
     Inbox,
     InboxMessage,
-    Outcome,
     Processor,
     parking_for,
 )
@@ -323,7 +323,7 @@ def test_inbox__two_consumers_racing_on_one_id_apply_it_once(
     a = _processor(consumer_dsn, topology, held)
     b = _processor(consumer_dsn, topology, record)
     message_id = new_ids(1)[0]
-    results: dict[str, Outcome] = {}
+    results: dict[str, Disposition] = {}
     thread_a = threading.Thread(
         target=lambda: results.__setitem__("a", a.process(_message(message_id, topology.queue))[0])
     )
@@ -339,9 +339,9 @@ def test_inbox__two_consumers_racing_on_one_id_apply_it_once(
     thread_a.join(10)
     thread_b.join(10)
     if first_outcome == "commits":
-        assert results == {"a": Outcome.HANDLED, "b": Outcome.DUPLICATE}
+        assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
     else:
-        assert results == {"a": Outcome.RETRY, "b": Outcome.HANDLED}
+        assert results == {"a": Disposition.RETRY, "b": Disposition.HANDLED}
     assert [m for m, _ in effects(consumer_dsn)] == [message_id]
     a.store.close()
     b.store.close()
@@ -361,12 +361,12 @@ def test_inbox__messages_already_here_commit_as_one_transaction(
     processor = _processor(consumer_dsn, topology, handler)
     try:
         earlier, *fresh = new_ids(4)
-        assert processor.process(_message(earlier, topology.queue))[0] is Outcome.HANDLED
+        assert processor.process(_message(earlier, topology.queue))[0] is Disposition.HANDLED
         batch = [_message(m, topology.queue) for m in [*fresh, earlier, fresh[0]]]
         outcomes = [outcome for outcome, _ in processor.process_batch(batch)]
     finally:
         processor.store.close()
-    assert outcomes == [Outcome.HANDLED] * 3 + [Outcome.DUPLICATE] * 2
+    assert outcomes == [Disposition.HANDLED] * 3 + [Disposition.DUPLICATE] * 2
     assert len(set(transactions[1:])) == 1  # the three fresh ones: one commit
     assert sorted(m for m, _ in effects(consumer_dsn)) == sorted([earlier, *fresh])
 
@@ -386,7 +386,10 @@ def test_inbox__a_batch_with_a_failing_message_is_applied_one_by_one(
         outcomes = processor.process_batch([_message(m, topology.queue) for m in ids])
     finally:
         processor.store.close()
-    assert [o for o, _ in outcomes] == [Outcome.HANDLED] * 2 + [Outcome.RETRY, Outcome.HANDLED]
+    assert [o for o, _ in outcomes] == [Disposition.HANDLED] * 2 + [
+        Disposition.RETRY,
+        Disposition.HANDLED,
+    ]
     assert outcomes[2][1] > 0  # a retry delay
     assert [m for m, _ in effects(consumer_dsn)] == [ids[0], ids[1], ids[3]]
     assert processor.stats.handler_failures == 1
@@ -621,7 +624,7 @@ def test_inbox__a_failure_of_a_copy_whose_original_was_applied_parks_nothing(
     [message_id] = new_ids(1)
     message = _message(message_id, topology.queue)
     try:
-        assert processor.process(message)[0] is Outcome.HANDLED
+        assert processor.process(message)[0] is Disposition.HANDLED
         failure = processor.store.record_failure(
             message_id, "B failed", max_attempts=1, parking=parking_for(message, "B failed")
         )

@@ -19,5 +19,7 @@ def upgrade_outbox(apps: Any, schema_editor: Any) -> None:
 
 
 class Migration(migrations.Migration):
+    # Outside a transaction ``migrate_schema`` runs online (README, "Upgrading").
+    atomic = False
     dependencies = [("outbox", "0003_ordering_keys")]
     operations = [migrations.RunPython(upgrade_outbox, elidable=False)]

@@ -1,0 +1,67 @@
+"""What ``outbox consume`` is told: its settings (each a CLI option and an
+``OUTBOX_*`` variable) and the ``--bind`` pairs.  Plain data, read by the loop
+(``outbox.inbox.loop``) and the broker (``outbox.inbox.broker``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.inbox.store import DEFAULT_INBOX_TABLE
+from outbox.tables import TABLE_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerSettings:
+    """Everything ``outbox consume`` takes; each field is a CLI option and OUTBOX_* variable."""
+
+    queue: str
+    dsn: str = DEFAULT_DSN
+    amqp_url: str = DEFAULT_AMQP_URL
+    inbox_table: str = DEFAULT_INBOX_TABLE
+    # Who the ids are recorded for (default: the queue).  Consumers of several
+    # queues that form one logical consumer (consistent-hash shards) share one name.
+    consumer_name: str | None = None
+    prefetch: int = 10
+    max_attempts: int = 5
+    retry_delay: float = 0.1
+    retry_delay_max: float = 5.0
+    inbox_retention: float = 7 * 86400.0
+    prune_interval: float = 60.0
+    # (exchange, binding key) pairs: declare the queue and bind it at start-up.
+    bindings: tuple[tuple[str, str], ...] = ()
+    backoff_initial: float = 0.2
+    backoff_max: float = 30.0
+    connect_timeout: float = 10.0
+    heartbeat: int = 60
+
+    def __post_init__(self) -> None:
+        if not self.queue:
+            raise ValueError("give the queue to consume (--queue / OUTBOX_QUEUE)")
+        if not TABLE_NAME.match(self.inbox_table):
+            raise ValueError(
+                f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
+                "digits and underscores, at most 41 characters, not starting with a digit"
+            )
+        if self.prefetch < 1:
+            raise ValueError("prefetch must be at least 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.inbox_retention <= 0:
+            raise ValueError("inbox_retention must be positive")
+
+    @property
+    def consumer(self) -> str:
+        return self.consumer_name or self.queue
+
+
+def parse_bindings(texts: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """``EXCHANGE:BINDING_KEY`` pairs (the key may contain ':'; '#' if omitted)."""
+    pairs = []
+    for text in texts:
+        exchange, _, key = text.partition(":")
+        if not exchange:
+            raise ValueError(f"{text!r} is not EXCHANGE:BINDING_KEY (e.g. orders:order.*)")
+        pairs.append((exchange, key or "#"))
+    return tuple(pairs)

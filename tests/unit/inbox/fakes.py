@@ -1,0 +1,289 @@
+"""In-memory doubles of the consumer loop's two ports (``loop.StorePort`` and
+``loop.BrokerPort``), like ``tests/fixtures/fakes.py`` for the relay's batch loop.
+
+``FakeStore`` keeps an inbox, attempts, parked rows and effects, with one open
+transaction at a time; its ``FakeConnection`` is what a handler is handed and can
+misbehave with in every way a psycopg connection allows (commit, roll back,
+close, lose its session, abort the transaction, change settings).  As in
+PostgreSQL: the session is read-only outside the consumer's transactions, and a
+COMMIT by a handler fails while the transaction holds recorded ids (the inbox's
+guard trigger).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
+from outbox.inbox.message import InboxMessage, Parking
+from outbox.inbox.store import SETTINGS, Failure, SessionState
+
+Journal = list[str]
+
+
+class FakeError(Exception):
+    """What the fake connection raises where psycopg would raise."""
+
+
+class FakeConnection:
+    """The handler's view: ``apply(effect)`` writes an effect in the transaction."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self._store = store
+        self.closed = False
+        self.broken = False
+        self.status = "idle"
+        self.autocommit = False
+        self.isolation_level: Any = None
+        self.read_only: Any = None
+        self.deferrable: Any = None
+        self.row_factory: Any = "tuple_row"
+        self.cursor_factory: Any = "Cursor"
+        self.server_cursor_factory: Any = "ServerCursor"
+        self.prepare_threshold: Any = 5
+        self.prepared_max: Any = 100
+
+    def _statement(self) -> None:
+        if self.closed:
+            raise FakeError("the connection is closed")
+        if self.broken:
+            raise FakeError("server closed the connection unexpectedly")
+        if self.status == "inerror":
+            raise FakeError("current transaction is aborted")
+
+    def apply(self, effect: str) -> None:
+        self._statement()
+        if self.status == "idle":  # autocommit, and the session is read-only
+            raise FakeError("cannot execute INSERT in a read-only transaction")
+        self._store.pending_effects.append(effect)
+
+    def fail_statement(self) -> None:
+        """A statement that fails: the transaction is aborted."""
+        self._statement()
+        if self.status == "intrans":
+            self.status = "inerror"
+        raise FakeError("division by zero")
+
+    def commit(self) -> None:
+        self._statement()
+        if self.status == "idle":
+            return
+        if self._store.pending_ids and self._store.guard == "armed":
+            self._store._discard()
+            raise FakeError("a handler committed the transaction of outbox consume")
+        self._store._commit()
+
+    def rollback(self) -> None:
+        if self.status != "idle":
+            self._store._discard()
+
+    def close(self) -> None:
+        self.closed = True
+        self._store._discard()
+
+    def lose_session(self) -> None:
+        """The server ends the session (a timeout, pg_terminate_backend, a crash)."""
+        self.broken = True
+        self._store._discard()
+
+
+class FakeStore:
+    def __init__(self, journal: Journal | None = None) -> None:
+        self.journal = journal if journal is not None else []
+        self.inbox: set[str] = set()
+        self.effects: list[str] = []
+        self.attempts: dict[str, int] = {}
+        self.parked: list[Parking] = []
+        self.pending_ids: list[str] = []
+        self.pending_effects: list[str] = []
+        self.pending_forget: list[str] = []
+        self.guard = ""
+        self.started = 0  # when the open transaction started (a counter)
+        self.conn = FakeConnection(self)
+        # name of a method → the error its next call raises (then it is forgotten)
+        self.fail_next: dict[str, OutboxError] = {}
+        # the server is down: every statement and every connect fails
+        self.down = False
+
+    # -- the transaction ------------------------------------------------------------
+    def _begin(self) -> None:
+        self.started += 1
+        self.conn.status = "intrans"
+
+    def _discard(self) -> None:
+        self.pending_ids, self.pending_effects, self.pending_forget = [], [], []
+        self.guard = ""
+        if not (self.conn.closed or self.conn.broken):
+            self.conn.status = "idle"
+
+    def _commit(self) -> None:
+        self.inbox.update(self.pending_ids)
+        self.effects.extend(self.pending_effects)
+        for key in self.pending_forget:
+            self.attempts.pop(key, None)
+        self._discard()
+
+    def _maybe_fail(self, name: str) -> None:
+        error = self.fail_next.pop(name, None)
+        if error is not None:
+            raise error
+        if self.down or self.conn.broken or self.conn.closed:
+            self.conn.broken = True
+            raise DatabaseUnavailable(f"lost the connection while {name}")
+
+    # -- StorePort ---------------------------------------------------------------------
+    @property
+    def connection(self) -> FakeConnection:
+        return self.conn
+
+    @property
+    def broken(self) -> bool:
+        return self.conn.broken or self.conn.closed
+
+    def record_ids(self, keys: Sequence[str], redelivered: Sequence[str]) -> tuple[int, set[str]]:
+        self.journal.append(f"record_ids {list(keys)}")
+        self._maybe_fail("record_ids")
+        self._begin()  # BEGIN READ WRITE
+        new = {k for k in keys if k not in self.inbox and k not in self.pending_ids}
+        self.pending_ids.extend(sorted(new))
+        self.pending_forget.extend(k for k in redelivered if k in new)
+        self.guard = "armed"
+        return self.started, new
+
+    def seal(self) -> int:
+        self.journal.append("seal")
+        self._maybe_fail("seal")
+        if self.conn.status == "idle":
+            return -1  # a statement outside a transaction: it started just now
+        self.guard = "sealed"
+        return self.started
+
+    def commit(self) -> None:
+        self.journal.append("commit")
+        self._maybe_fail("commit")
+        self._commit()
+
+    def rollback(self) -> None:
+        self.journal.append("rollback")
+        self._maybe_fail("rollback")
+        self._discard()
+
+    def session(self) -> SessionState:
+        conn = self.conn
+        return SessionState(
+            closed=conn.closed,
+            broken=conn.broken,
+            transaction="unknown" if conn.closed or conn.broken else conn.status,
+            settings=tuple((name, getattr(conn, name)) for name in SETTINGS),
+        )
+
+    def restore(self, state: SessionState) -> None:
+        self.journal.append("restore")
+        for name, value in state.settings:
+            setattr(self.conn, name, value)
+
+    def reconnect(self) -> None:
+        self.journal.append("reconnect")
+        error = self.fail_next.pop("reconnect", None)
+        if error is not None:
+            raise error
+        if self.down:
+            raise DatabaseUnavailable("cannot connect")
+        self._discard()
+        self.conn = FakeConnection(self)
+
+    def record_failure(
+        self, message_id: str, error: str, *, max_attempts: int, parking: Parking
+    ) -> Failure:
+        self.journal.append(f"record_failure {message_id}")
+        self._maybe_fail("record_failure")
+        attempts = self.attempts.get(message_id, 0) + 1
+        self.attempts[message_id] = attempts
+        if attempts < max_attempts:
+            return Failure(attempts, parked=False)
+        del self.attempts[message_id]
+        if message_id in self.inbox:
+            return Failure(attempts, parked=False, duplicate=True)
+        self.inbox.add(message_id)
+        self.parked.append(dataclasses.replace(parking))
+        return Failure(attempts, parked=True)
+
+    def park(self, parking: Parking) -> None:
+        self.journal.append("park")
+        self._maybe_fail("park")
+        self.parked.append(parking)
+
+    def ensure_schema(self) -> None:
+        self._maybe_fail("ensure_schema")
+
+    def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.conn.closed = True
+
+
+@dataclasses.dataclass
+class FakeDelivery:
+    message: InboxMessage
+    tag: int
+
+
+class FakeBroker:
+    """A queue of messages; unacked ones go back to the head on reject or close."""
+
+    def __init__(self, messages: Sequence[InboxMessage], prefetch: int = 10) -> None:
+        self.ready: list[InboxMessage] = list(messages)
+        self.unacked: list[FakeDelivery] = []
+        self.acked: list[InboxMessage] = []
+        self.prefetch = prefetch
+        self.connected = False
+        self._tag = 0
+        self.journal: Journal = []
+        self.fail_next: dict[str, OutboxError] = {}
+
+    def open(self) -> None:
+        error = self.fail_next.pop("open", None)
+        if error is not None:
+            raise error
+        self.connected = True
+
+    def drain(self, timeout: float) -> list[FakeDelivery]:
+        if not self.connected:
+            raise BrokerUnavailable("not connected")
+        got = []
+        while self.ready and len(self.unacked) < self.prefetch:
+            self._tag += 1
+            message = self.ready.pop(0)
+            delivery = FakeDelivery(message, self._tag)
+            self.unacked.append(delivery)
+            got.append(delivery)
+        return got
+
+    def settle(self, delivery: FakeDelivery, *, ack: bool, multiple: bool = False) -> None:
+        if ack:
+            settled = [d for d in self.unacked if d.tag <= delivery.tag] if multiple else [delivery]
+            for d in settled:
+                self.unacked.remove(d)
+                self.acked.append(d.message)
+                self.journal.append(f"ack {d.message.message_id}")
+        else:
+            self.unacked.remove(delivery)
+            self.ready.insert(0, dataclasses.replace(delivery.message, redelivered=True))
+            self.journal.append(f"reject {delivery.message.message_id}")
+
+    def stop_consuming(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for d in reversed(self.unacked):
+            self.ready.insert(0, dataclasses.replace(d.message, redelivered=True))
+        self.unacked = []
+        self.connected = False
+
+
+def message(message_id: str | None, body: bytes = b"x", **changes: Any) -> InboxMessage:
+    base = InboxMessage(message_id, body, {}, "ex", "k", None, False, "q")
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,310 @@
+"""The consumer loop on in-memory fakes (``fakes.py``): the order of each
+message's steps, the handler contract checked after every call, failures that
+count only their own message, outages, and the promise as a property."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from outbox.errors import DatabaseUnavailable
+from outbox.inbox.loop import (
+    ConsumerSettings,
+    ConsumerStats,
+    Disposition,
+    Inbox,
+    Processor,
+    handler_left,
+)
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.store import SETTINGS, SessionState, StatementRefused
+from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
+
+SETTINGS_FOR_TESTS = ConsumerSettings(queue="q", max_attempts=2, retry_delay=0.0)
+
+
+class Fatal(BaseException):
+    pass
+
+
+def act(conn: FakeConnection, msg: InboxMessage) -> None:
+    """Do what the body says (the unit twin of support.HANDLERS' ``act``)."""
+    what = msg.body.decode()
+    if what == "ok":
+        conn.apply(str(msg.message_id))
+    elif what == "raise":
+        raise RuntimeError("refused")
+    elif what == "exit":
+        raise SystemExit(3)
+    elif what == "interrupt":
+        raise KeyboardInterrupt
+    elif what == "fatal":
+        raise Fatal
+    elif what == "commit":
+        conn.apply(str(msg.message_id))
+        conn.commit()
+    elif what == "commit_swallowed":
+        conn.apply(str(msg.message_id))
+        try:
+            conn.commit()
+        except Exception:
+            conn.apply(str(msg.message_id))  # and goes on in a new transaction
+    elif what == "rollback":
+        conn.apply(str(msg.message_id))
+        conn.rollback()
+    elif what == "rollback_more":
+        conn.apply(str(msg.message_id))
+        conn.rollback()
+        conn.apply(str(msg.message_id))
+    elif what == "close":
+        conn.apply(str(msg.message_id))
+        conn.close()
+    elif what == "lose":
+        conn.apply(str(msg.message_id))
+        conn.lose_session()
+        raise RuntimeError("server closed the connection unexpectedly")
+    elif what == "lose_quietly":  # the server ends the session after the handler's last statement
+        conn.apply(str(msg.message_id))
+        conn.lose_session()
+    elif what == "swallow":
+        conn.apply(str(msg.message_id))
+        with contextlib.suppress(Exception):
+            conn.fail_statement()
+    elif what == "row_factory":
+        conn.row_factory = "dict_row"
+        conn.apply(str(msg.message_id))
+    elif what == "prepare_threshold":
+        conn.prepare_threshold = None
+        conn.apply(str(msg.message_id))
+    else:
+        raise AssertionError(what)
+
+
+FAILING = [
+    "raise",
+    "exit",
+    "interrupt",
+    "fatal",
+    "commit",
+    "commit_swallowed",
+    "rollback",
+    "rollback_more",
+    "close",
+    "lose",
+    "lose_quietly",
+    "swallow",
+    "row_factory",
+    "prepare_threshold",
+]
+
+
+def processor(store: FakeStore, **kwargs: Any) -> Processor:
+    return Processor(store, act, SETTINGS_FOR_TESTS, ConsumerStats(), **kwargs)
+
+
+def batch(*bodies: str) -> list[InboxMessage]:
+    return [message(f"m{i}", body.encode()) for i, body in enumerate(bodies)]
+
+
+# -- the order of the steps -----------------------------------------------------------
+def test_loop__a_batch_records_ids_calls_handlers_seals_and_commits_once() -> None:
+    store = FakeStore()
+    outcomes = processor(store).process_batch(batch("ok", "ok", "ok"))
+    assert outcomes == [(Disposition.HANDLED, 0.0)] * 3
+    assert store.journal == ["record_ids ['m0', 'm1', 'm2']", "seal", "commit"]
+    assert store.effects == ["m0", "m1", "m2"] and store.inbox == {"m0", "m1", "m2"}
+
+
+def test_loop__copies_are_skipped_in_the_batch_and_after_it() -> None:
+    store = FakeStore()
+    p = processor(store)
+    first = [message("a", b"ok"), message("a", b"ok"), message("b", b"ok")]
+    assert [o for o, _ in p.process_batch(first)] == [
+        Disposition.HANDLED,
+        Disposition.DUPLICATE,
+        Disposition.HANDLED,
+    ]
+    assert [o for o, _ in p.process_batch([message("a", b"ok"), message("b", b"ok")])] == [
+        Disposition.DUPLICATE,
+        Disposition.DUPLICATE,
+    ]
+    assert store.effects == ["a", "b"]
+    assert p.stats.handled == 2 and p.stats.duplicates_skipped == 3
+
+
+def test_loop__messages_without_id_or_readable_properties_are_parked_unseen() -> None:
+    store = FakeStore()
+    unreadable = message("u", b"ok", properties={"x-outbox-unreadable-properties": "bad"})
+    outcomes = processor(store).process_batch([message(None, b"ok"), unreadable, *batch("ok")])
+    assert [o for o, _ in outcomes] == [Disposition.PARKED, Disposition.PARKED, Disposition.HANDLED]
+    assert [p.error for p in store.parked] == [
+        "no message_id: cannot be deduplicated",
+        "its AMQP properties cannot be read: bad",
+    ]
+    assert store.effects == ["m0"]
+
+
+# -- the handler contract -------------------------------------------------------------------
+@pytest.mark.parametrize("behaviour", FAILING)
+@pytest.mark.parametrize("size", [1, 4])
+def test_contract__a_broken_handler_fails_only_its_message(behaviour: str, size: int) -> None:
+    """Alone or in a batch (rolled back, then one by one): the others are applied
+    once, only the culprit counts an attempt, the session is usable again with
+    its settings, and no id is committed without its effect."""
+    store = FakeStore()
+    p = processor(store)
+    messages = [message("bad", behaviour.encode()), *batch(*["ok"] * (size - 1))]
+    outcomes = p.process_batch(messages)
+    assert outcomes[0] == (Disposition.RETRY, 0.0)
+    assert all(o == Disposition.HANDLED for o, _ in outcomes[1:])
+    assert store.attempts == {"bad": 1}
+    assert sorted(store.effects) == sorted(m.message_id for m in messages[1:])
+    assert store.inbox == set(store.effects)
+    assert not store.broken and store.session() == FakeStore().session()
+    # The second attempt parks it; a later copy is skipped.
+    assert p.process(dataclasses.replace(messages[0], redelivered=True))[0] is Disposition.PARKED
+    assert p.process(messages[0])[0] is Disposition.DUPLICATE
+    assert [x.message_id for x in store.parked] == ["bad"] and "bad" not in store.effects
+    assert p.stats.handler_failures == 2
+
+
+def test_contract__keyboard_interrupt_asks_to_stop_only_without_signal_handlers() -> None:
+    stops: list[bool] = []
+    p = processor(FakeStore(), on_interrupt=lambda: stops.append(True))
+    assert p.process(message("i", b"interrupt"))[0] is Disposition.RETRY
+    assert stops == [True]
+
+
+def test_contract__a_refused_commit_is_the_failure_of_the_message_alone() -> None:
+    store = FakeStore()
+    store.fail_next["commit"] = StatementRefused("deferred constraint")
+    p = processor(store)
+    assert p.process(message("d", b"ok"))[0] is Disposition.RETRY
+    assert store.attempts == {"d": 1} and store.effects == []
+
+
+def test_contract__a_deadlock_between_batches_splits_the_batch_and_blames_nobody() -> None:
+    store = FakeStore()
+    store.fail_next["record_ids"] = StatementRefused("deadlock detected")
+    outcomes = processor(store).process_batch(batch("ok", "ok"))
+    assert [o for o, _ in outcomes] == [Disposition.HANDLED, Disposition.HANDLED]
+    assert store.attempts == {}
+
+
+# -- outages ------------------------------------------------------------------------------
+def test_outage__a_session_that_cannot_be_replaced_is_an_outage_and_the_attempt_is_owed() -> None:
+    store = FakeStore()
+    p = processor(store)
+    store.fail_next["reconnect"] = DatabaseUnavailable("server down")
+    with pytest.raises(DatabaseUnavailable):
+        p.process(message("l", b"lose"))
+    assert store.attempts == {} and [m.message_id for m, _ in p.owed] == ["l"]
+    store.reconnect()  # the database is back
+    assert p.process(message("g", b"ok"))[0] is Disposition.HANDLED
+    assert store.attempts == {"l": 1} and p.owed == []
+
+
+def test_outage__lost_before_any_handler_ran_owes_nothing() -> None:
+    store = FakeStore()
+    store.fail_next["record_ids"] = DatabaseUnavailable("gone")
+    p = processor(store)
+    with pytest.raises(DatabaseUnavailable):
+        p.process_batch(batch("ok", "ok"))
+    assert p.owed == [] and store.attempts == {}
+
+
+def test_outage__lost_during_commit_is_unknown_and_owes_nothing() -> None:
+    store = FakeStore()
+    store.fail_next["commit"] = DatabaseUnavailable("lost during COMMIT")
+    p = processor(store)
+    with pytest.raises(DatabaseUnavailable):
+        p.process(message("c", b"ok"))
+    assert p.owed == [] and store.attempts == {}
+
+
+# -- the handler's session, judged (pure) ----------------------------------------------------
+def state(**changes: Any) -> SessionState:
+    base = SessionState(False, False, "intrans", tuple((n, n) for n in SETTINGS))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("after", "words"),
+    [
+        (state(closed=True), "closed the connection"),
+        (state(broken=True), "session ended"),
+        (state(transaction="inerror"), "caught a database error"),
+        (state(transaction="idle"), "ended the transaction"),
+        (state(transaction="unknown"), "ended the transaction"),
+        (
+            state(settings=tuple((n, "changed" if n == "row_factory" else n) for n in SETTINGS)),
+            "changed the connection's settings (row_factory)",
+        ),
+    ],
+)
+def test_handler_left__names_what_breaks_the_contract(after: SessionState, words: str) -> None:
+    reason = handler_left(state(), after)
+    assert reason is not None and words in reason
+
+
+def test_handler_left__nothing_when_the_transaction_is_as_it_was() -> None:
+    assert handler_left(state(), state()) is None
+
+
+# -- the process on fakes ---------------------------------------------------------------------
+def test_inbox__acks_handled_requeues_failed_and_parks_at_max_attempts() -> None:
+    store = FakeStore()
+    broker = FakeBroker([message("a", b"ok"), message("b", b"raise"), message("c", b"ok")])
+    inbox = Inbox(act, SETTINGS_FOR_TESTS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    for _ in range(4):
+        deliveries = broker.drain(0)
+        if deliveries:
+            inbox._handle(deliveries)
+    assert broker.ready == [] and broker.unacked == []
+    assert sorted(store.effects) == ["a", "c"]
+    assert [p.message_id for p in store.parked] == ["b"]
+    assert inbox.stats.retried == 1 and inbox.stats.parked == 1
+
+
+# -- the promise, as a property ---------------------------------------------------------------
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["ok", "ok", "ok", *FAILING]), st.integers(0, 5)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 6),
+)
+def test_property__every_message_ends_in_exactly_one_place(
+    mix: list[tuple[str, int]], prefetch: int
+) -> None:
+    """Ids may repeat (copies); the same id always carries the same behaviour."""
+    behaviour_of = {}
+    messages = []
+    for behaviour, n in mix:
+        key = f"m{n}"
+        behaviour_of.setdefault(key, behaviour)
+        messages.append(message(key, behaviour_of[key].encode()))
+    store = FakeStore()
+    broker = FakeBroker(messages, prefetch=prefetch)
+    inbox = Inbox(act, SETTINGS_FOR_TESTS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    for _ in range(10 * len(messages)):
+        deliveries = broker.drain(0)
+        if not deliveries:
+            break
+        inbox._handle(deliveries)
+    assert broker.ready == [] and broker.unacked == []
+    parked = [p.message_id for p in store.parked]
+    for key, behaviour in behaviour_of.items():
+        if behaviour == "ok":
+            assert store.effects.count(key) == 1 and key not in parked
+        else:
+            assert key not in store.effects and parked.count(key) == 1
+    assert store.inbox == set(store.effects) | set(parked)
