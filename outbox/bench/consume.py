@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -46,11 +46,16 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.messaging import Consumer, Producer
 
-from outbox.bench.harness import Broker, Database, bare_publish, bench_database, percentile
+from outbox.bench.harness import (
+    BenchTopology,
+    Database,
+    Echo,
+    bare_publish,
+    bench_database,
+    percentile,
+)
 from outbox.db import session
 from outbox.errors import OutboxError
-
-Echo = Callable[[str], None]
 
 HANDLER = """
 def handle(conn, message):
@@ -73,7 +78,7 @@ class ConsumeBenchOptions:
 
 class ConsumeBench:
     def __init__(
-        self, options: ConsumeBenchOptions, db: Database, broker: Broker, echo: Echo
+        self, options: ConsumeBenchOptions, db: Database, broker: BenchTopology, echo: Echo
     ) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
         self.conn = session.connect(db.dsn, application_name="outbox-bench")
@@ -372,7 +377,7 @@ def _rate(messages: int, seconds: float) -> float:
 def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any]:
     suffix = uuid.uuid4().hex[:8]
     with bench_database(options.dsn, echo) as db:
-        broker = Broker(options.amqp_url, suffix)
+        broker = BenchTopology(options.amqp_url, suffix)
         bench = ConsumeBench(options, db, broker, echo)
         try:
             bare_runs, handwritten_runs, inbox_runs = [], [], []

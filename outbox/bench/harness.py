@@ -5,8 +5,8 @@ scenarios are ``load``, ``ordering``, ``memory`` and ``consume``):
 
 - ``bare_publish``: a competent hand-written pika publisher (persistent messages,
   ``mandatory``, publisher confirms pipelined over a sliding window), the baseline;
-- ``Broker``: a private exchange and queue per bench run; ``Receiver``: the latency
-  consumer;
+- ``BenchTopology``: a private exchange and queue per bench run; ``Receiver``: the
+  latency consumer;
 - ``RelayProcesses``: relays as subprocesses (``python -m outbox relay``), exactly
   as deployed: each gets its own interpreter and GIL, so 2 or 4 relays measure the
   design rather than Python threads fighting over one GIL, and the bench's own
@@ -155,7 +155,7 @@ def bare_publish(
 
 
 # -- broker topology and the latency consumer ------------------------------------
-class Broker:
+class BenchTopology:
     """A private exchange and queue for one bench run, deleted afterwards."""
 
     def __init__(self, amqp_url: str, suffix: str) -> None:
@@ -482,7 +482,9 @@ class Run:
 
 
 class Bench:
-    def __init__(self, options: BenchOptions, db: Database, broker: Broker, echo: Echo) -> None:
+    def __init__(
+        self, options: BenchOptions, db: Database, broker: BenchTopology, echo: Echo
+    ) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
         self.conn = session.connect(db.dsn, application_name="outbox-bench")
         self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]

@@ -40,7 +40,15 @@ import uuid
 from typing import Any
 
 from outbox.bench import memory as bench_memory
-from outbox.bench.harness import Bench, BenchOptions, Broker, Database, Echo, Run, bench_database
+from outbox.bench.harness import (
+    Bench,
+    BenchOptions,
+    BenchTopology,
+    Database,
+    Echo,
+    Run,
+    bench_database,
+)
 from outbox.bench.load import BurstShape, measure_bursts, render_bursts
 from outbox.bench.ordering import measure_ordering, render_ordering
 from outbox.config import Settings
@@ -52,7 +60,7 @@ def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
     with bench_database(options.dsn, echo) as db:
         if options.memory_only:
             return _measure_memory(options, db, echo)
-        broker = Broker(options.amqp_url, suffix)
+        broker = BenchTopology(options.amqp_url, suffix)
         bench = Bench(options, db, broker, echo)
         try:
             return _measure(bench, options, db, echo)
