@@ -414,11 +414,14 @@ class ParkedStore(InboxStore):
             row = conn.execute(self.queries["last_parked"]).fetchone()
         return int(row[0]) if row else 0
 
-    def entry(self, parked_id: int) -> dict[str, Any] | None:
-        """One parked message with its body, headers and properties (JSON text)."""
+    def entry(self, parked_id: int, most: int) -> dict[str, Any] | None:
+        """One parked message with the first ``most`` bytes of its body (``body_bytes``
+        is its size), headers and properties (JSON text)."""
         with self._reading("reading a parked message") as conn:
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
+            return cur.execute(
+                self.queries["parked_message"], {"id": parked_id, "most": most}
+            ).fetchone()
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
