@@ -139,7 +139,7 @@ def describe(exc: BaseException) -> str:
         where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
     try:
         text = first_line(exc)
-    except Exception:
+    except BaseException:  # a handler's __str__ may raise anything, SystemExit too
         text = "(its message cannot be shown)"
     return f"{type(exc).__name__}: {text}{where}"
 
@@ -303,8 +303,11 @@ class InboxStore:
         )
 
     def restore(self, state: SessionState) -> None:
-        """Put back the settings of ``state`` (after ``rollback``: the session is
-        idle, so every setting can change)."""
+        """A new session with the settings of ``state``, in place of one a handler
+        failed on: what earlier handlers left in it for good (a WITH HOLD cursor,
+        a prepared statement, a temporary table, a session lock) must not fail
+        the message again (``DatabaseUnavailable`` if no new session)."""
+        self.reconnect()
         for name, value in state.settings:
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
