@@ -106,10 +106,15 @@ class Redactor:
             # Longest first, so a password is masked before any shorter one inside it.
             self._secrets = tuple(sorted(merged, key=len, reverse=True))
 
-    def __call__(self, text: str) -> str:
+    def remembered(self, text: str) -> str:
+        """``text`` with the remembered passwords masked (by value only, no shapes)."""
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, MASK)
+        return text
+
+    def __call__(self, text: str) -> str:
+        text = self.remembered(text)
         if "://" in text:
             text = _URL_PASSWORD.sub(_mask_url, text)
         text = _KV_PASSWORD.sub(_mask_kv, text)
@@ -125,3 +130,9 @@ def remember(*settings: str, refused: bool = False) -> None:
 
 def redact(text: str) -> str:
     return _default(text)
+
+
+def redact_remembered(text: str) -> str:
+    """Mask only the remembered passwords: for text whose shapes are not words, such
+    as a whole HTML page (``password=\\S+`` would eat its markup)."""
+    return _default.remembered(text)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -64,6 +65,20 @@ def _frame(kind: int, channel: int, payload: bytes) -> bytes:
     return struct.pack(">BHI", kind, channel, len(payload)) + payload + _FRAME_END
 
 
+@functools.lru_cache(maxsize=4096)
+def _method_frame(channel: int, exchange: str, routing_key: str, mandatory: bool) -> bytes:
+    """The ``basic.publish`` method frame: the same for every message to one exchange
+    and routing key, so encoded once (a third of the encoding work of a small message)."""
+    return _frame(
+        1,
+        channel,
+        _BASIC_PUBLISH
+        + _short_string(exchange)
+        + _short_string(routing_key)
+        + (b"\x01" if mandatory else b"\x00"),
+    )
+
+
 class FrameTooLarge(ValueError):
     """The properties (headers included) do not fit in one frame of the connection."""
 
@@ -92,14 +107,7 @@ def encode_publish(
     the connection's ``frame_max`` makes the broker close the whole connection
     (501 FRAME_ERROR), so it raises ``FrameTooLarge`` instead.
     """
-    method = _frame(
-        1,
-        channel,
-        _BASIC_PUBLISH
-        + _short_string(message.exchange)
-        + _short_string(message.routing_key)
-        + (b"\x01" if mandatory else b"\x00"),
-    )
+    method = _method_frame(channel, message.exchange, message.routing_key, mandatory)
     flags = _FLAG_DELIVERY_MODE | _FLAG_MESSAGE_ID
     props = []
     if message.content_type is not None:

@@ -1,20 +1,28 @@
 """``outbox bench --consume``: ``outbox consume`` next to a bare kombu consumer.
 
-Both consume the same number of persistent messages of the same size from a queue
+All consume the same number of persistent messages of the same size from a queue
 filled beforehand, with the same prefetch, in alternating runs:
 
 1. **bare**: a kombu ``Consumer`` in this process that acks every message and does
    nothing else: the broker-side ceiling.
-2. **inbox**: ``outbox consume`` as a subprocess, exactly as deployed, with a
-   trivial handler that writes one effect row per message.  Each message is one
-   transaction on the consumer's database (inbox insert + effect + COMMIT, then
-   the ack), so this measures exactly-once effects, commit included.
+2. **hand-written**: what a user would write without ``outbox consume``: kombu +
+   psycopg in this process, one transaction per message (the id into an inbox
+   table, ``ON CONFLICT DO NOTHING``; if new, the effect row), COMMIT, then the ack.
+   Exactly-once effects too, the simple way.
+3. **inbox**: ``outbox consume`` as a subprocess, exactly as deployed, with a
+   trivial handler that writes one effect row per message (inbox insert + effect +
+   COMMIT, then the ack), so this measures exactly-once effects, commit included.
 
 Each rate is messages over the time from the first message to the last (for the
-inbox: the first and last effect row's ``clock_timestamp()``), so process
-start-up is not counted.  The report gives the medians and their ratio, and
-checks that every message had exactly one effect.  Benchmarks print figures;
-nothing here is a timed assertion.
+hand-written consumer and the inbox: the first and last effect row's
+``clock_timestamp()``), so process start-up is not counted.  The report gives the
+medians and the ratios, and checks that every message had exactly one effect.
+
+Then **latency**: ``outbox consume`` left running, the bench publishes messages at a
+fixed rate and notes when each one's effect is *committed*: a trigger on the
+effect table sends a NOTIFY, which PostgreSQL delivers only when the transaction
+commits, to a listener in this process (same clock as the publisher).
+Benchmarks print figures; nothing here is a timed assertion.
 """
 
 from __future__ import annotations
@@ -27,20 +35,27 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 from kombu.connection import Connection
 from kombu.entity import Queue
-from kombu.messaging import Consumer
+from kombu.messaging import Consumer, Producer
 
-from outbox.bench.run import Broker, Database, bare_publish, bench_database
+from outbox.bench.harness import (
+    BenchTopology,
+    Database,
+    Echo,
+    bare_publish,
+    bench_database,
+    percentile,
+)
 from outbox.db import session
 from outbox.errors import OutboxError
-
-Echo = Callable[[str], None]
 
 HANDLER = """
 def handle(conn, message):
@@ -57,11 +72,13 @@ class ConsumeBenchOptions:
     repeats: int = 3
     prefetch: int = 10
     window: int = 1000
+    latency_rate: float = 200.0  # messages/s published while ``outbox consume`` runs
+    latency_seconds: float = 5.0
 
 
 class ConsumeBench:
     def __init__(
-        self, options: ConsumeBenchOptions, db: Database, broker: Broker, echo: Echo
+        self, options: ConsumeBenchOptions, db: Database, broker: BenchTopology, echo: Echo
     ) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
         self.conn = session.connect(db.dsn, application_name="outbox-bench")
@@ -69,7 +86,11 @@ class ConsumeBench:
             "CREATE TABLE IF NOT EXISTS bench_effects (message_id text, "
             "at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
+        self.conn.execute(
+            "CREATE TABLE IF NOT EXISTS bench_handwritten_inbox (message_id text PRIMARY KEY)"
+        )
         self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]
+        self._logs: dict[int, Any] = {}  # of the running ``outbox consume`` processes
         self.folder = tempfile.mkdtemp(prefix="outbox-bench-consume-")
         with open(os.path.join(self.folder, "bench_handler.py"), "w") as handler:
             handler.write(HANDLER)
@@ -115,10 +136,113 @@ class ConsumeBench:
         seconds = arrived[-1] - arrived[0] if len(arrived) > 1 else 0.0
         return {"messages": len(arrived), "seconds": seconds, "rate": _rate(len(arrived), seconds)}
 
+    def handwritten(self) -> dict[str, Any]:
+        """kombu + psycopg, one transaction per message: effects/s, first to last effect."""
+        ids = self.fill()
+        self.conn.execute("TRUNCATE bench_effects, bench_handwritten_inbox")
+        db = psycopg.connect(self.db.dsn, application_name="outbox-bench-handwritten")
+        handled = [0]
+
+        def on_message(message: Any) -> None:
+            message_id = message.properties.get("message_id")
+            with db.transaction():
+                new = db.execute(
+                    "INSERT INTO bench_handwritten_inbox (message_id) VALUES (%s) "
+                    "ON CONFLICT DO NOTHING",
+                    [message_id],
+                ).rowcount
+                if new:
+                    db.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message_id])
+            message.ack()
+            handled[0] += 1
+
+        try:
+            with Connection(self.o.amqp_url) as conn:
+                consumer = Consumer(
+                    conn.channel(),
+                    queues=[Queue(self.broker.queue, no_declare=True)],
+                    on_message=on_message,
+                    prefetch_count=self.o.prefetch,
+                    auto_declare=False,
+                )
+                consumer.consume()
+                deadline = time.monotonic() + 600
+                while handled[0] < len(ids) and time.monotonic() < deadline:
+                    with contextlib.suppress(TimeoutError):
+                        conn.drain_events(timeout=1)
+                consumer.cancel()
+        finally:
+            db.close()
+        return self._effects(len(ids))
+
     def inbox(self) -> dict[str, Any]:
         """``outbox consume`` with the trivial handler: effects/s, first to last effect."""
         ids = self.fill()
         self.conn.execute("TRUNCATE bench_effects")
+        with self._consume_process() as process:
+            self._wait_for_effects(len(ids), process)
+        result = self._effects(len(ids))
+        self.conn.execute("TRUNCATE bench_inbox")
+        return result
+
+    def latency(self) -> dict[str, Any]:
+        """Publish → committed effect, with ``outbox consume`` running and idle between
+        messages: the NOTIFY of a trigger on the effect table arrives at COMMIT."""
+        self.broker.purge()
+        self.conn.execute("TRUNCATE bench_effects")
+        self.conn.execute(
+            "CREATE OR REPLACE FUNCTION bench_effect_committed() RETURNS trigger "
+            "LANGUAGE plpgsql AS $$ BEGIN "
+            "PERFORM pg_notify('bench_effects', NEW.message_id); RETURN NULL; END $$"
+        )
+        self.conn.execute(
+            "CREATE OR REPLACE TRIGGER bench_effect_committed AFTER INSERT ON bench_effects "
+            "FOR EACH ROW EXECUTE FUNCTION bench_effect_committed()"
+        )
+        listener = _CommitListener(self.db.dsn)
+        count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
+        published: dict[str, float] = {}
+        try:
+            with self._consume_process() as process, Connection(self.o.amqp_url) as connection:
+                producer = Producer(connection.channel())
+                # One message first: the consumer is subscribed once its effect commits.
+                warm_up = str(uuid.uuid4())
+                _publish(producer, self.broker.exchange, warm_up, b"warm-up")
+                listener.wait_for({warm_up}, process, timeout=60)
+                body = b"x" * self.o.payload
+                started = time.perf_counter()
+                for i in range(count):
+                    pause = started + i / self.o.latency_rate - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    message_id = str(uuid.uuid4())
+                    published[message_id] = time.perf_counter()
+                    _publish(producer, self.broker.exchange, message_id, body)
+                published_rate = count / (time.perf_counter() - started)
+                listener.wait_for(set(published), process, timeout=30)
+        finally:
+            listener.stop()
+            self.conn.execute("DROP TRIGGER IF EXISTS bench_effect_committed ON bench_effects")
+            self.conn.execute("TRUNCATE bench_inbox")
+        latencies = sorted(
+            (listener.committed[m] - t) * 1000
+            for m, t in published.items()
+            if m in listener.committed
+        )
+        result: dict[str, Any] = {
+            "rate_per_s": self.o.latency_rate,
+            "published_per_s": round(published_rate),
+            "sent": count,
+            "committed": len(latencies),
+        }
+        for q in (50, 95, 99):
+            result[f"p{q}_ms"] = round(percentile(latencies, q), 2)
+        result["max_ms"] = round(latencies[-1], 2) if latencies else None
+        return result
+
+    @contextlib.contextmanager
+    def _consume_process(self) -> Iterator[subprocess.Popen[bytes]]:
+        """``outbox consume`` with the bench handler, stopped with SIGTERM."""
         env = dict(
             os.environ,
             OUTBOX_DSN=self.db.dsn,
@@ -137,36 +261,36 @@ class ConsumeBench:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )
+            self._logs[process.pid] = log
             try:
-                self._wait_for_effects(len(ids), process, log)
+                yield process
             finally:
+                del self._logs[process.pid]
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+
+    def _effects(self, expected: int) -> dict[str, Any]:
         row = self.conn.execute(
             "SELECT count(*) AS effects, count(DISTINCT message_id) AS distinct_ids, "
             "extract(epoch FROM max(at) - min(at))::float8 AS seconds FROM bench_effects"
         ).fetchone()
         assert row is not None
-        self.conn.execute("TRUNCATE bench_inbox")
         seconds = float(row["seconds"] or 0.0)
         return {
             "messages": int(row["effects"]),
-            "exactly_once": row["effects"] == row["distinct_ids"] == len(ids),
+            "exactly_once": row["effects"] == row["distinct_ids"] == expected,
             "seconds": seconds,
             "rate": _rate(int(row["effects"]), seconds),
         }
 
-    def _wait_for_effects(self, count: int, process: subprocess.Popen[bytes], log: Any) -> None:
+    def _wait_for_effects(self, count: int, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if process.poll() is not None:
-                log.seek(0)
-                text = log.read().decode(errors="replace")[-2000:]
-                raise OutboxError(f"outbox consume exited with {process.returncode}:\n{text}")
+            check_running(process, self._logs.get(process.pid))
             row = self.conn.execute("SELECT count(*) AS n FROM bench_effects").fetchone()
             if row and row["n"] >= count:
                 return
@@ -175,7 +299,13 @@ class ConsumeBench:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            for table in ("bench_effects", "bench_inbox", "bench_inbox_attempts"):
+            self.conn.execute("DROP FUNCTION IF EXISTS bench_effect_committed() CASCADE")
+            for table in (
+                "bench_effects",
+                "bench_inbox",
+                "bench_inbox_attempts",
+                "bench_handwritten_inbox",
+            ):
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
             self.conn.execute("DROP TABLE IF EXISTS bench_inbox_parked")
             self.conn.execute("DROP FUNCTION IF EXISTS bench_inbox_guard()")
@@ -186,6 +316,60 @@ class ConsumeBench:
             os.rmdir(self.folder)
 
 
+def _publish(producer: Producer, exchange: str, message_id: str, body: bytes) -> None:
+    producer.publish(
+        body,
+        exchange=exchange,
+        routing_key="bench.consume",
+        message_id=message_id,
+        delivery_mode=2,
+        content_type="application/octet-stream",
+        content_encoding="binary",
+    )
+
+
+def check_running(process: subprocess.Popen[bytes], log: Any) -> None:
+    """Raise with the end of its log if ``outbox consume`` has exited."""
+    if process.poll() is None:
+        return
+    text = ""
+    if log is not None:
+        log.seek(0)
+        text = log.read().decode(errors="replace")[-2000:]
+    raise OutboxError(f"outbox consume exited with {process.returncode}:\n{text}")
+
+
+class _CommitListener(threading.Thread):
+    """LISTENs for the effect trigger's NOTIFY: when each message's effect committed."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.committed: dict[str, float] = {}
+        self._conn = session.connect(dsn, application_name="outbox-bench-listener")
+        self._conn.execute("LISTEN bench_effects")
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for notify in self._conn.notifies(timeout=0.05):
+                self.committed.setdefault(notify.payload, time.perf_counter())
+
+    def wait_for(
+        self, message_ids: set[str], process: subprocess.Popen[bytes], timeout: float
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not message_ids <= self.committed.keys() and time.monotonic() < deadline:
+            check_running(process, None)
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
 def _rate(messages: int, seconds: float) -> float:
     return messages / seconds if seconds > 0 else 0.0
 
@@ -193,20 +377,28 @@ def _rate(messages: int, seconds: float) -> float:
 def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any]:
     suffix = uuid.uuid4().hex[:8]
     with bench_database(options.dsn, echo) as db:
-        broker = Broker(options.amqp_url, suffix)
+        broker = BenchTopology(options.amqp_url, suffix)
         bench = ConsumeBench(options, db, broker, echo)
         try:
-            bare_runs, inbox_runs = [], []
+            bare_runs, handwritten_runs, inbox_runs = [], [], []
             for i in range(options.repeats):
                 bare_runs.append(bench.bare())
                 echo(f"  bare kombu consumer run {i + 1}: {bare_runs[-1]['rate']:,.0f} msg/s")
+                handwritten_runs.append(bench.handwritten())
+                echo(
+                    f"  hand-written        run {i + 1}: "
+                    f"{handwritten_runs[-1]['rate']:,.0f} effects/s"
+                )
                 inbox_runs.append(bench.inbox())
                 echo(f"  outbox consume      run {i + 1}: {inbox_runs[-1]['rate']:,.0f} effects/s")
+            echo(f"  latency at {options.latency_rate:g} msg/s ...")
+            latency = bench.latency()
             server = bench.conn.execute("SHOW server_version").fetchone()
         finally:
             bench.close()
             broker.delete()
     bare_rate = statistics.median(r["rate"] for r in bare_runs)
+    handwritten_rate = statistics.median(r["rate"] for r in handwritten_runs)
     inbox_rate = statistics.median(r["rate"] for r in inbox_runs)
     return {
         "machine": {"cpus": os.cpu_count(), "postgres": db.description},
@@ -218,18 +410,30 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
         "consume": {
             "bare_msg_per_s": [round(r["rate"]) for r in bare_runs],
             "inbox_effects_per_s": [round(r["rate"]) for r in inbox_runs],
+            "handwritten_effects_per_s": [round(r["rate"]) for r in handwritten_runs],
             "bare_median": round(bare_rate),
+            "handwritten_median": round(handwritten_rate),
             "inbox_median": round(inbox_rate),
             "ratio": round(inbox_rate / bare_rate, 3) if bare_rate else None,
+            "handwritten_ratio": round(handwritten_rate / bare_rate, 3) if bare_rate else None,
+            "ratio_to_handwritten": (
+                round(inbox_rate / handwritten_rate, 3) if handwritten_rate else None
+            ),
         },
+        "latency": latency,
         "every_message_once": all(r["messages"] == options.rows for r in bare_runs)
-        and all(r["exactly_once"] for r in inbox_runs),
+        and all(r["exactly_once"] for r in handwritten_runs + inbox_runs)
+        and latency["committed"] == latency["sent"],
     }
 
 
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
 def render(report: dict[str, Any]) -> str:
-    c = report["consume"]
-    ratio = f"{c['ratio']:.2f}" if c["ratio"] is not None else "-"
+    c, lat = report["consume"], report["latency"]
+    ratio = _ratio(c["ratio"])
     return "\n".join(
         [
             f"outbox bench --consume: {report['rows']} messages of {report['payload_bytes']} B, "
@@ -237,15 +441,24 @@ def render(report: dict[str, Any]) -> str:
             f"{report['server_version']} ({report['machine']['postgres']}), "
             f"medians of {report['repeats']}",
             "",
-            "| what | per second | ratio to bare |",
-            "|---|---:|---:|",
-            f"| bare kombu consumer (ack only) | {c['bare_median']:,} msg | 1.00 |",
-            f"| outbox consume, one-row handler | {c['inbox_median']:,} effects | {ratio} |",
+            "| what | per second | ratio to bare | ratio to hand-written |",
+            "|---|---:|---:|---:|",
+            f"| bare kombu consumer (ack only) | {c['bare_median']:,} msg | 1.00 | |",
+            f"| hand-written kombu + psycopg, commit per message | "
+            f"{c['handwritten_median']:,} effects | {_ratio(c['handwritten_ratio'])} | 1.00 |",
+            f"| outbox consume, one-row handler | {c['inbox_median']:,} effects | {ratio} | "
+            f"{_ratio(c['ratio_to_handwritten'])} |",
             "",
             "runs: bare "
             + " / ".join(f"{r:,}" for r in c["bare_msg_per_s"])
+            + "; hand-written "
+            + " / ".join(f"{r:,}" for r in c["handwritten_effects_per_s"])
             + "; inbox "
             + " / ".join(f"{r:,}" for r in c["inbox_effects_per_s"]),
+            f"latency publish → committed effect at {lat['rate_per_s']:g} msg/s "
+            f"({lat['published_per_s']:,} reached), {lat['committed']}/{lat['sent']} committed: "
+            f"p50 {lat['p50_ms']} ms, p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, "
+            f"max {lat['max_ms']} ms",
             "every message had exactly one effect"
             if report["every_message_once"]
             else "MESSAGES MISSING OR DOUBLED",

@@ -32,7 +32,7 @@ from outbox.db import session
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
-    from outbox.bench.run import Bench
+    from outbox.bench.harness import Bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ class _Writers:
 
 def bursty_run(bench: Bench, relay_count: int, shape: BurstShape, seed: int) -> BurstRun:
     """One run: relays running, writers committing bursts, until the table is empty."""
-    from outbox.bench.run import RelayProcesses, wait_registered
+    from outbox.bench.harness import RelayProcesses, wait_registered
 
     db, broker = bench.db, bench.broker
     broker.purge()

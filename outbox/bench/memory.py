@@ -36,8 +36,6 @@ from outbox.config import Settings
 from outbox.db import session
 from outbox.errors import OutboxError
 
-Echo = Callable[[str], None]
-
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -298,7 +296,7 @@ def measure(
     backlog: Backlog,
     *,
     settings: Mapping[str, Any] | None = None,
-    echo: Echo = lambda _line: None,
+    echo: Callable[[str], None] = lambda _line: None,
 ) -> MemoryRun:
     """Commit ``backlog``, drain it with one relay (default settings unless
     ``settings`` overrides some), read every message back."""
@@ -332,7 +330,7 @@ def measure(
 
 
 def measure_all(
-    dsn: str, table: str, amqp_url: str, backlogs: Sequence[Backlog], echo: Echo
+    dsn: str, table: str, amqp_url: str, backlogs: Sequence[Backlog], echo: Callable[[str], None]
 ) -> list[MemoryRun]:
     """``measure`` each backlog in turn, on the bench's database."""
     runs = []

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from outbox.bench.run import Bench, Run
+    from outbox.bench.harness import Bench, Run
 
 # The hot key drains one confirm round trip per message: fewer rows keep the run short.
 HOT_ROWS_SHARE = 0.25

@@ -10,8 +10,9 @@ Measures, against the same PostgreSQL and RabbitMQ:
    sizes for scaling, each cell ``repeats`` times (medians), with how busy the
    machine's CPUs were during each run.
 2. **Latency.**  One idle relay; the bench commits single-row transactions at a
-   fixed rate and a consumer timestamps each message: commit returned → message
-   received (same clock, same process).
+   fixed rate (from one application process per 500 commits/s) and a consumer
+   timestamps each message: commit returned → message received (same clock, same
+   process).  It reports the rate reached and the CPU per 10,000 messages too.
 3. **Idle cost.**  The relay left alone: its CPU (``/proc/<pid>/stat``) and the
    transactions its database ran (``pg_stat_database``).
 4. **Memory.**  The relay's peak RSS draining backlogs of 1 KiB, 1 MiB and 8 MiB
@@ -25,535 +26,32 @@ not steal the relay's CPU time.  Startup (imports, connecting) is kept out of th
 figures: relays are started and registered before the rows are committed, and the
 clock starts when that commit returns (the NOTIFY wakes them).
 
-This module imports pika directly (the only one besides ``publisher.py``): the
-baseline must be a plain pika publisher, not our ``Publisher``, and the latency
-consumer must be as thin as possible.  Benchmarks print figures; nothing here is
-a timed assertion.
+The harness (servers, relays as subprocesses, the bare publisher) is
+``outbox.bench.harness``.  Benchmarks print figures; nothing here is a timed
+assertion.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import pika
-from pika.adapters.select_connection import SelectConnection
-
 from outbox.bench import memory as bench_memory
+from outbox.bench.harness import (
+    Bench,
+    BenchOptions,
+    BenchTopology,
+    Database,
+    Echo,
+    Run,
+    bench_database,
+)
 from outbox.bench.load import BurstShape, measure_bursts, render_bursts
 from outbox.bench.ordering import measure_ordering, render_ordering
 from outbox.config import Settings
-from outbox.db import migrate, session
-from outbox.db.devcluster import PostgresCluster
-from outbox.errors import OutboxError
-
-Echo = Callable[[str], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchOptions:
-    amqp_url: str
-    dsn: str | None = None
-    rows: int = 20_000
-    payload: int = 1024
-    repeats: int = 3
-    relays: tuple[int, ...] = (1, 2, 4)
-    batch_sizes: tuple[int, ...] = (100, 1000, 5000)
-    window: int = 1000
-    latency_rate: float = 200.0
-    latency_seconds: float = 5.0
-    idle_seconds: float = 12.0
-    burst_writers: int = 8
-    burst_rows: int = 250
-    burst_pause: float = 1.5
-    scaling: bool = True  # the relays x batch sizes grid
-    bursts: bool = True  # the bursty-writers load shape
-    ordering: bool = True  # unordered / 1,000 keys / one hot key
-    memory: bool = True  # the relay's peak RSS draining large rows
-    memory_only: bool = False  # nothing else
-    memory_backlogs: tuple[bench_memory.Backlog, ...] = bench_memory.parse_backlogs(
-        bench_memory.DEFAULT_BACKLOGS
-    )
-
-
-# -- the bare publisher -------------------------------------------------------------
-def bare_publish(
-    amqp_url: str,
-    exchange: str,
-    routing_key: str,
-    bodies: Sequence[bytes],
-    message_ids: Sequence[str],
-    *,
-    window: int = 1000,
-    timeout: float = 120.0,
-) -> float:
-    """Publish every body (persistent, mandatory) with at most ``window`` unconfirmed.
-
-    Returns the seconds from the first publish to the last confirm.  This is what a
-    competent hand-written pika publisher does; the relay is measured against it.
-    """
-    state: dict[str, Any] = {"sent": 0, "acked": 0, "nacked": 0, "returned": 0}
-    outstanding: dict[int, None] = {}
-    conn_ref: list[SelectConnection] = []
-    total = len(bodies)
-    started = [0.0]
-
-    def pump(channel: Any) -> None:
-        while state["sent"] < total and len(outstanding) < window:
-            i = state["sent"]
-            props = pika.BasicProperties(delivery_mode=2, message_id=message_ids[i])
-            channel.basic_publish(exchange, routing_key, bodies[i], props, mandatory=True)
-            state["sent"] = i + 1
-            outstanding[i + 1] = None
-
-    def on_confirm(frame: Any) -> None:
-        method = frame.method
-        tags = (
-            [t for t in outstanding if t <= method.delivery_tag]
-            if method.multiple
-            else [method.delivery_tag]
-        )
-        for tag in tags:
-            outstanding.pop(tag, None)
-        key = "acked" if isinstance(method, pika.spec.Basic.Ack) else "nacked"
-        state[key] += len(tags)
-        if state["acked"] + state["nacked"] >= total:
-            state["elapsed"] = time.perf_counter() - started[0]
-            conn_ref[0].close()
-        else:
-            pump(state["channel"])
-
-    def on_channel(channel: Any) -> None:
-        state["channel"] = channel
-        channel.add_on_return_callback(lambda *_: state.__setitem__("returned", 1))
-
-        def confirming(_frame: Any) -> None:
-            started[0] = time.perf_counter()
-            pump(channel)
-
-        channel.confirm_delivery(ack_nack_callback=on_confirm, callback=confirming)
-
-    def on_closed(_conn: Any, _reason: Any) -> None:
-        conn_ref[0].ioloop.stop()
-
-    conn = SelectConnection(
-        pika.URLParameters(amqp_url),
-        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
-        on_open_error_callback=lambda _c, err: on_closed(_c, err),
-        on_close_callback=on_closed,
-    )
-    conn_ref.append(conn)
-    timer = conn.ioloop.call_later(timeout, conn.ioloop.stop)
-    conn.ioloop.start()
-    conn.ioloop.remove_timeout(timer)
-    if "elapsed" not in state or state["nacked"] or state["returned"]:
-        raise OutboxError(f"bare publisher did not finish cleanly: {state}")
-    return float(state["elapsed"])
-
-
-# -- broker topology and the latency consumer ------------------------------------
-class Broker:
-    """A private exchange and queue for one bench run, deleted afterwards."""
-
-    def __init__(self, amqp_url: str, suffix: str) -> None:
-        self.amqp_url = amqp_url
-        self.exchange = f"outbox.bench.{suffix}"
-        self.queue = f"outbox.bench.{suffix}"
-        self.ledger = f"outbox.bench.ledger.{suffix}"
-        self._conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
-        self._channel = self._conn.channel()
-        self._channel.exchange_declare(self.exchange, "topic", durable=True)
-        self._channel.queue_declare(self.queue, durable=True)
-        self._channel.queue_bind(self.queue, self.exchange, "#")
-
-    def depth(self) -> int:
-        frame = self._channel.queue_declare(self.queue, passive=True)
-        return int(frame.method.message_count)
-
-    def purge(self) -> None:
-        self._channel.queue_purge(self.queue)
-
-    def delete(self) -> None:
-        with contextlib.suppress(Exception):
-            self._channel.queue_delete(self.queue)
-            self._channel.queue_delete(self.ledger)
-            self._channel.exchange_delete(self.exchange)
-        with contextlib.suppress(Exception):
-            self._conn.close()
-
-
-class Receiver(threading.Thread):
-    """Consumes the bench queue and notes when each message id arrived."""
-
-    def __init__(self, amqp_url: str, queue: str) -> None:
-        super().__init__(daemon=True)
-        self.arrived: dict[str, float] = {}
-        self._amqp_url, self._queue = amqp_url, queue
-        self._halt = threading.Event()
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        conn = pika.BlockingConnection(pika.URLParameters(self._amqp_url))
-        channel = conn.channel()
-        channel.basic_qos(prefetch_count=1000)
-
-        def on_message(_ch: Any, _method: Any, props: Any, _body: bytes) -> None:
-            self.arrived.setdefault(props.message_id, time.perf_counter())
-
-        channel.basic_consume(self._queue, on_message, auto_ack=True)
-        self.ready.set()
-        while not self._halt.is_set():
-            conn.process_data_events(time_limit=0.05)
-        conn.close()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=10)
-
-
-# -- relays as subprocesses -----------------------------------------------------------
-class RelayProcesses:
-    """``count`` relay processes with the given settings (SIGTERM on exit)."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        count: int,
-        *,
-        log_level: str = "warning",
-        log_format: str = "text",
-    ) -> None:
-        env = dict(os.environ)
-        for field in dataclasses.fields(Settings):
-            value = getattr(settings, field.name)
-            env.pop(f"OUTBOX_{field.name.upper()}", None)
-            if value is not None:  # None is the option's default, "None" a file name
-                env[f"OUTBOX_{field.name.upper()}"] = str(value)
-        env["OUTBOX_LOG_LEVEL"] = log_level
-        env["OUTBOX_LOG_FORMAT"] = log_format
-        self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "outbox", "relay"],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-            for log in self._logs
-        ]
-
-    def check_alive(self) -> None:
-        for proc, log in zip(self.procs, self._logs, strict=True):
-            if proc.poll() is not None:
-                log.seek(0)
-                text = log.read().decode(errors="replace")[-2000:]
-                raise OutboxError(f"a bench relay exited with {proc.returncode}:\n{text}")
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the relay processes so far."""
-        ticks = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for proc in self.procs:
-            with open(f"/proc/{proc.pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / ticks
-
-    def stop(self) -> list[dict[str, Any]]:
-        """SIGTERM every relay; returns their ``relay.stopped`` events (JSON logs only)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        events = []
-        for log in self._logs:
-            log.seek(0)
-            for line in log.read().decode(errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    entry = json.loads(line)
-                    if isinstance(entry, dict) and entry.get("event") == "relay.stopped":
-                        events.append(entry)
-            log.close()
-        return events
-
-
-# -- the database ------------------------------------------------------------------
-@dataclasses.dataclass
-class Database:
-    dsn: str  # where the relays and the bench's writes go
-    stats_dsn: str  # where pg_stat_database is read from (another database if we can)
-    table: str
-    description: str
-
-
-@contextlib.contextmanager
-def bench_database(dsn: str | None, echo: Echo) -> Iterator[Database]:
-    suffix = uuid.uuid4().hex[:8]
-    if dsn:
-        table = f"outbox_bench_{suffix}"
-        conn = session.connect(dsn, application_name="outbox-bench")
-        try:
-            migrate.migrate(conn, table)
-            yield Database(dsn, dsn, table, "the server given by --dsn")
-        finally:
-            for name in ("", "_relays", "_dead_letters", "_schema_version"):
-                with contextlib.suppress(Exception):
-                    conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
-            conn.close()
-        return
-    echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")
-    with PostgresCluster(durable=True) as cluster:
-        admin = session.connect(cluster.dsn, application_name="outbox-bench")
-        admin.execute("CREATE DATABASE bench")
-        admin.close()
-        bench_dsn = cluster.dsn.rsplit("/", 1)[0] + "/bench"
-        conn = session.connect(bench_dsn, application_name="outbox-bench")
-        migrate.migrate(conn, "outbox")
-        conn.close()
-        yield Database(bench_dsn, cluster.dsn, "outbox", "private cluster, fsync on")
-
-
-def _fill(
-    conn: session.Conn, table: str, exchange: str, rows: int, payload: int, keys: int | None = None
-) -> None:
-    """``rows`` rows; with ``keys``, row i has ordering key i mod keys."""
-    conn.execute(
-        f'INSERT INTO "{table}" (exchange, routing_key, payload, ordering_key) '
-        "SELECT %s, 'bench.' || (i %% 16), "
-        "convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8'), "
-        "CASE WHEN %s::int IS NOT NULL THEN 'key-' || (i %% %s::int) END "
-        "FROM generate_series(1, %s) AS i",
-        [exchange, payload, keys, keys, rows],
-    )
-
-
-def wait_registered(conn: session.Conn, table: str, count: int, relays: RelayProcesses) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        relays.check_alive()
-        row = conn.execute(f'SELECT count(*) AS n FROM "{table}_relays"').fetchone()
-        if row and row["n"] >= count:
-            return
-        time.sleep(0.05)
-    raise OutboxError("bench relays did not register within 30 s")
-
-
-# -- the runs ---------------------------------------------------------------------
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) CPU ticks of the whole machine so far (``/proc/stat``)."""
-    with open("/proc/stat") as stat:
-        fields = [int(v) for v in stat.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-@dataclasses.dataclass
-class Run:
-    kind: str  # bare | relay
-    relays: int
-    batch_size: int
-    rows: int
-    seconds: float
-    delivered: int
-    machine_busy: float = 0.0  # share of all CPUs busy during the run (0..1)
-    relay_cpu_seconds: float = 0.0  # user + system CPU of the relay processes
-
-    @property
-    def rate(self) -> float:
-        return self.rows / self.seconds if self.seconds > 0 else 0.0
-
-
-class Bench:
-    def __init__(self, options: BenchOptions, db: Database, broker: Broker, echo: Echo) -> None:
-        self.o, self.db, self.broker, self.echo = options, db, broker, echo
-        self.conn = session.connect(db.dsn, application_name="outbox-bench")
-        self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]
-
-    def settings(self, batch_size: int | None = None) -> Settings:
-        defaults = Settings()
-        return Settings(
-            dsn=self.db.dsn,
-            amqp_url=self.o.amqp_url,
-            table=self.db.table,
-            ledger_queue=self.broker.ledger,
-            batch_size=batch_size or defaults.batch_size,
-        )
-
-    def bare(self, *, window: int | None = None, rows_share: float = 1.0) -> Run:
-        """The bare publisher (``window``: unconfirmed messages at most, default
-        ``--window``) on ``rows_share`` of the bodies."""
-        window = window or self.o.window
-        bodies = self.bodies[: max(1, round(len(self.bodies) * rows_share))]
-        ids = [str(uuid.uuid4()) for _ in bodies]
-        self.broker.purge()
-        seconds = bare_publish(
-            self.o.amqp_url,
-            self.broker.exchange,
-            "bench.bare",
-            bodies,
-            ids,
-            window=window,
-        )
-        run = Run("bare", 0, window, len(ids), seconds, self.broker.depth())
-        self.broker.purge()
-        return run
-
-    def relay(
-        self,
-        count: int,
-        batch_size: int | None = None,
-        *,
-        keys: int | None = None,
-        rows_share: float = 1.0,
-    ) -> Run:
-        """``count`` relays drain the backlog; ``keys``: its rows' ordering keys
-        (``_fill``), ``rows_share``: a share of ``--rows``."""
-        settings = self.settings(batch_size)
-        rows = max(1, round(self.o.rows * rows_share))
-        self.broker.purge()
-        # The table is left as the previous runs churned it (dead tuples, statistics
-        # from whenever autovacuum last looked), as in production: no VACUUM here.
-        relays = RelayProcesses(settings, count)
-        try:
-            wait_registered(self.conn, self.db.table, count, relays)
-            with self.conn.transaction():
-                _fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
-            started = time.perf_counter()
-            busy0, total0 = _machine_ticks()
-            cpu0 = relays.cpu_seconds()
-            deadline = time.monotonic() + 300
-            while True:
-                row = self.conn.execute(f'SELECT count(*) AS n FROM "{self.db.table}"').fetchone()
-                if row and row["n"] == 0:
-                    break
-                if time.monotonic() > deadline:
-                    raise OutboxError(f"relays left {row and row['n']} rows after 300 s")
-                relays.check_alive()
-                time.sleep(0.005)
-            seconds = time.perf_counter() - started
-            busy1, total1 = _machine_ticks()
-            relay_cpu = relays.cpu_seconds() - cpu0
-        finally:
-            relays.stop()
-        self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
-        delivered = self.broker.depth()
-        self.broker.purge()
-        busy = (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
-        return Run("relay", count, settings.batch_size, rows, seconds, delivered, busy, relay_cpu)
-
-    def latency(self) -> dict[str, Any]:
-        self.broker.purge()
-        self.conn.execute(f'TRUNCATE "{self.db.table}"')
-        receiver = Receiver(self.o.amqp_url, self.broker.queue)
-        receiver.start()
-        receiver.ready.wait(10)
-        relays = RelayProcesses(self.settings(), 1)
-        committed: dict[str, float] = {}
-        try:
-            wait_registered(self.conn, self.db.table, 1, relays)
-            time.sleep(0.5)
-            count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
-            producer = session.connect(self.db.dsn, application_name="outbox-bench-producer")
-            insert = (
-                f'INSERT INTO "{self.db.table}" (message_id, exchange, routing_key, payload) '
-                "VALUES (%s, %s, 'bench.latency', %s)"
-            )
-            body = b"x" * self.o.payload
-            started = time.perf_counter()
-            for i in range(count):
-                due = started + i / self.o.latency_rate
-                pause = due - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
-                message_id = uuid.uuid4()
-                with producer.transaction():
-                    producer.execute(insert, [message_id, self.broker.exchange, body])
-                committed[str(message_id)] = time.perf_counter()
-            producer.close()
-            deadline = time.monotonic() + 10
-            while len(receiver.arrived) < count and time.monotonic() < deadline:
-                time.sleep(0.05)
-            idle = self._idle(relays)
-        finally:
-            relays.stop()
-            receiver.stop()
-        self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
-        latencies = sorted(
-            (receiver.arrived[m] - t) * 1000 for m, t in committed.items() if m in receiver.arrived
-        )
-        result: dict[str, Any] = {
-            "rate_per_s": self.o.latency_rate,
-            "sent": len(committed),
-            "delivered": sum(1 for m in committed if m in receiver.arrived),
-        }
-        for q in (50, 95, 99):
-            result[f"p{q}_ms"] = round(_percentile(latencies, q), 2)
-        result["max_ms"] = round(latencies[-1], 2) if latencies else None
-        result["idle"] = idle
-        return result
-
-    def _idle(self, relays: RelayProcesses) -> dict[str, Any]:
-        """The relay with nothing to do: CPU and database transactions per second."""
-        self.conn.close()  # our own session must not count
-        stats = session.connect(self.db.stats_dsn, application_name="outbox-bench-stats")
-        dbname = session.connect(self.db.dsn, application_name="outbox-bench-stats")
-        name = dbname.info.dbname
-        dbname.close()
-
-        def xacts() -> int:
-            row = stats.execute(
-                "SELECT (xact_commit + xact_rollback)::bigint AS n "
-                "FROM pg_stat_database WHERE datname = %s",
-                [name],
-            ).fetchone()
-            return int(row["n"]) if row else 0
-
-        # A busy backend reports its counters at most once a second, and the last
-        # ones up to 10 s after it goes idle (PGSTAT_IDLE_INTERVAL): let the latency
-        # run's tail arrive before the window opens.
-        time.sleep(11.0)
-        own = 1 if self.db.stats_dsn == self.db.dsn else 0
-        cpu0, tx0, t0 = relays.cpu_seconds(), xacts(), time.perf_counter()
-        time.sleep(self.o.idle_seconds)
-        cpu1, t1 = relays.cpu_seconds(), time.perf_counter()
-        time.sleep(1.0)
-        tx1 = xacts()
-        stats.close()
-        self.conn = session.connect(self.db.dsn, application_name="outbox-bench")
-        seconds = t1 - t0
-        return {
-            "seconds": round(seconds, 1),
-            "cpu_percent_of_a_core": round(100 * (cpu1 - cpu0) / seconds, 3),
-            "db_transactions_per_s": round(max(0, tx1 - tx0 - own) / seconds, 3),
-        }
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
 
 
 def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
@@ -562,7 +60,7 @@ def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
     with bench_database(options.dsn, echo) as db:
         if options.memory_only:
             return _measure_memory(options, db, echo)
-        broker = Broker(options.amqp_url, suffix)
+        broker = BenchTopology(options.amqp_url, suffix)
         bench = Bench(options, db, broker, echo)
         try:
             return _measure(bench, options, db, echo)
@@ -631,6 +129,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
                     100 * statistics.median(r.machine_busy for r in runs), 1
                 ),
                 "relay_cpu_seconds": round(statistics.median(r.relay_cpu_seconds for r in runs), 2),
+                **cpu_figures(runs),
                 "delivered": min(r.delivered for r in runs),
             }
         )
@@ -663,6 +162,8 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
             "relay_median": round(relay_rate),
             "ratio": round(relay_rate / bare_rate, 3),
             "window": o.window,
+            "bare_cpu_s_per_10k": cpu_figures(bare_runs)["cpu_s_per_10k"],
+            **{f"relay_{k}": v for k, v in cpu_figures(relay_runs[: o.repeats]).items()},
         },
         "scaling": scaling,
         "bursts": bursts,
@@ -673,6 +174,36 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "memory": memory,
         "every_row_arrived": every_row,
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known and len(known) == len(values) else None
+
+
+def cpu_figures(runs: list[Run]) -> dict[str, float | None]:
+    """Medians of the CPU seconds per 10,000 messages (``/proc``): the publishing
+    process (a relay, or the bench's own process for the bare publisher), the relays'
+    PostgreSQL backends (None: not on this machine, or the bare publisher), both."""
+    own = _median([r.cpu_per_10k for r in runs])
+    backends = _median([r.backend_cpu_per_10k for r in runs])
+    both = _median(
+        [
+            r.cpu_per_10k + r.backend_cpu_per_10k
+            if r.cpu_per_10k is not None and r.backend_cpu_per_10k is not None
+            else None
+            for r in runs
+        ]
+    )
+    return {"cpu_s_per_10k": own, "backend_cpu_s_per_10k": backends, "total_cpu_s_per_10k": both}
+
+
+def _cpu_cell(own: float | None, backends: float | None = None) -> str:
+    if own is None:
+        return "-"
+    if backends is None:
+        return f"{own:.2f}"
+    return f"{own + backends:.2f} ({own:.2f} + {backends:.2f} PostgreSQL)"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -691,25 +222,32 @@ def render(report: dict[str, Any]) -> str:
         f"{report['machine']['cpus']} CPUs, PostgreSQL {report['server_version']} "
         f"({report['machine']['postgres']}), medians of {report['repeats']}",
         "",
-        "| what | msg/s | ratio to bare |",
-        "|---|---:|---:|",
-        f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 |",
-        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} |",
+        "| what | msg/s | ratio to bare | CPU s per 10,000 msgs |",
+        "|---|---:|---:|---:|",
+        f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 "
+        f"| {_cpu_cell(t.get('bare_cpu_s_per_10k'))} |",
+        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} "
+        f"| {_cpu_cell(t.get('relay_cpu_s_per_10k'), t.get('relay_backend_cpu_s_per_10k'))} |",
+        "",
+        "CPU: user + system seconds from /proc, of the publishing process (the bare "
+        "publisher's is the bench's own), plus the relay's PostgreSQL backends",
     ]
     if report["scaling"]:
         lines += [
             "",
             f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
             "",
-            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s |",
-            "|---:|---:|---:|---:|---|---:|---:|",
+            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s "
+            "| CPU s per 10,000 msgs |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
     for s in report["scaling"]:
         runs = " / ".join(f"{r:,}" for r in s["runs_msg_per_s"])
         lines.append(
             f"| {s['relays']} | {s['batch_size']} | {s['msg_per_s']:,} | "
             f"{s['ratio_to_bare']:.2f} | {runs} | {s['machine_busy_percent']:.0f}% | "
-            f"{s['relay_cpu_seconds']:.1f} |"
+            f"{s['relay_cpu_seconds']:.1f} | "
+            f"{_cpu_cell(s.get('cpu_s_per_10k'), s.get('backend_cpu_s_per_10k'))} |"
         )
     if report["bursts"]:
         lines += render_bursts(report["bursts"], report["burst_shape"], report["repeats"])
@@ -719,7 +257,9 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "
         f"{lat['delivered']}/{lat['sent']} delivered: p50 {lat['p50_ms']} ms, "
-        f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms",
+        f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms; "
+        f"{lat.get('committed_per_s', '-')} commits/s reached; CPU s per 10,000 msgs: "
+        f"{_cpu_cell(lat.get('relay_cpu_s_per_10k'), lat.get('backend_cpu_s_per_10k'))}",
         f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
         f"{idle['db_transactions_per_s']} database transactions/s",
     ]

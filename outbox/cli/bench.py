@@ -163,7 +163,8 @@ def bench(
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
     (with --consume: the consumer's inbox against a bare kombu consumer)."""
-    from outbox.bench.run import BenchOptions, render, run_bench
+    from outbox.bench.harness import BenchOptions
+    from outbox.bench.run import render, run_bench
 
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
     if consume:
@@ -178,6 +179,8 @@ def bench(
                 repeats=options["repeats"],
                 prefetch=prefetch,
                 window=options["window"],
+                latency_rate=options["latency_rate"],
+                latency_seconds=options["latency_seconds"],
             ),
             echo,
         )

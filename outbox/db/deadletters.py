@@ -29,11 +29,14 @@ class DeadLetterStore(Session):
         with self._translated("listing dead letters"):
             return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
 
-    def entry(self, row_id: int) -> Row | None:
-        """One dead letter with its payload and headers (as JSON text), or None."""
+    def entry(self, row_id: int, most: int) -> Row | None:
+        """One dead letter with the first ``most`` bytes of its payload (``payload_bytes``
+        is its size) and headers (as JSON text), or None."""
         self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
         with self._translated("reading a dead letter"):
-            return self.conn.execute(self.queries["dead_letter"], {"row_id": row_id}).fetchone()
+            return self.conn.execute(
+                self.queries["dead_letter"], {"row_id": row_id, "most": most}
+            ).fetchone()
 
     def matching(
         self,

@@ -187,6 +187,10 @@ def render_sql(table: str) -> str:
 
     Each migration is a transaction under ``lock_timeout`` (rerun the script when
     one gives up: every statement is idempotent), then its concurrent index builds.
+    Its version row is written only if that transaction committed in this session
+    (it sets ``outbox.migrated``, which a rollback undoes) and its indexes are valid:
+    a tool that goes on after an error (psql without ON_ERROR_STOP) cannot record
+    a migration that failed.
     """
     millis = round(LOCK_TIMEOUT * 1000)
     parts = [
@@ -201,13 +205,48 @@ def render_sql(table: str) -> str:
         parts.append(f"-- {migration.name}")
         parts.append("BEGIN;")
         parts.append(_composed(table, migration.in_transaction).as_string(None).strip())
+        parts.append(
+            f"DO $$ BEGIN PERFORM set_config('{_SCRIPT_MIGRATED}', "
+            f"'{migration.version}', false); END $$;"
+        )
         parts.append("COMMIT;")
         parts.extend(
             _composed(table, statement).as_string(None) + ";"
             for statement in migration.outside_a_transaction
         )
-        parts.append(_version_row(table, migration).as_string(None) + ";")
+        parts.append(_script_version_row(table, migration).as_string(None) + ";")
     return "\n".join(parts) + "\n"
+
+
+# The setting by which a script's migration says that its transaction committed.
+_SCRIPT_MIGRATED = "outbox.migrated"
+
+
+def _script_version_row(table: str, migration: Migration) -> sql.Composed:
+    """The version row of ``render_sql``: only after the migration's transaction
+    committed and with each index it builds concurrently there and valid."""
+    indexes = [
+        sql.SQL("to_regclass({})").format(
+            sql.Literal(table_identifiers(table)[match.group(1)].as_string(None))
+        )
+        for match in map(_CONCURRENT_INDEX.match, migration.outside_a_transaction)
+        if match
+    ]
+    condition = sql.SQL("current_setting({}, true) = {}").format(
+        sql.Literal(_SCRIPT_MIGRATED), sql.Literal(str(migration.version))
+    )
+    if indexes:
+        condition += sql.SQL(
+            " AND (SELECT count(*) FROM pg_index WHERE indisvalid AND indexrelid IN ({})) = {}"
+        ).format(sql.SQL(", ").join(indexes), sql.Literal(len(indexes)))
+    return sql.SQL(
+        "INSERT INTO {} (version, name) SELECT {}, {} WHERE {} ON CONFLICT DO NOTHING"
+    ).format(
+        table_identifiers(table)["schema_version"],
+        sql.Literal(migration.version),
+        sql.Literal(migration.name),
+        condition,
+    )
 
 
 def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
@@ -364,6 +403,7 @@ class _Online:
         self._retried(
             "waiting for another outbox init to finish",
             lambda: conn.execute("SELECT pg_advisory_lock(%s, %s)", _lock_key(self.table)),
+            migration_lock=True,
         )
         try:
             before = current_version(conn, self.table)
@@ -426,7 +466,12 @@ class _Online:
             self.conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index))
 
     def _retried(
-        self, step: str, attempt: Callable[[], object], *, concurrent: bool = False
+        self,
+        step: str,
+        attempt: Callable[[], object],
+        *,
+        concurrent: bool = False,
+        migration_lock: bool = False,
     ) -> None:
         started = time.monotonic()
         for number in _attempts():
@@ -441,30 +486,44 @@ class _Online:
                         step=step,
                         attempt=number,
                         waited=time.monotonic() - started,
-                        holders=tuple(self._holders(concurrent)),
+                        holders=tuple(self._holders(concurrent, migration_lock)),
                         relay_claims_cancelled=_YieldToRelays.cancelled,
                         relay_claims_refused=_YieldToRelays.refused,
                     )
                 )
             time.sleep(retry_pause(number))
 
-    def _holders(self, concurrent: bool) -> Iterator[Holder]:
+    def _holders(self, concurrent: bool, migration_lock: bool = False) -> Iterator[Holder]:
         """What holds a lock on the outbox's tables (or the migration lock) now;
-        for a concurrent index build, every transaction of the database, since the
-        build waits for all that started before it.
+        for a concurrent index build, the transactions of the database it waits for
+        (``_OLD_TRANSACTIONS``); for the migration lock, only the
+        other ``outbox init`` that holds it.
 
         Sessions show only when their transaction is older than twice
-        ``LOCK_TIMEOUT``: the application's short transactions come and go.
+        ``LOCK_TIMEOUT``: the application's short transactions come and go.  The
+        other init holds the migration lock between short statements, so it shows
+        whatever its transaction's age.
         """
         cur = self.conn.cursor(row_factory=tuple_row)
         if concurrent:
-            rows = cur.execute(_OLD_TRANSACTIONS).fetchall()
+            rows = cur.execute(_OLD_TRANSACTIONS, {"tables": self.tables}).fetchall()
         else:
             rows = cur.execute(
-                _HOLDERS, {"tables": self.tables, "key": _lock_key(self.table)}
+                _HOLDERS,
+                {
+                    "tables": self.tables,
+                    "key": _lock_key(self.table),
+                    "migration_lock": _MIGRATION_LOCK,
+                },
             ).fetchall()
         for relation, gid, pid, name, state, seconds in rows:
-            if gid is None and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT):
+            if migration_lock != (relation == _MIGRATION_LOCK):
+                continue
+            if (
+                not migration_lock
+                and gid is None
+                and (seconds is None or float(seconds) < 2 * LOCK_TIMEOUT)
+            ):
                 # A short transaction, one that ended since, or one that waited
                 # behind this attempt (for up to LOCK_TIMEOUT) and runs now.
                 continue
@@ -478,12 +537,15 @@ class _Online:
             )
 
 
+# How a holder of the migration's advisory lock is named (``Holder.relation``).
+_MIGRATION_LOCK = "the migration lock"
+
 # Granted locks on the outbox's tables and on the migration's advisory lock, held
 # by someone else: a prepared transaction (found through its own transactionid
 # lock, which shares its virtualtransaction) or a session.
 _HOLDERS = """
 SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
-       coalesce(c.relname::text, 'the migration lock') AS relation,
+       coalesce(c.relname::text, %(migration_lock)s) AS relation,
        p.gid,
        a.pid,
        a.application_name,
@@ -505,8 +567,10 @@ ORDER BY coalesce(p.gid, l.pid::text), c.relname
 """
 
 
-# What a concurrent index build waits for: every transaction of this database that
-# started before it (prepared ones included).
+# What a concurrent index build waits for: the transactions of this database that
+# started before it and hold a snapshot (backend_xmin) or a lock on the outbox's
+# tables, prepared ones included.  A session idle in a READ COMMITTED transaction
+# holds neither (a pooled connection left so): the build does not wait for it.
 _OLD_TRANSACTIONS = """
 SELECT 'this database', p.gid, NULL::int, NULL, NULL,
        greatest(0, extract(epoch FROM now() - p.prepared))
@@ -517,6 +581,9 @@ SELECT 'this database', NULL, a.pid, a.application_name, a.state,
 FROM pg_stat_activity a
 WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
   AND a.xact_start IS NOT NULL AND a.backend_type = 'client backend'
+  AND (a.backend_xmin IS NOT NULL
+       OR EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.relation
+                  = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))))
 ORDER BY 6 DESC
 """
 
@@ -633,7 +700,7 @@ def describe_holder(holder: Holder, table: str, unsettled: str = "") -> str:
             text += f" (this init could not: {unsettled})"
         return text
     name = holder.application_name or "no application_name"
-    if holder.relation == "the migration lock":
+    if holder.relation == _MIGRATION_LOCK:
         return f"another outbox init (pid {holder.pid}, {name}) to finish"
     return (
         f"session pid {holder.pid} ({name}, {holder.state}, transaction open {age}) on "

@@ -210,10 +210,13 @@ ORDER BY failed_at, id
 LIMIT %(limit)s
 
 -- dead_letter --
--- One dead letter whole, for a detail view.  headers and created_at as text: a
--- dead letter may hold a value Python cannot load (that may be why it is one).
+-- One dead letter, for a detail view: the first %(most)s bytes of its payload (a
+-- message too large to publish is a dead letter of up to 1 GB) and their total.
+-- headers and created_at as text: a dead letter may hold a value Python cannot load
+-- (that may be why it is one).
 SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
-       payload, headers::text AS headers, created_at::text AS created_at, failed_at
+       substring(payload FROM 1 FOR %(most)s) AS payload, octet_length(payload) AS payload_bytes,
+       headers::text AS headers, created_at::text AS created_at, failed_at
 FROM {dead_letters}
 WHERE id = %(row_id)s
 

@@ -8,7 +8,11 @@ frame reader, so a ``message_id`` that is not UTF-8 raised out of ``drain`` on
 every start.  The consumer's connection reads frames with ``frame_handler``
 below instead: the same reader, whose messages decode their properties with
 ``outbox.inbox.properties`` (which never fails on text) and keep the raw
-property list for parking.
+property list for parking.  The same reader also keeps what py-amqp and kombu
+would change or choke on: an exchange or routing key that is not UTF-8 (py-amqp
+decodes the deliver method strictly) and the body exactly as it arrived (py-amqp
+decodes it to ``str`` when ``content_encoding`` names a text codec, kombu
+decompresses it when a ``compression`` header is set, an empty one is ``''``).
 """
 
 from __future__ import annotations
@@ -46,10 +50,15 @@ log = logging.getLogger("outbox.inbox")
 # Where a delivery's raw property list travels from the frame reader to ``Broker``
 # (kombu hands the property dict on as it is); removed before anyone sees it.
 _RAW = "x-outbox-raw-properties"
+# Likewise the body as it arrived, and (exchange, routing key) when not UTF-8.
+_BODY = "x-outbox-raw-body"
+_ROUTE = "x-outbox-route"
 
 
 class _Delivery(amqp.Message):  # type: ignore[misc]
     """A py-amqp message whose properties never fail to decode."""
+
+    route: tuple[str, str] | None = None  # set by ``frame_handler`` (``_route``)
 
     def _load_properties(self, class_id: int, buf: Any, offset: int) -> int:
         try:
@@ -57,8 +66,40 @@ class _Delivery(amqp.Message):  # type: ignore[misc]
         except Exception as exc:  # a malformed list: park the message, say why
             props, end = {UNREADABLE_PROPERTIES: f"{type(exc).__name__}: {exc}"}, len(buf)
         props[_RAW] = bytes(buf[offset:end])
+        if self.route is not None:
+            props[_ROUTE] = self.route
         self.properties = props
         return end
+
+    def keep_body(self) -> None:
+        """Keep the body as it arrived (py-amqp may decode it in the callback)."""
+        body = self.body
+        self.properties[_BODY] = body.encode() if isinstance(body, str) else bytes(body)
+
+
+def _route(method_sig: tuple[int, int], buf: Any) -> tuple[Any, tuple[str, str] | None]:
+    """A deliver (or get-ok) method whose exchange or routing key is not UTF-8,
+    which py-amqp cannot decode: the method with both emptied, and both as text
+    (undecodable bytes as lone surrogates, as header values are shown)."""
+    data = bytes(buf)
+    offset = 4
+    if method_sig == spec.Basic.Deliver:
+        offset += 1 + data[offset]  # consumer tag
+    elif method_sig != spec.Basic.GetOk:
+        return buf, None
+    offset += 9  # delivery tag, redelivered
+    start = offset
+    fields = []
+    for _ in range(2):
+        fields.append(data[offset + 1 : offset + 1 + data[offset]])
+        offset += 1 + data[offset]
+    try:
+        for field in fields:
+            field.decode("utf-8", "surrogatepass")  # as py-amqp decodes it
+    except UnicodeDecodeError:
+        exchange, routing_key = (f.decode("utf-8", "surrogateescape") for f in fields)
+        return data[:start] + b"\x00\x00" + data[offset:], (exchange, routing_key)
+    return buf, None
 
 
 _CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.GetOk])
@@ -80,7 +121,9 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
         if frame_type == 1:
             method_sig = unpack_from(">HH", buf, 0)
             if method_sig in _CONTENT_METHODS:
-                partial_messages[channel] = _Delivery(frame_method=method_sig, frame_args=buf)
+                args, route = _route(method_sig, buf)
+                partial_messages[channel] = _Delivery(frame_method=method_sig, frame_args=args)
+                partial_messages[channel].route = route
                 expected_types[channel] = 2
                 return False
             callback(channel, method_sig, buf, None)
@@ -92,6 +135,7 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
                 return False
             expected_types[channel] = 1
             partial_messages.pop(channel, None)
+            msg.keep_body()
             callback(channel, msg.frame_method, msg.frame_args, msg)
         elif frame_type == 3:
             msg = partial_messages[channel]
@@ -100,6 +144,7 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
                 return False
             expected_types[channel] = 1
             partial_messages.pop(channel, None)
+            msg.keep_body()
             callback(channel, msg.frame_method, msg.frame_args, msg)
         elif frame_type == 8:
             return False
@@ -119,9 +164,12 @@ class Delivery:
 def to_delivery(received: Any, queue: str) -> Delivery:
     properties = dict(received.properties or {})
     raw = properties.pop(_RAW, None)
-    message = to_inbox_message(
-        received.body, properties, received.delivery_info, queue, raw_properties=raw
-    )
+    body = properties.pop(_BODY, received.body)
+    delivery_info = received.delivery_info
+    route = properties.pop(_ROUTE, None)
+    if route is not None:
+        delivery_info = {**delivery_info, "exchange": route[0], "routing_key": route[1]}
+    message = to_inbox_message(body, properties, delivery_info, queue, raw_properties=raw)
     return Delivery(message, received)
 
 
@@ -367,7 +415,7 @@ class QueuePublisher:
         ``properties``."""
         message: amqp.Message
         if raw_properties is not None:
-            message = _RawMessage(body, wire.for_retry(raw_properties, headers))
+            message = _RawMessage(body, self._fitting(raw_properties, headers))
         else:
             kept = {k: v for k, v in properties.items() if k in KEPT_PROPERTIES}
             if isinstance(kept.get("timestamp"), str):
@@ -380,6 +428,19 @@ class QueuePublisher:
                 **kept,
             )
         self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
+
+    def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:
+        """``for_retry``'s property list if it fits in one frame (the broker closes
+        the connection on a larger one, so the message could never be retried);
+        else without ``headers`` (the handler then sees the default exchange and
+        the queue as routing key), else exactly as it arrived."""
+        # A frame's payload is frame_max - 8; a content header's is 12 + properties.
+        limit = int(self.conn.connection.frame_max) - 8 - 12
+        for extra in (headers, {}):
+            properties = wire.for_retry(raw_properties, extra)
+            if len(properties) <= limit:
+                return properties
+        return raw_properties
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

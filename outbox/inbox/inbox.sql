@@ -176,8 +176,11 @@ LIMIT %(limit)s
 SELECT coalesce(max(id), 0) AS last FROM {parked}
 
 -- parked_message --
--- One parked message whole, for a detail view (headers and properties as text).
-SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers::text AS headers,
+-- One parked message, for a detail view: the first %(most)s bytes of its body and
+-- their total (headers and properties as text).
+SELECT id, consumer, message_id, queue, exchange, routing_key,
+       substring(body FROM 1 FOR %(most)s) AS body, octet_length(body) AS body_bytes,
+       headers::text AS headers,
        properties::text AS properties, error, attempts, parked_at
 FROM {parked}
 WHERE id = %(id)s

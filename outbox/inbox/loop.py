@@ -38,8 +38,8 @@ The handler contract, enforced after each call: a handler that raises (any
 rolls back, closes the connection, leaves it aborted, changes its settings
 (row factory, autocommit, isolation, ...) or gets its session ended by the server
 (``idle_in_transaction_session_timeout``, ``pg_terminate_backend``) has failed.
-Its message, and only it, counts the attempt; the transaction is rolled back,
-the settings are put back, a closed or ended session is replaced.  A COMMIT run
+Its message, and only it, counts the attempt; the transaction is rolled back
+and the session is replaced by a clean one (``store.restore``).  A COMMIT run
 by a handler fails by itself (the inbox's ``guard`` trigger, see ``inbox.sql``),
 and outside the consumer's transactions the session is read-only, so no
 message's id is ever committed without its own effect, nor an effect without

@@ -157,13 +157,22 @@ def to_inbox_message(
     )
 
 
-def json_safe(value: Any) -> Any:
+# Deeper tables and arrays are shown as NESTED_TOO_DEEP (a parked message keeps
+# them in its raw property list): Python's recursion limit is about 1,000 frames.
+MAX_JSON_DEPTH = 100
+NESTED_TOO_DEEP = f"(nested deeper than {MAX_JSON_DEPTH} levels: not shown)"
+
+
+def json_safe(value: Any, _depth: int = 0) -> Any:
     """AMQP header and property values as JSON that ``jsonb`` accepts, for people
-    to read: bytes, timestamps and decimals as text, NUL as ``\\x00``."""
+    to read: bytes, timestamps and decimals as text, NUL as ``\\x00``, tables
+    and arrays nested deeper than ``MAX_JSON_DEPTH`` as ``NESTED_TOO_DEEP``."""
+    if isinstance(value, (Mapping, list, tuple)) and _depth >= MAX_JSON_DEPTH:
+        return NESTED_TOO_DEEP
     if isinstance(value, Mapping):
-        return {json_safe(_text(k)): json_safe(v) for k, v in value.items()}
+        return {json_safe(_text(k)): json_safe(v, _depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, _depth + 1) for v in value]
     if isinstance(value, (bytes, bytearray, memoryview)):
         return text_safe(bytes(value).decode("utf-8", "replace"))
     if isinstance(value, datetime.datetime):

@@ -7,7 +7,8 @@ headers and the main properties are also kept as JSON for people to read.
 
 ``retry`` sends it again **to the queue it was parked from** (through the default
 exchange, so other queues bound to the original exchange do not see it a second
-time) with the same property list as it arrived, marked persistent and with two more
+time) with the same property list as it arrived, marked persistent, without its
+expiration (a TTL would drop it if no consumer ran in time) and with two more
 headers from which the consumer restores the original exchange and routing key.
 Each parked message is sent at most once per call: the rows parked when the call
 starts, in order; those parked again meanwhile wait for the next call.  It runs in

@@ -7,8 +7,9 @@ start.  ``decode`` reads the same list and never fails on text: a short string
 that is not UTF-8 stays ``bytes``.  It also returns the list's raw bytes, which a
 parked message keeps so that ``outbox parked retry`` sends back exactly what
 arrived (``for_retry``): the same flags, the same property values, the same
-header table entries with the same AMQP types, only marked persistent and with
-the two headers that say where the message first came from.
+header table entries with the same AMQP types, only marked persistent, without its
+expiration (a TTL could drop it before a consumer runs) and with the two headers
+that say where the message first came from.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from amqp.serialization import dumps, loads
+
+from outbox.inbox.message import UNREADABLE_PROPERTIES
 
 # (flag bit, property, AMQP type) of the basic class, in wire order.
 # s: short string, o: octet, F: field table, T: timestamp (seconds).
@@ -39,6 +42,7 @@ FIELDS = (
 )
 HEADERS_FLAG = 0x2000
 DELIVERY_MODE_FLAG = 0x1000
+EXPIRATION_FLAG = 0x0100
 PERSISTENT = 2
 
 # Bytes after the type letter of a fixed-size field-table value.
@@ -54,7 +58,9 @@ _FIXED = {
 
 def decode(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[dict[str, Any], int]:
     """The properties at ``offset`` and the offset after them.  Short strings that
-    are UTF-8 are ``str`` (as py-amqp gives them), others stay ``bytes``."""
+    are UTF-8 are ``str`` (as py-amqp gives them), others stay ``bytes``.  A header
+    table py-amqp cannot read is left out, with ``UNREADABLE_PROPERTIES`` saying why
+    (the message is parked, under its message_id)."""
     data = bytes(buf)
     (flags,) = struct.unpack_from(">H", data, offset)
     offset += 2
@@ -77,7 +83,16 @@ def decode(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[dict[s
             (properties[name],) = struct.unpack_from(">Q", data, offset)
             offset += 8
         else:
-            (properties[name],), offset = loads("F", data, offset)
+            try:
+                (properties[name],), offset = loads("F", data, offset)
+            except Exception as exc:
+                # py-amqp cannot read a value (a timestamp past year 9999, a table
+                # nested too deep): skip the table, still read the message_id.
+                (length,) = struct.unpack_from(">I", data, offset)
+                offset += 4 + length
+                properties[UNREADABLE_PROPERTIES] = (
+                    f"application_headers: {type(exc).__name__}: {exc}"
+                )
     if offset > len(data):
         raise ValueError("the property list ends early")
     return properties, offset
@@ -113,13 +128,15 @@ def _encode_entry(key: str, value: Any) -> bytes:
 
 
 def for_retry(raw: bytes, extra_headers: Mapping[str, Any]) -> bytes:
-    """``raw`` (a property list as ``decode`` read it) marked persistent, with
-    ``extra_headers`` set in its header table (replacing entries of the same
-    keys); every other byte as it was."""
+    """``raw`` (a property list as ``decode`` read it) marked persistent, without
+    its per-message TTL (``expiration``: a retried message must not expire in the
+    queue while no consumer runs, it would be nowhere), with ``extra_headers`` set
+    in its header table (replacing entries of the same keys); every other byte as
+    it was."""
     (flags,) = struct.unpack_from(">H", raw, 0)
     offset = 2
     out = bytearray()
-    new_flags = flags | HEADERS_FLAG | DELIVERY_MODE_FLAG
+    new_flags = (flags | HEADERS_FLAG | DELIVERY_MODE_FLAG) & ~EXPIRATION_FLAG
     replaced = {k.encode() for k in extra_headers}
     added = b"".join(_encode_entry(k, v) for k, v in extra_headers.items())
     for flag, _name, kind in FIELDS:
@@ -143,6 +160,9 @@ def for_retry(raw: bytes, extra_headers: Mapping[str, Any]) -> bytes:
             out.append(PERSISTENT)
             continue
         if not flags & flag:
+            continue
+        if flag == EXPIRATION_FLAG:
+            offset += 1 + raw[offset]
             continue
         start = offset
         if kind == "s":

@@ -174,7 +174,7 @@ def describe(exc: BaseException) -> str:
         where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
     try:
         text = first_line(exc)
-    except Exception:
+    except BaseException:  # a handler's __str__ may raise anything, SystemExit too
         text = "(its message cannot be shown)"
     return f"{type(exc).__name__}: {text}{where}"
 
@@ -377,8 +377,11 @@ class InboxStore:
         )
 
     def restore(self, state: SessionState) -> None:
-        """Put back the settings of ``state`` (after ``rollback``: the session is
-        idle, so every setting can change)."""
+        """A new session with the settings of ``state``, in place of one a handler
+        failed on: what earlier handlers left in it for good (a WITH HOLD cursor,
+        a prepared statement, a temporary table, a session lock) must not fail
+        the message again (``DatabaseUnavailable`` if no new session)."""
+        self.reconnect()
         for name, value in state.settings:
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
@@ -485,11 +488,14 @@ class ParkedStore(InboxStore):
             row = conn.execute(self.queries["last_parked"]).fetchone()
         return int(row[0]) if row else 0
 
-    def entry(self, parked_id: int) -> dict[str, Any] | None:
-        """One parked message with its body, headers and properties (JSON text)."""
+    def entry(self, parked_id: int, most: int) -> dict[str, Any] | None:
+        """One parked message with the first ``most`` bytes of its body (``body_bytes``
+        is its size), headers and properties (JSON text)."""
         with self._reading("reading a parked message") as conn:
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.queries["parked_message"], {"id": parked_id}).fetchone()
+            return cur.execute(
+                self.queries["parked_message"], {"id": parked_id, "most": most}
+            ).fetchone()
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""

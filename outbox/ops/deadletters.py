@@ -21,6 +21,7 @@ from outbox.config import Settings
 from outbox.db.deadletters import DeadLetterStore
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
+_MAX_ROW_ID = 2**63 - 1  # bigint
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -57,11 +58,16 @@ class Selection:
 
 
 def parse_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Selection:
-    """Each text is a message id (a UUID) or an outbox row id (a whole number)."""
+    """Each text is a message id (a UUID) or an outbox row id (a whole number).
+
+    ValueError for what no row can hold: a number beyond bigint, a key with NUL.
+    """
     message_ids: list[uuid.UUID] = []
     row_ids: list[int] = []
     for text in texts:
         if text.strip().isdigit():
+            if int(text) > _MAX_ROW_ID:
+                raise ValueError(f"{text!r} is not a row id (ids end at {_MAX_ROW_ID})")
             row_ids.append(int(text))
             continue
         try:
@@ -70,6 +76,9 @@ def parse_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Select
             raise ValueError(
                 f"{text!r} is not a message id (a UUID) or a row id (a whole number)"
             ) from None
+    for key in ordering_keys:
+        if "\x00" in key:
+            raise ValueError(f"{key!r} is not an ordering key: PostgreSQL text holds no NUL")
     return Selection(tuple(message_ids), tuple(row_ids), tuple(ordering_keys))
 
 

@@ -82,12 +82,15 @@ class Pages:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
             # Every value is redacted before it is escaped: a password holding & < > "
-            # no longer looks like itself once escaped.  The page is redacted again as
-            # a whole (render), for what a template writes without an expression.
+            # no longer looks like itself once escaped.  The page is masked again as
+            # a whole (render), for what a template writes without an expression: by
+            # the remembered passwords only, since a shape (`password=\S+`) would
+            # run on from a value into the markup behind it.
             finalize=_redacted,
         )
         self.env.filters["age"] = _age
         self.env.filters["short"] = _short
+        self.env.filters["posted_back"] = _PostedBack
 
     def render(
         self, request: Request, name: str, status_code: int = 200, **context: Any
@@ -105,11 +108,17 @@ class Pages:
             "amqp_where": where_amqp(self.config.amqp_url),
         }
         html = self.env.get_template(name).render(**base, **context)
-        return HTMLResponse(redact(html), status_code=status_code)
+        return HTMLResponse(redaction.redact_remembered(html), status_code=status_code)
+
+
+class _PostedBack(str):
+    """A value a form sends back to select rows (an ordering key, a message id): kept
+    as it is, not masked by shape, or the action would select another value.  A
+    remembered password in it is still masked with the page."""
 
 
 def _redacted(value: Any) -> Any:
-    return redact(value) if isinstance(value, str) else value
+    return redact(value) if isinstance(value, str) and not isinstance(value, _PostedBack) else value
 
 
 def _age(seconds: float | None) -> str:
@@ -136,6 +145,26 @@ class Guard(BaseHTTPMiddleware):
         self.keys = keys
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if not self.config.credentials and not security.addressed_locally(
+            request.headers.get("host")
+        ):
+            emit(
+                log,
+                "web.refused",
+                logging.WARNING,
+                why="Host is not a loopback name",
+                host=loggable(request.headers.get("host") or ""),
+                client=_client(request),
+                path=loggable(request.scope["path"]),
+            )
+            return _with_headers(
+                PlainTextResponse(
+                    "this console answers only to 127.0.0.1, localhost or [::1] without "
+                    f"credentials: set {security.TOKEN_ENV}, or {security.USER_ENV} and "
+                    f"{security.PASSWORD_ENV}, to reach it by another name",
+                    status_code=421,
+                )
+            )
         who = security.authenticate(request.headers.get("authorization"), self.config.credentials)
         if who is None:
             emit(
@@ -154,13 +183,14 @@ class Guard(BaseHTTPMiddleware):
                 )
             )
         request.state.who = who
-        cookie = request.cookies.get(security.CSRF_COOKIE)
+        cookie_name = security.csrf_cookie(request.headers.get("host"))
+        cookie = request.cookies.get(cookie_name)
         fresh = not self.keys.valid(cookie)
         request.state.csrf = self.keys.issue() if fresh else cookie
         response = await call_next(request)
         if fresh:
             response.set_cookie(
-                security.CSRF_COOKIE,
+                cookie_name,
                 request.state.csrf,
                 httponly=True,
                 samesite="strict",
@@ -211,7 +241,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
             why = "the request came from another site (Origin)"
         elif not keys.request_ok(
-            request.cookies.get(security.CSRF_COOKIE),
+            request.cookies.get(security.csrf_cookie(request.headers.get("host"))),
             submitted if isinstance(submitted, str) else None,
         ):
             why = "missing or wrong CSRF token: reload the page and try again"
@@ -288,7 +318,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             "dead_letter.html",
             table=settings.table,
             row=row,
-            body=console.body_views(bytes(row["payload"])),
+            body=console.body_views(bytes(row["payload"]), row["payload_bytes"]),
             headers=console.pretty_json(row["headers"]),
         )
 
@@ -388,7 +418,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             "parked_message.html",
             inbox=target.table,
             row=row,
-            body=console.body_views(bytes(row["body"])),
+            body=console.body_views(bytes(row["body"]), row["body_bytes"]),
             headers=console.pretty_json(row["headers"]),
             properties=console.pretty_json(row["properties"]),
         )

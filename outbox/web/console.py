@@ -18,6 +18,7 @@ left open holds no connection and no lock.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import datetime
@@ -36,6 +37,9 @@ from resolver import Resolution, run_pass
 
 # The most rows a page lists, and the most a group action takes at once.
 LIST_LIMIT = 1000
+# The most bytes of a body a detail view reads and shows: its hex view is 4.3 times
+# as long, and a message too large to publish (a dead letter) may hold 1 GB.
+BODY_SHOWN = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +190,7 @@ def dead_letter_list(settings: Settings, limit: int) -> list[dict[str, Any]]:
 def dead_letter(settings: Settings, row_id: int) -> dict[str, Any] | None:
     store = deadletters.open_store(settings)
     try:
-        return store.entry(row_id)
+        return store.entry(row_id, BODY_SHOWN)
     finally:
         store.close()
 
@@ -212,7 +216,7 @@ def parked_groups(rows: Sequence[dict[str, Any]]) -> list[Group]:
 def parked_message(target: InboxTarget, parked_id: int) -> dict[str, Any] | None:
     store = parked_store(target)
     try:
-        return store.entry(parked_id)
+        return store.entry(parked_id, BODY_SHOWN)
     finally:
         store.close()
 
@@ -220,34 +224,49 @@ def parked_message(target: InboxTarget, parked_id: int) -> dict[str, Any] | None
 # -- a body as text, JSON or hex ----------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class BodyViews:
-    """The ways a payload can be shown."""
+    """The ways a payload (or its first ``shown`` bytes) can be shown."""
 
     size: int
     text: str | None  # if it is UTF-8 without control characters (but tab and newlines)
-    json: str | None  # if it is JSON, indented
-    hex: str  # always: offset, 16 bytes, printable characters
+    json: str | None  # if it is JSON, indented (never for a part)
+    hex: str  # always: offset, 16 bytes, printable characters (passwords masked)
+    shown: int = 0  # bytes in these views: less than size for a long body
 
 
-def body_views(body: bytes) -> BodyViews:
+def body_views(body: bytes, size: int | None = None) -> BodyViews:
+    """Views of ``body``, or of its first ``BODY_SHOWN`` bytes; ``size`` is the whole
+    body's when ``body`` is already only its beginning."""
+    size = len(body) if size is None else size
+    body = body[:BODY_SHOWN]
+    whole = len(body) == size
     text: str | None
     try:
-        text = body.decode("utf-8")
+        # A part may end inside a character: final=False leaves that one out.
+        text = codecs.getincrementaldecoder("utf-8")().decode(body, final=whole)
     except UnicodeDecodeError:
         text = None
     if text is not None and any(ord(c) < 32 and c not in "\t\n\r" for c in text):
         text = None  # binary that happens to decode: hex says more
     pretty = None
-    if text is not None:
+    if text is not None and whole:
         try:
             pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=True)
         except ValueError:
             pretty = None
     lines = []
-    for offset in range(0, len(body), 16):
-        chunk = body[offset : offset + 16]
+    masked = _masked(body)
+    for offset in range(0, len(masked), 16):
+        chunk = masked[offset : offset + 16]
         printable = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f"{offset:08x}  {chunk.hex(' '):<47}  {printable}")
-    return BodyViews(len(body), text, pretty, "\n".join(lines))
+    return BodyViews(size, text, pretty, "\n".join(lines), len(body))
+
+
+def _masked(body: bytes) -> bytes:
+    """``body`` with its passwords masked as the text views are (on the page, through
+    ``redact``): a hex view shows every byte, so it must not show those."""
+    # surrogateescape: every byte that is not UTF-8 comes back as it was.
+    return redact(body.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
 
 
 def pretty_json(text: str | None) -> str:
@@ -275,7 +294,7 @@ class DeadLetterSelection:
     @classmethod
     def parse(cls, ids: Sequence[str], keys: Sequence[str]) -> DeadLetterSelection:
         """From form or query values; ValueError names a value that is not a row id."""
-        selection = deadletters.parse_ids([i for i in ids if i.strip()], ())
+        selection = deadletters.parse_ids([i for i in ids if i.strip()], keys)
         if selection.message_ids:
             raise ValueError("select dead letters by row id (a whole number)")
         return cls(tuple(sorted(set(selection.row_ids))), tuple(sorted(set(keys))))

@@ -11,11 +11,19 @@ The rules (pure functions; ``app.py`` applies them to every request):
   prompts for) and/or ``OUTBOX_WEB_USER`` with ``OUTBOX_WEB_PASSWORD`` (HTTP basic
   auth).  Compared in constant time.
 - **CSRF.** Every state-changing request is a POST that carries the token of the
-  ``outbox_csrf`` cookie, as the form field ``csrf_token`` or the ``X-CSRF-Token``
+  ``outbox_csrf_PORT`` cookie, as the form field ``csrf_token`` or the ``X-CSRF-Token``
   header (the signed double-submit cookie pattern).  The cookie value is a random
   nonce signed with a per-process key, so a cookie planted by another site on the
-  same host does not verify; it is ``SameSite=Strict`` and ``HttpOnly``.  A POST whose
+  same host does not verify; it is ``SameSite=Strict`` and ``HttpOnly``.  Its name
+  carries the port the browser uses (cookies ignore ports): two consoles on one host
+  keep a cookie each.  A POST whose
   ``Origin`` names another host is refused as well.
+- **Host.** Without credentials, only a request addressed to a loopback name
+  (``Host: 127.0.0.1:8310``, ``localhost``, ``[::1]``) is served.  Otherwise any web
+  page could reach the console by DNS rebinding: its own name, re-pointed at
+  127.0.0.1, makes the browser treat the console as that page's origin, so the page
+  reads the console's pages, gets a CSRF cookie of its own and passes the
+  ``Origin`` check.  A reverse proxy that forwards another name needs credentials.
 """
 
 from __future__ import annotations
@@ -77,6 +85,24 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
+
+
+def addressed_locally(host_header: str | None) -> bool:
+    """Whether a request's ``Host`` header names this machine by a loopback name."""
+    if not host_header:
+        return False
+    host = host_header.strip()
+    if host.startswith("["):
+        name, bracket, _ = host[1:].partition("]")
+        return bool(bracket) and is_loopback(name)
+    name, _, port = host.partition(":")
+    return (not port or port.isdigit()) and is_loopback(name)
+
+
+def csrf_cookie(host_header: str | None) -> str:
+    """The CSRF cookie's name for a console reached as ``host_header``: with its port."""
+    port = (host_header or "").rpartition("]")[2].rpartition(":")[2]
+    return f"{CSRF_COOKIE}_{port}" if port.isdigit() else CSRF_COOKIE
 
 
 def check_bind(host: str, credentials: Credentials) -> None:

@@ -49,6 +49,11 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     throughput = report["throughput"]
     assert len(throughput["bare_msg_per_s"]) == len(throughput["relay_msg_per_s"]) == 1
     assert throughput["bare_median"] > 0 and throughput["relay_median"] > 0
+    # CPU seconds per 10,000 messages from /proc: the relay, its PostgreSQL backends
+    # (this server is local), and the bare publisher's process.
+    for figure in ("bare_cpu_s_per_10k", "relay_cpu_s_per_10k", "relay_backend_cpu_s_per_10k"):
+        assert throughput[figure] is not None and throughput[figure] >= 0, figure
+    assert all(s["cpu_s_per_10k"] is not None for s in report["scaling"])
     assert {(s["relays"], s["batch_size"]) for s in report["scaling"]} == {
         (1, 50),
         (1, 1000),
@@ -59,6 +64,7 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     latency = report["latency"]
     assert latency["delivered"] == latency["sent"] == 30
     assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
+    assert latency["committed_per_s"] > 0 and latency["relay_cpu_s_per_10k"] is not None
     # The bursty load: 3 writers x 2 commits x 50 rows, per relay count; no fault is
     # injected, so no duplicate and no rollback.
     assert [(b["relays"], b["rows"]) for b in report["bursts"]] == [(1, 300), (2, 300)]
@@ -102,15 +108,31 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
         "64",
         "--repeats",
         "2",
+        "--latency-rate",
+        "100",
+        "--latency-seconds",
+        "0.3",
         timeout=180,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["every_message_once"] is True
     consume = report["consume"]
-    assert len(consume["bare_msg_per_s"]) == len(consume["inbox_effects_per_s"]) == 2
+    assert (
+        len(consume["bare_msg_per_s"])
+        == len(consume["handwritten_effects_per_s"])
+        == len(consume["inbox_effects_per_s"])
+        == 2
+    )
     assert consume["bare_median"] > 0 and consume["inbox_median"] > 0
+    assert consume["handwritten_median"] > 0
     assert abs(consume["ratio"] - consume["inbox_median"] / consume["bare_median"]) < 0.01
+    ratio_to_handwritten = consume["inbox_median"] / consume["handwritten_median"]
+    assert abs(consume["ratio_to_handwritten"] - ratio_to_handwritten) < 0.01
+    # Publish -> committed effect, every message's commit seen.
+    latency = report["latency"]
+    assert latency["committed"] == latency["sent"] == 30
+    assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
     assert report["prefetch"] == 10 and report["rows"] == 300
     text = run_cli(
         "bench",
@@ -123,9 +145,12 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
         "50",
         "--repeats",
         "1",
+        "--latency-seconds",
+        "0.2",
         timeout=180,
     )
     assert text.returncode == 0 and "every message had exactly one effect" in text.stdout
+    assert "hand-written kombu + psycopg" in text.stdout and "committed effect" in text.stdout
 
 
 def test_bench_memory_only__prints_the_peak_rss_of_each_backlog(

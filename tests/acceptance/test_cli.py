@@ -68,6 +68,37 @@ def test_init__print_sql_applies_cleanly_with_psql_semantics(empty_dsn: str) -> 
     assert "up to date" in after.stdout, after.stderr
 
 
+def test_init__print_sql_records_no_version_whose_migration_failed(empty_dsn: str) -> None:
+    # psql without ON_ERROR_STOP goes on after an error: a migration's transaction
+    # stopped by its lock timeout was rolled back, its index builds failed, and the
+    # version row after them still said 3 (a relay of 0.3 then started on a schema
+    # without ordering_key).
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    script = run_cli("init", "--print-sql").stdout
+
+    def psql() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["psql", "-X", "-q", "-d", empty_dsn, "-f", "-"],
+            input=script,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    with psycopg.connect(empty_dsn) as holder:
+        holder.execute("SELECT * FROM outbox FOR UPDATE")  # a long transaction
+        stopped = psql()
+        assert "lock timeout" in stopped.stderr, stopped.stderr
+        assert migrate.current_version(holder, "outbox") == 2, stopped.stderr  # type: ignore[arg-type]
+    applied = psql()
+    assert "ERROR" not in applied.stderr, applied.stderr
+    with psycopg.connect(empty_dsn) as conn:
+        assert migrate.current_version(conn, "outbox") == migrate.LATEST_VERSION  # type: ignore[arg-type]
+        valid = conn.execute("SELECT bool_and(indisvalid) FROM pg_index").fetchone()
+    assert valid == (True,)
+
+
 def test_plain_sql_insert_from_the_contract_works(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         conn.execute(

@@ -110,20 +110,55 @@ def explain(
     params: dict[str, Any],
     *,
     adversarial: bool = False,
+    generic: bool = False,
 ) -> dict[str, Any]:
     """EXPLAIN ANALYZE in a transaction that is rolled back (the claim deletes), with
-    the planner settings the relay gives its claims."""
+    the planner settings the relay gives its claims; ``generic``: the plan the server
+    reuses once the driver has prepared the statement (``PINNED_CLAIM_PLAN``)."""
     with conn.transaction(force_rollback=True):
         conn.execute(PINNED_CLAIM_PLAN)
         if adversarial:
             for setting in ADVERSARIAL_PLANNER:
                 conn.execute(sql.SQL("SET LOCAL {} = off").format(sql.Identifier(setting)))
-        row = conn.execute(
-            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) {}").format(statement), params
-        ).fetchone()
+        if generic:
+            row = _explain_generic(conn, statement, params)
+        else:
+            row = conn.execute(
+                sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) {}").format(statement), params
+            ).fetchone()
     assert row is not None
     plan: dict[str, Any] = row[0][0]["Plan"]
     return plan
+
+
+# The claim's parameters in the order of a server-side PREPARE, with their types.
+CLAIM_PARAMETERS = {
+    "limit": "bigint",
+    "window": "bigint",
+    "max_bytes": "bigint",
+    "hold": "boolean",
+    "own": "bigint[]",
+}
+
+
+def _explain_generic(
+    conn: psycopg.Connection[Any], statement: sql.Composable, params: dict[str, Any]
+) -> Any:
+    """EXPLAIN ANALYZE EXECUTE of the statement prepared on the server, which under
+    ``plan_cache_mode = force_generic_plan`` runs the generic plan."""
+    text = statement.as_string(conn)
+    names = [name for name in CLAIM_PARAMETERS if f"%({name})s" in text]
+    for number, name in enumerate(names, 1):
+        text = text.replace(f"%({name})s", f"${number}")
+    types = ", ".join(CLAIM_PARAMETERS[name] for name in names)
+    conn.execute(f"PREPARE generic_claim ({types}) AS {text}")
+    try:
+        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
+        return conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE generic_claim ({})").format(values)
+        ).fetchone()
+    finally:
+        conn.execute("DEALLOCATE generic_claim")
 
 
 def locking_problems(plan: dict[str, Any]) -> list[str]:
@@ -152,15 +187,20 @@ def keys(request: pytest.FixtureRequest) -> Iterator[int | None]:
     _keys = None
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom_plan", "generic_plan"])
 @pytest.mark.parametrize("adversarial", [False, True], ids=["planner", "adversarial_planner"])
 @pytest.mark.parametrize("statistics", list(STATISTICS))
 def test_claim_plan__locks_once_and_claims_at_most_limit(
-    dsn: str, statistics: str, adversarial: bool, keys: int | None
+    dsn: str, statistics: str, adversarial: bool, keys: int | None, generic: bool
 ) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         STATISTICS[statistics](conn)
         plan = explain(
-            conn, Queries("outbox")["claim_batch"], claim_params(LIMIT), adversarial=adversarial
+            conn,
+            Queries("outbox")["claim_batch"],
+            claim_params(LIMIT),
+            adversarial=adversarial,
+            generic=generic,
         )
         assert locking_problems(plan) == []
         assert plan["Node Type"] == "ModifyTable"

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 
 import psycopg
@@ -479,6 +480,11 @@ def test_migrate__an_index_build_names_the_old_transaction_it_waits_for(empty_ds
     started before it, whatever table it reads: that transaction is named."""
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    # Older, but not waited for: idle in a READ COMMITTED transaction that holds no
+    # snapshot and no lock on the outbox's tables (a pooled connection left so).
+    idle = psycopg.connect(empty_dsn, application_name="an-idle-pool")
+    idle.execute("SELECT count(*) FROM pg_class")
+    time.sleep(0.1)
     report = psycopg.connect(empty_dsn, application_name="a-long-report")
     report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     report.execute("SELECT count(*) FROM pg_class")  # a snapshot, no lock on our tables
@@ -493,8 +499,40 @@ def test_migrate__an_index_build_names_the_old_transaction_it_waits_for(empty_ds
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         result = migrate.migrate(conn, "outbox", on_blocked=blocked)  # type: ignore[arg-type]
     report.close()
+    idle.close()
     assert result == (2, migrate.LATEST_VERSION)
     [wait] = waits
     assert wait.step == "migration 0003_ordering_keys.sql: index outbox_ordering_key", wait
     line = migrate.describe_wait(wait, "outbox")
     assert f"session pid {pid} (a-long-report, idle in transaction" in line, line
+    assert "an-idle-pool" not in line, line
+
+
+def test_migrate__names_the_other_init_it_waits_for_and_only_that(empty_dsn: str) -> None:
+    # Two `outbox init` at once: the second waits on the migration's advisory lock,
+    # which the first holds between short statements.  Its line said only sessions
+    # with an old transaction (here an unrelated report on the outbox), never the
+    # init it waits for.
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=2)  # type: ignore[arg-type]
+    report = psycopg.connect(empty_dsn, application_name="a-long-report")
+    report.execute("SELECT count(*) FROM outbox")  # idle in transaction
+    first = psycopg.connect(empty_dsn, autocommit=True, application_name="outbox-init")
+    key = [migrate.MIGRATION_LOCK_CLASS, zlib.crc32(b"outbox") & 0x7FFFFFFF]
+    first.execute("SELECT pg_advisory_lock(%s, %s)", key)
+    first_pid = first.info.backend_pid
+    time.sleep(2 * migrate.LOCK_TIMEOUT)  # the report's transaction is old enough to show
+    waits: list[migrate.Blocked] = []
+
+    def blocked(wait: migrate.Blocked) -> None:
+        waits.append(wait)
+        if len(waits) == 2:
+            first.close()
+            report.close()
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", on_blocked=blocked)  # type: ignore[arg-type]
+    line = migrate.describe_wait(waits[0], "outbox")
+    assert waits[0].step == "waiting for another outbox init to finish", line
+    assert f"to finish: waiting for another outbox init (pid {first_pid}, outbox-init)" in line
+    assert "a-long-report" not in line, line

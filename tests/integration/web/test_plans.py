@@ -75,3 +75,16 @@ def test_plan__parked_messages_counted_before_confirming_are_those_purge_takes(
     assert sorted((r["consumer"], r["message_id"]) for r in planned) == [("a", "m1"), ("b", "m1")]
     assert console.purge_parked(target, ["m1", "absent"]) == len(planned)
     assert [r["message_id"] for r in console.parked_entries(target, 10)] == ["m2", None]
+
+
+def test_detail__a_long_dead_letter_is_read_in_part_with_its_size(settings: Settings) -> None:
+    size = 4 * console.BODY_SHOWN
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload, "
+            "created_at, reason) VALUES (1, %s, 'ex', 'rk', %s, now(), 'too large')",
+            [uuid.uuid4(), b"x" * size],
+        )
+    row = console.dead_letter(settings, 1)
+    assert row is not None
+    assert (len(row["payload"]), row["payload_bytes"]) == (console.BODY_SHOWN, size)

@@ -32,7 +32,7 @@ def test_render_sql__each_migration_is_a_transaction_then_its_concurrent_indexes
             "COMMIT;"
         )
         assert "CONCURRENTLY" not in transaction
-        version_row = after.index(f"VALUES ({migration.version}, ")
+        version_row = after.index(f"(version, name) SELECT {migration.version}, ")
         assert after[:version_row].count("CONCURRENTLY") == len(migration.outside_a_transaction)
 
 

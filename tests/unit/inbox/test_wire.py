@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.inbox import properties as wire
-from outbox.inbox.message import inbox_key, json_safe, key_bytes, text_safe, to_inbox_message
+from outbox.inbox.message import (
+    MAX_JSON_DEPTH,
+    NESTED_TOO_DEEP,
+    inbox_key,
+    json_safe,
+    key_bytes,
+    text_safe,
+    to_inbox_message,
+)
 
 
 @given(st.binary(max_size=255))
@@ -115,3 +123,32 @@ def test_decode__a_bytes_header_stays_bytes_and_keeps_its_type_on_retry() -> Non
     again = wire.for_retry(raw, {"h": "v"})
     assert table in again
     assert wire.decode(again)[0]["application_headers"]["bin"] == b"\x00\x01"
+
+
+def test_json_safe__tables_nested_deeper_than_the_limit_are_shown_as_text() -> None:
+    deep: object = [b"\x00"]
+    for i in range(2000):
+        deep = {"k": deep} if i % 2 else [deep]
+    shown = json_safe({"h": deep})
+    for _ in range(MAX_JSON_DEPTH):
+        assert isinstance(shown, (dict, list))
+        shown = (
+            shown["k"]
+            if isinstance(shown, dict) and "k" in shown
+            else (shown["h"] if isinstance(shown, dict) else shown[0])
+        )
+    assert shown == NESTED_TOO_DEEP
+
+
+def test_for_retry__drops_the_expiration_and_keeps_what_follows_it() -> None:
+    raw = bytes(
+        amqp.Message(b"", expiration="1000", message_id="m", priority=4)._serialize_properties()
+    )
+    again = wire.for_retry(raw, {})
+    after, end = wire.decode(again)
+    assert end == len(again)
+    before, _ = wire.decode(raw)
+    assert before.pop("expiration") == "1000"
+    assert after.pop("delivery_mode") == 2
+    assert after.pop("application_headers") == {}
+    assert after == before

@@ -92,3 +92,13 @@ def test_refusal_in__exchange_refusing_publishes(reason: str) -> None:
 )
 def test_refusal_in__transient_or_other_reasons_are_not_refusals(reason: str) -> None:
     assert refusal_in(reason) is None
+
+
+def test_parse_ids__what_no_row_can_hold_is_refused_before_the_database_sees_it() -> None:
+    # Sent as they were, PostgreSQL failed the statement ("bigint out of range",
+    # "text fields cannot contain NUL"): a traceback in the CLI, a 500 in the console.
+    with pytest.raises(ValueError, match="'99999999999999999999' is not a row id"):
+        parse_ids(["99999999999999999999"])
+    assert parse_ids([str(2**63 - 1)]).row_ids == (2**63 - 1,)
+    with pytest.raises(ValueError, match="NUL"):
+        parse_ids([], ["a\x00b"])

@@ -50,6 +50,21 @@ def test_body_views__text_json_and_hex() -> None:
     assert binary.hex.splitlines()[1].startswith("00000010  10 11 12 13")
 
 
+def test_body_views__a_long_body_shows_its_beginning_and_says_so() -> None:
+    # A dead letter too large to publish holds up to 1 GB: shown whole, its hex view
+    # alone was 4.3 times that (a 21 MB body made a 169 MB page and 700 MB of RSS).
+    most = console.BODY_SHOWN
+    views = console.body_views(b"[" + b"1," * most + b"1]")
+    assert (views.size, views.shown) == (2 * most + 3, most)
+    assert views.json is None and views.text == "[" + "1," * (most // 2 - 1) + "1"
+    assert len(views.hex.splitlines()) == most // 16
+    # Already cut by the database: its size comes separately, a character cut in two
+    # at the end is left out rather than turning the text view into hex only.
+    part = ("é" * most).encode()[: most - 1]
+    views = console.body_views(part, size=10 * most)
+    assert views.size == 10 * most and views.text == "é" * (most // 2 - 1)
+
+
 def test_dead_letter_selection__row_ids_and_keys_deduplicated_message_ids_refused() -> None:
     selection = console.DeadLetterSelection.parse(["3", "1", "3", " "], ["k2", "k1", "k2"])
     assert selection == console.DeadLetterSelection((1, 3), ("k1", "k2"))
@@ -93,3 +108,19 @@ def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
 
     assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
     assert len(loggable("/" + "a" * 500)) == 200
+
+
+def test_body_views__a_password_in_a_body_is_masked_in_the_hex_view_too() -> None:
+    # The text and JSON views were masked (on the page), but the hex view spelled
+    # the database password out byte by byte.
+    from outbox import redaction
+
+    redaction.remember("postgresql://app:Hx-s3cret-pw@db/orders")
+    for body in (
+        b'{"dsn": "postgresql://app:Hx-s3cret-pw@db/orders"}',  # text
+        b"\x00\xff password Hx-s3cret-pw",  # binary
+    ):
+        views = console.body_views(body)
+        shown = bytes.fromhex("".join(line[10:57] for line in views.hex.splitlines()))
+        assert b"Hx-s3cret-pw" not in shown and b"***" in shown, views.hex
+        assert "Hx-s3cret-pw" not in views.hex

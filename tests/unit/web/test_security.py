@@ -90,3 +90,32 @@ def test_same_origin__a_foreign_origin_is_refused_a_missing_one_is_left_to_the_t
     assert not security.same_origin("http://127.0.0.1:9999", "127.0.0.1:8310")
     assert not security.same_origin("null", "127.0.0.1:8310")
     assert not security.same_origin("garbage", "127.0.0.1:8310")
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1:8310", "127.0.0.1", "localhost:8310", "LOCALHOST", "[::1]:8310", "[::1]"],
+)
+def test_addressed_locally__loopback_names_with_or_without_a_port(host: str) -> None:
+    assert security.addressed_locally(host)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        None,
+        "",
+        "evil.example:8310",
+        "evil.example",
+        "127.0.0.1.evil.example:8310",
+        "localhost.evil.example",
+        "[::1",
+        "127.0.0.1:x",
+        "10.0.0.5:8310",
+        "[::2]:8310",
+    ],
+)
+def test_addressed_locally__any_other_name_is_not(host: str | None) -> None:
+    # DNS rebinding: a page of evil.example, its name re-pointed at 127.0.0.1,
+    # reaches the console with its own name in Host.
+    assert not security.addressed_locally(host)

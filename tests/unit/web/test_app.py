@@ -1,0 +1,156 @@
+"""The console's application as an ASGI callable, without a server or a database."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import html.parser
+from typing import Any
+
+from starlette.requests import Request
+
+from outbox.config import Settings
+from outbox.web.app import Pages, WebConfig, create_app
+from outbox.web.console import ConsoleConfig, DeadLetterSelection
+from outbox.web.security import Credentials
+
+
+def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One request through the app; (status, body)."""
+    status, _, body = call_with_headers(app, method, path, headers)
+    return status, body
+
+
+def call_with_headers(
+    app: Any, method: str, path: str, headers: dict[str, str]
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One request through the app; (status, response headers, body)."""
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8310),
+    }
+
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], [(k.decode(), v.decode()) for k, v in start["headers"]], body
+
+
+def local_console(credentials: Credentials | None = None) -> Any:
+    # A DSN nothing listens on: these requests must not need the database.
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    config = WebConfig(ConsoleConfig((settings,)), "amqp://localhost", credentials or Credentials())
+    return create_app(config)
+
+
+def test_web__without_credentials_a_request_for_another_host_name_is_refused() -> None:
+    # DNS rebinding: evil.example re-pointed at 127.0.0.1 makes the console the
+    # page's own origin (it could read every page and pass the Origin check).
+    app = local_console()
+    status, body = call(app, "GET", "/static/console.css", {"host": "evil.example:8310"})
+    assert status == 421 and b"OUTBOX_WEB_TOKEN" in body
+    status, _ = call(
+        app,
+        "POST",
+        "/in-doubt/resolve",
+        {"host": "evil.example:8310", "origin": "http://evil.example:8310"},
+    )
+    assert status == 421
+    for host in ("127.0.0.1:8310", "localhost:8310", "[::1]:8310"):
+        assert call(app, "GET", "/static/console.css", {"host": host})[0] == 200
+
+
+def test_web__with_credentials_any_host_name_may_come_in_with_them() -> None:
+    app = local_console(Credentials(token="t0ken-value"))
+    headers = {"host": "console.example:8310"}
+    assert call(app, "GET", "/static/console.css", headers)[0] == 401
+    headers["authorization"] = "Bearer t0ken-value"
+    assert call(app, "GET", "/static/console.css", headers)[0] == 200
+
+
+class FormInputs(html.parser.HTMLParser):
+    """The inputs and buttons of a page, as a browser's parser finds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[dict[str, str | None]] = []
+        self.buttons: list[dict[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "input":
+            self.inputs.append(dict(attrs))
+        elif tag == "button":
+            self.buttons.append(dict(attrs))
+
+
+def test_web__a_key_that_looks_like_a_password_is_confirmed_and_posted_back_as_it_is() -> None:
+    # The page as a whole went through the redaction's shapes after escaping:
+    # `password=\S+` ate the markup behind the key up to the next blank, so the
+    # hidden field swallowed the confirm button, and the key posted back (had it
+    # been sent) was `password=***…`: another key, or none.
+    config = WebConfig(
+        ConsoleConfig((Settings(dsn="postgresql://app@127.0.0.1:1/none"),)),
+        "amqp://localhost",
+        Credentials(),
+    )
+    pages = Pages(config)
+    request = Request({"type": "http", "method": "GET", "path": "/", "headers": []})
+    keys = ("password=k1", "tenant x://a:b@c", "order-7")
+    page = pages.render(
+        request,
+        "confirm_dead_letters.html",
+        limit=10,
+        table="outbox",
+        action="retry",
+        selection=DeadLetterSelection((), keys),
+        rows=[
+            {
+                "id": 1,
+                "message_id": "m",
+                "ordering_key": key,
+                "failed_at": datetime.datetime(2026, 1, 1),
+                "reason": "r",
+            }
+            for key in keys
+        ],
+        reason=None,
+    )
+    found = FormInputs()
+    found.feed(bytes(page.body).decode())
+    assert [i["value"] for i in found.inputs if i.get("name") == "key"] == list(keys)
+    assert [b.get("id") for b in found.buttons] == ["confirm"]
+
+
+def test_web__two_consoles_on_one_host_keep_their_own_csrf_cookies() -> None:
+    # Cookies ignore the port: two consoles (one per database) on 127.0.0.1 shared
+    # one cookie, each replaced the other's on every request (the overview reloads
+    # itself every 5 s), and every confirmation in the other tab was refused as
+    # "wrong CSRF token".
+    app = local_console()
+
+    def cookie_names(host: str) -> list[str]:
+        _, headers, _ = call_with_headers(app, "GET", "/static/console.css", {"host": host})
+        return [v.split("=")[0] for k, v in headers if k == "set-cookie"]
+
+    assert cookie_names("127.0.0.1:8310") == ["outbox_csrf_8310"]
+    assert cookie_names("localhost:8311") == ["outbox_csrf_8311"]
+    assert cookie_names("localhost") == ["outbox_csrf"]
