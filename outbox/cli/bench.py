@@ -143,7 +143,7 @@ from outbox.errors import ExitCode
 )
 @click.option(
     "--prefetch",
-    default=10,
+    default=200,
     show_default=True,
     type=click.IntRange(1, 65535),
     help="Prefetch of both consumers.",

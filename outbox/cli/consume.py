@@ -43,9 +43,10 @@ MAX_PREFETCH = 65535
 @env_option(
     "--prefetch",
     "OUTBOX_PREFETCH",
-    default=10,
+    default=200,
     type=click.IntRange(1, MAX_PREFETCH),
-    help="Unacked messages the broker hands this consumer at once (1 for ordered queues).",
+    help="Unacked messages the broker hands this consumer at once; a batch takes at most "
+    "half, so the next one arrives while a batch commits (1 for ordered queues).",
 )
 @env_option(
     "--max-attempts",

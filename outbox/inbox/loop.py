@@ -17,12 +17,21 @@ One transaction of messages, in this order (``Processor.transaction``)::
     COMMIT
     ack
 
-Messages that are already here when the consumer looks (at most ``--prefetch``)
+Messages that are already here when the consumer looks (at most half ``--prefetch``)
 go through this in ONE transaction and are acked after its single COMMIT: a busy
 consumer pays one durable commit per batch, not per message.  If a handler fails
 inside a batch, the batch is rolled back and its messages are applied one by one,
 so a failing message costs only itself (a handler may run more than once for a
 message; only its database effect commits once).
+
+In a batch the handlers run in psycopg's pipeline mode: their statements and the
+seal go out without waiting and are resolved at one sync, then the COMMIT runs on
+its own (``Processor.transaction``).  A handler sees what it would see without it:
+a result it fetches or a cursor property it reads (``rowcount``, ...) is waited for
+(``store.PipelinedCursor``); an error of its statement may only show at the sync,
+which breaks the batch, applied again one by one without pipelining.  A handler
+whose batch fails pipelined and succeeds one by one (COPY, an error caught where it
+was raised) turns pipelining off for the process (``consumer.pipeline_off``).
 
 The handler contract, enforced after each call: a handler that raises (any
 ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
@@ -72,6 +81,7 @@ in-memory fakes (``tests/unit/inbox/fakes.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -234,6 +244,19 @@ class StorePort(Protocol):
 
     def seal(self) -> object: ...
 
+    # Pipeline mode for a batch's handlers: ``pipeline()`` sends their statements
+    # without waiting and resolves them when the block ends; ``send_seal`` sends the
+    # seal in it and returns how to read its result after the block.
+    @property
+    def pipelining(self) -> bool: ...
+
+    @property
+    def idle_timeout(self) -> float | None: ...
+
+    def pipeline(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def send_seal(self) -> Callable[[], object]: ...
+
     def commit(self) -> None: ...
 
     def rollback(self) -> None: ...
@@ -281,9 +304,13 @@ class BrokerPort(Protocol):
 
 
 # -- what a handler left (pure) ------------------------------------------------------------
-def handler_left(before: SessionState, after: SessionState) -> str | None:
+def handler_left(before: SessionState, after: SessionState, *, pending: bool = False) -> str | None:
     """Why the session a handler returned breaks the contract, or None if it does
-    not (the handler's transaction may go on to the COMMIT)."""
+    not (the handler's transaction may go on to the COMMIT).  ``pending``: in
+    pipeline mode, before the sync, where a transaction with statements in flight
+    shows as active (the whole check runs again after the sync)."""
+    if pending and after.transaction == "active":
+        after = dataclasses.replace(after, transaction="intrans")
     if after.closed:
         return "the handler closed the connection it was handed"
     if after.broken:
@@ -347,6 +374,10 @@ class Processor:
         # Attempts of messages in hand when the database went away, counted once
         # it is back (the messages themselves went back to the queue).
         self.owed: list[tuple[InboxMessage, str]] = []
+        # Batches run their handlers in pipeline mode (see ``transaction``) until a
+        # handler shows it cannot (a batch fails there and every message of it
+        # succeeds one by one: e.g. COPY, or logic on an error caught at once).
+        self.pipelining = store.pipelining
 
     def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
@@ -356,10 +387,21 @@ class Processor:
         usable = [m for m in messages if _unusable(m) is None]
         if len(usable) < 2:
             return [self.process(m) for m in messages]
-        done = self.transaction(usable)
+        pipelined = self.pipelining and self.store.pipelining
+        done = self.transaction(usable, pipelined=pipelined)
         if isinstance(done, Broken):
             emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=done.reason)
-            return [self.process(m) for m in messages]
+            replayed = [self.process(m) for m in messages]
+            if (
+                pipelined
+                and done.message is not None
+                and all(o in (Disposition.HANDLED, Disposition.DUPLICATE) for o, _ in replayed)
+            ):
+                # Failed in pipeline mode, applied without it: this handler needs
+                # each statement's outcome at once.  Batches go on without pipelining.
+                self.pipelining = False
+                emit(log, "consumer.pipeline_off", logging.WARNING, reason=done.reason)
+            return replayed
         applied = iter(done)
         return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
 
@@ -373,9 +415,20 @@ class Processor:
             return self._failed(message, done.reason)
         return done[0]
 
-    def transaction(self, messages: Sequence[InboxMessage]) -> Dispositions | Broken:
+    def transaction(
+        self, messages: Sequence[InboxMessage], *, pipelined: bool = False
+    ) -> Dispositions | Broken:
         """The steps of one transaction (see the module docstring).  On ``Broken``
-        the transaction is rolled back and the session is usable again."""
+        the transaction is rolled back and the session is usable again.
+
+        ``pipelined``: the handlers' statements and the seal go out in pipeline
+        mode and are resolved together at one sync, one round trip for the batch
+        instead of one per statement.  A statement's error then shows at the sync
+        or in a later handler, not in its own handler: any failure breaks the batch,
+        which ``process_batch`` applies again one by one without pipelining (where
+        each handler sees its own errors and its own message is named).  The COMMIT
+        is never pipelined: it runs only after the sync, once the session is found
+        in the same transaction, untouched (``handler_left``) and sealed."""
         store = self.store
         before = store.session()
         keys = [str(m.message_id) for m in messages]
@@ -386,23 +439,52 @@ class Processor:
             return Broken(None, exc.message)
         outcomes: Dispositions = []
         in_hand: InboxMessage | None = None
-        for message in messages:
-            if message.message_id not in new:  # applied before, or earlier in this batch
-                outcomes.append((Disposition.DUPLICATE, 0.0))
-                continue
-            new.discard(message.message_id)
-            in_hand = message
-            error = self._call(message)
-            left = handler_left(before, store.session())
-            if error or left:
-                return self._broken(message, before, error or str(left))
-            outcomes.append((Disposition.HANDLED, 0.0))
-        if in_hand is not None:
+        failed: str | None = None
+        sealed: Callable[[], object] | None = None
+        pipelined = pipelined and bool(new)
+        try:
+            with store.pipeline() if pipelined else contextlib.nullcontext():
+                for message in messages:
+                    if message.message_id not in new:  # applied before, or earlier here
+                        outcomes.append((Disposition.DUPLICATE, 0.0))
+                        continue
+                    new.discard(message.message_id)
+                    in_hand = message
+                    called = time.monotonic()
+                    error = self._call(message)
+                    failed = error or handler_left(before, store.session(), pending=pipelined)
+                    idle = store.idle_timeout
+                    if not failed and pipelined and idle and time.monotonic() - called >= idle:
+                        # The server would have ended the session had the
+                        # statements been synced (it does not while they are not).
+                        failed = (
+                            f"the handler ran longer than the session's "
+                            f"idle_in_transaction_session_timeout ({idle:g} s)"
+                        )
+                    if failed:
+                        break
+                    outcomes.append((Disposition.HANDLED, 0.0))
+                if failed is None and in_hand is not None:
+                    sealed = store.send_seal() if pipelined else _done(store.seal())
+        except (DatabaseUnavailable, StatementRefused) as exc:
+            # The session ended in a handler's time, or (pipelined) a handler's
+            # statement failed at the sync; the transaction is over either way.
+            if in_hand is None or (isinstance(exc, StatementRefused) and not pipelined):
+                raise
+            return self._broken(in_hand, before, failed or exc.message)
+        if failed is not None:
+            assert in_hand is not None
+            return self._broken(in_hand, before, failed)
+        if sealed is not None:
+            assert in_hand is not None
+            left = handler_left(before, store.session()) if pipelined else None
+            if left:
+                return self._broken(in_hand, before, left)
             try:
-                sealed = store.seal()
-            except DatabaseUnavailable as exc:  # the session ended in the handler's time
+                same = sealed() == started
+            except DatabaseUnavailable as exc:
                 return self._broken(in_hand, before, exc.message)
-            if sealed != started:
+            if not same:
                 return self._broken(
                     in_hand,
                     before,
@@ -510,6 +592,10 @@ class Processor:
         return Disposition.RETRY, delay
 
 
+def _done(value: object) -> Callable[[], object]:
+    return lambda: value
+
+
 def _unusable(message: InboxMessage) -> str | None:
     """Why ``message`` cannot go to the handler at all (it is parked at once)."""
     if message.unreadable is not None:
@@ -577,6 +663,7 @@ class Inbox:
             consumer=s.consumer,
             inbox=s.inbox_table,
             prefetch=s.prefetch,
+            batch=s.batch_size,
         )
 
     def run(self) -> ConsumerStats:

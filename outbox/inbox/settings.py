@@ -23,7 +23,9 @@ class ConsumerSettings:
     # Who the ids are recorded for (default: the queue).  Consumers of several
     # queues that form one logical consumer (consistent-hash shards) share one name.
     consumer_name: str | None = None
-    prefetch: int = 10
+    # Unacked messages at once; a batch takes at most half (``batch_size``), so the
+    # next batch is already on the connection while one commits.
+    prefetch: int = 200
     max_attempts: int = 5
     retry_delay: float = 0.1
     retry_delay_max: float = 5.0
@@ -54,6 +56,13 @@ class ConsumerSettings:
     @property
     def consumer(self) -> str:
         return self.consumer_name or self.queue
+
+    @property
+    def batch_size(self) -> int:
+        """The most messages one transaction takes: half the prefetch (at least 1),
+        so the broker refills the other half while a batch commits instead of after
+        its ack."""
+        return max(1, self.prefetch // 2)
 
 
 def parse_bindings(texts: Iterable[str]) -> tuple[tuple[str, str], ...]:

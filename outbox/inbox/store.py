@@ -39,13 +39,13 @@ import contextlib
 import dataclasses
 import datetime
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import Column, sql
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.db.queries import load_blocks
@@ -99,6 +99,41 @@ def render_sql(table: str) -> str:
     """The inbox tables as one script (``outbox consume --print-sql``)."""
     schema = _statements(table)["schema"].as_string(None)
     return f"-- outbox consume: inbox tables {table!r}\nBEGIN;\n{schema}\nCOMMIT;\n"
+
+
+# psycopg reads a cursor's result on demand for fetch*() in pipeline mode, but not
+# for rowcount, statusmessage, description or rownumber: ``PipelinedCursor`` does,
+# so a handler that reads them sees what it would see without pipelining.
+_FETCH_ON_DEMAND = hasattr(psycopg.Cursor, "_fetch_pipeline")
+
+
+class PipelinedCursor(psycopg.Cursor[Row]):
+    """The cursor handed to handlers: in pipeline mode, reading a result's
+    properties first waits for that result (a round trip, as without pipelining)."""
+
+    def _result(self) -> None:
+        if self._conn._pipeline is not None:
+            self._fetch_pipeline()
+
+    @property
+    def rowcount(self) -> int:
+        self._result()
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._result()
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[Column] | None:
+        self._result()
+        return super().description
+
+    @property
+    def rownumber(self) -> int | None:
+        self._result()
+        return super().rownumber
 
 
 class StatementRefused(OutboxError):
@@ -160,6 +195,10 @@ class InboxStore:
         self._dsn = dsn
         self._application_name = application_name
         self._connect_timeout = connect_timeout
+        # The session's idle_in_transaction_session_timeout in seconds (None: off).
+        # PostgreSQL applies it only between synced statements, so a handler that
+        # runs longer in pipeline mode is failed by the loop instead.
+        self.idle_timeout: float | None = None
         self.conn = self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -170,8 +209,14 @@ class InboxStore:
         )
         # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
         conn.row_factory = tuple_row
+        conn.cursor_factory = PipelinedCursor
         try:
             conn.execute("SET default_transaction_read_only = on")
+            row = conn.execute(
+                "SELECT setting::float8 / 1000 FROM pg_settings "
+                "WHERE name = 'idle_in_transaction_session_timeout'"
+            ).fetchone()
+            self.idle_timeout = float(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(
@@ -279,6 +324,35 @@ class InboxStore:
             row = self.conn.execute(self.queries["seal"]).fetchone()
         assert row is not None
         started: datetime.datetime = row[0]
+        return started
+
+    @property
+    def pipelining(self) -> bool:
+        """Whether this psycopg can run a batch's handlers in pipeline mode with
+        each cursor's result read on demand (``PipelinedCursor``)."""
+        return _FETCH_ON_DEMAND and psycopg.Pipeline.is_supported()
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[None]:
+        """Statements sent in the block do not wait for their results; the block's
+        end waits for all of them (one round trip) and raises the first error,
+        translated (``StatementRefused``, or ``DatabaseUnavailable`` if the session
+        is gone)."""
+        with self._translated("running the handlers' statements"), self.conn.pipeline():
+            yield
+
+    def send_seal(self) -> Callable[[], datetime.datetime]:
+        """``seal`` sent inside ``pipeline()``; call the result after the block."""
+        with self._translated("checking the transaction before the commit"):
+            cur = self.conn.execute(self.queries["seal"])
+
+        def started() -> datetime.datetime:
+            with self._translated("checking the transaction before the commit"):
+                row = cur.fetchone()
+            assert row is not None
+            value: datetime.datetime = row[0]
+            return value
+
         return started
 
     def commit(self) -> None:

@@ -12,8 +12,9 @@ guard trigger).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
@@ -159,6 +160,18 @@ class FakeStore:
             return -1  # a statement outside a transaction: it started just now
         self.guard = "sealed"
         return self.started
+
+    # Pipeline mode: a fake statement's outcome is known at once, so the block
+    # changes nothing but the order the loop reads the seal in.
+    pipelining = True
+    idle_timeout: float | None = None
+
+    def pipeline(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def send_seal(self) -> Callable[[], int]:
+        started = self.seal()
+        return lambda: started
 
     def commit(self) -> None:
         self.journal.append("commit")

@@ -202,3 +202,13 @@ def test_readiness__names_each_problem() -> None:
 def test_liveness_limit__covers_a_retry_a_backoff_reconnects_and_two_heartbeats() -> None:
     settings = ConsumerSettings(queue="q")
     assert liveness_limit(settings) == 5.0 + 30.0 + 2 * 10.0 + 2 * 60 + 60.0
+
+
+@pytest.mark.parametrize(("prefetch", "batch"), [(1, 1), (2, 1), (3, 1), (10, 5), (200, 100)])
+def test_settings__a_batch_takes_half_the_prefetch(prefetch: int, batch: int) -> None:
+    assert ConsumerSettings(queue="q", prefetch=prefetch).batch_size == batch
+
+
+def test_settings__the_default_prefetch_keeps_a_full_batch_in_the_socket() -> None:
+    settings = ConsumerSettings(queue="q")
+    assert settings.prefetch == 200 and settings.batch_size == 100
