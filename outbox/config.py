@@ -187,12 +187,13 @@ class Settings:
                 )
 
 
-def queue_name_problem(name: str) -> str | None:
-    """Why RabbitMQ would refuse ``name`` as a queue we declare, or None."""
+def queue_name_problem(name: str, *, declared: bool = True) -> str | None:
+    """Why RabbitMQ would refuse ``name`` as a queue name, or None.  Only a queue we
+    declare may not start with ``amq.`` (``declared=False``: one we only consume)."""
     if not name.strip():
         return "is empty"
     if len(name.encode()) > 255:
         return "is longer than 255 bytes"
-    if name.startswith("amq."):
+    if declared and name.startswith("amq."):
         return "starts with 'amq.', which RabbitMQ reserves for itself"
     return None

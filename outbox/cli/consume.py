@@ -21,22 +21,26 @@ from outbox.cli.common import (
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
 from outbox.config import DAY
 from outbox.events import configure, emit
+from outbox.inbox.settings import MAX_PREFETCH
 
 log = logging.getLogger("outbox.cli")
-
-# basic.qos carries the prefetch count in 16 bits.
-MAX_PREFETCH = 65535
 
 
 @click.command()
 @click.argument("handler", required=False, envvar="OUTBOX_HANDLER")
-@env_option("--queue", "OUTBOX_QUEUE", default=None, type=QueueName(), help="The queue to consume.")
+@env_option(
+    "--queue",
+    "OUTBOX_QUEUE",
+    default=None,
+    type=QueueName(declared=False),
+    help="The queue to consume.",
+)
 @consumer_server_options
 @env_option(
     "--consumer-name",
     "OUTBOX_CONSUMER_NAME",
     default=None,
-    type=QueueName("consumer name"),
+    type=QueueName("consumer name", declared=False),
     help="Name the inbox records ids under (default: the queue); consumers of "
     "consistent-hash shard queues share one.",
 )

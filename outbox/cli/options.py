@@ -89,11 +89,12 @@ class QueueName(_TextType):
 
     name = "queue"
 
-    def __init__(self, what: str = "queue name") -> None:
+    def __init__(self, what: str = "queue name", *, declared: bool = True) -> None:
         self.what = what
+        self.declared = declared
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        problem = queue_name_problem(value)
+        problem = queue_name_problem(value, declared=self.declared)
         if problem:
             self.fail(f"the {self.what} {problem}", param, ctx)
         return value

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, queue_name_problem
 from outbox.inbox.store import DEFAULT_INBOX_TABLE
 from outbox.tables import TABLE_NAME
+
+# basic.qos carries the prefetch count in 16 bits.
+MAX_PREFETCH = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +49,12 @@ class ConsumerSettings:
                 f"inbox table name {self.inbox_table!r} is not valid: use lower-case letters, "
                 "digits and underscores, at most 41 characters, not starting with a digit"
             )
-        if self.prefetch < 1:
-            raise ValueError("prefetch must be at least 1")
+        if not 1 <= self.prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be from 1 to {MAX_PREFETCH} (basic.qos is 16 bits)")
+        for name, value in (("queue", self.queue), ("consumer_name", self.consumer_name)):
+            problem = queue_name_problem(value, declared=False) if value is not None else None
+            if problem:
+                raise ValueError(f"{name}: the name {problem}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if self.inbox_retention <= 0:

@@ -308,3 +308,18 @@ def test_property__every_message_ends_in_exactly_one_place(
         else:
             assert key not in store.effects and parked.count(key) == 1
     assert store.inbox == set(store.effects) | set(parked)
+
+
+def test_settings__refuse_what_the_broker_would_refuse_later() -> None:
+    from outbox.inbox.settings import MAX_PREFETCH, ConsumerSettings
+
+    for bad in (
+        {"prefetch": MAX_PREFETCH + 1},
+        {"prefetch": 0},
+        {"queue": "q" * 256},
+        {"consumer_name": " "},
+    ):
+        with pytest.raises(ValueError):
+            ConsumerSettings(**{"queue": "q", **bad})  # type: ignore[arg-type]
+    # A queue we only consume may be server-named (amq.gen-…); only declaring it is refused.
+    assert ConsumerSettings(queue="amq.gen-abc", prefetch=MAX_PREFETCH).prefetch == MAX_PREFETCH
