@@ -4,7 +4,7 @@ pika builds a Basic.Publish, a BasicProperties and three Frame objects per
 message and hands each frame to its transport separately (one send() each).
 Profiling the relay showed that to be about half of its CPU time.  We encode the
 same bytes directly (``encode_publish``, checked byte for byte against pika's own
-marshalling by ``tests/unit/test_publisher_frames.py``) and the publisher writes
+marshalling by ``tests/unit/amqp/test_frames.py``) and the publisher writes
 a whole run of messages at once.  Only pika's pure AMQP-table encoder is used
 here (``pika.data``); the I/O lives in ``outbox.amqp.publisher``.
 """

@@ -56,7 +56,7 @@ class _Wire:
     whole runs of frames we encoded ourselves (``outbox.amqp.frames``).  That takes the
     largest body frame the connection negotiated (``_body_max_length``) and the
     call at the end of pika's own send path (``_output_marshaled_frames``).
-    ``tests/unit/test_pika_private.py`` pins both, so a pika upgrade that changes
+    ``tests/unit/amqp/test_pika_private.py`` pins both, so a pika upgrade that changes
     them fails the suite instead of the relay.
     """
 

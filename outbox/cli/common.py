@@ -304,7 +304,7 @@ ORDERING_KEY_OPTION = click.option(
 
 # -- the consumer side: outbox consume, outbox parked ---------------------------------
 def inbox_table_option(func: F) -> F:
-    # inbox_store, not inbox: the CLI must not import kombu (which imports Django
+    # inbox.store, not the loop: the CLI must not import kombu (which imports Django
     # when it is installed) unless a consumer command runs.
     from outbox.inbox.store import DEFAULT_INBOX_TABLE
 

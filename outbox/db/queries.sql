@@ -11,7 +11,7 @@
 -- empty" (the normal state of an outbox, analyzed between bursts) the planner may
 -- put it on the inner side of a nested loop: rescanned once per outer row, each
 -- rescan locking other rows, so one claim took 50 s and deleted 19,994 rows under
--- LIMIT 1000.  tests/integration/test_claim_plan.py pins this plan.
+-- LIMIT 1000.  tests/integration/db/test_claim_plan.py pins this plan.
 --
 -- Rows with an ordering key (README, "Per-key ordering") are taken only as a prefix
 -- of their key: a key's first row in the outbox (its head) and the rows right

@@ -38,7 +38,7 @@ schedule serves both (``step``)::
     6. depth 1: N+1 goes through 3 and 5 at once (it is the only batch).
 
 When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
-the claim may take them, ``store.claim_batch(own=…)``), 4 and 5 swap: N+1 is
+the claim may take them, ``BatchStore.claim_batch(own=…)``), 4 and 5 swap: N+1 is
 published only after N is committed, so no row goes out while an earlier row of
 its key is still in the outbox (``outbox.relay.ordering``), and if N fails, N+1, never
 published, is rolled back with it.
@@ -75,8 +75,8 @@ At depth 2 the crash also finds the other batch in flight at its own step of
 the table (N+1 is at most "PREPARE" while N is before "ledger record confirmed",
 and at most "all messages confirmed" while N is after it), so a crash leaves at
 most two batches to resolve.  Duplicates per crash: ≤ batch_size at depth 1,
-≤ 2 x batch_size at depth 2; at each crash point of ``outbox/faults.py`` a kill
-costs at most one batch (``tests/integration/test_faults_crash.py``).  A database
+≤ 2 x batch_size at depth 2; at each crash point of ``outbox/fault_injection.py`` a kill
+costs at most one batch (``tests/integration/relay/test_faults_crash.py``).  A database
 outage costs at most one batch at either depth, and none at depth 2 while the
 control session survives.  "resolver" is any relay's periodic pass or ``outbox
 resolve`` (``resolver/decide.py``).
@@ -124,9 +124,9 @@ dead-letter a row.  Rows that can never be published (``triage.Triage``) and
 unroutable returns become dead letters in the same pass.
 
 The batch talks to the database and the broker only through the two ports below
-(``BatchStorePort``, ``BrokerPort``): ``store.BatchStore`` and
-``publisher.Publisher`` in production, in-memory fakes in
-``tests/unit/test_batches.py``.
+(``BatchStorePort``, ``BrokerPort``): ``outbox.db.batches.BatchStore`` and
+``outbox.amqp.publisher.Publisher`` in production, in-memory fakes in
+``tests/unit/relay/test_batches.py``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ RETRYABLE: tuple[type[OutboxError], ...] = (
 
 
 class BatchStorePort(Protocol):
-    """What a batch needs from PostgreSQL (``store.BatchStore``)."""
+    """What a batch needs from PostgreSQL (``outbox.db.batches.BatchStore``)."""
 
     def claim_batch(
         self,
@@ -202,7 +202,7 @@ class BatchStorePort(Protocol):
 
 
 class BrokerPort(Protocol):
-    """What a batch needs from RabbitMQ (``publisher.Publisher``)."""
+    """What a batch needs from RabbitMQ (``outbox.amqp.publisher.Publisher``)."""
 
     @property
     def connected(self) -> bool: ...

@@ -1,7 +1,7 @@
 """The batch loop against in-memory fakes of the store and the broker: the schedule at
 depth 1 and 2, every crash point of the crash table, and every failure path.
 
-The same cases run against the real servers in ``tests/integration/test_faults_*.py``;
+The same cases run against the real servers in ``tests/integration/relay/test_faults_*.py``;
 these run in milliseconds and say exactly which step went wrong.
 """
 
