@@ -72,6 +72,17 @@ DEFAULT_PORT = 8310
     type=FiniteFloatRange(0, 365 * 86400),
     help="A prepared batch older than this (s) is flagged on the overview.",
 )
+@click.option(
+    "--trusted-proxy",
+    "trusted_proxies",
+    envvar="OUTBOX_WEB_TRUSTED_PROXIES",
+    show_envvar=True,
+    multiple=True,
+    help="Address (or network, e.g. 10.0.0.0/8) of a reverse proxy whose "
+    "X-Forwarded-For and X-Forwarded-Proto headers are believed (repeatable; the variable "
+    "takes several separated by spaces) [default: none: the headers are ignored and the "
+    "audit log names the peer address].",
+)
 @known_errors
 def web(
     also_tables: tuple[str, ...],
@@ -81,6 +92,7 @@ def web(
     port: int,
     read_only: bool,
     max_prepared_age: float,
+    trusted_proxies: tuple[str, ...],
     log_level: str,
     log_format: str,
     **options: Any,
@@ -103,6 +115,7 @@ def web(
     try:
         credentials = security.Credentials.from_env(os.environ)
         security.check_bind(host, credentials)
+        proxies = security.trusted_proxies(trusted_proxies)
     except security.BindRefused as exc:
         raise click.UsageError(str(exc)) from None
     configure(log_level, log_format)
@@ -120,5 +133,6 @@ def web(
         amqp_url=settings.amqp_url,
         credentials=credentials,
         host=host,
+        trusted_proxies=proxies,
     )
     serve(config, port)

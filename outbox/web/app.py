@@ -52,6 +52,10 @@ class WebConfig:
     amqp_url: str
     credentials: security.Credentials
     host: str = "127.0.0.1"
+    # Addresses of reverse proxies whose X-Forwarded-For / -Proto headers are believed
+    # (the audit field ``client=`` then names the proxy's client).  Empty: the headers
+    # are ignored and ``client=`` is the peer address, which no request can forge.
+    trusted_proxies: tuple[str, ...] = ()
 
 
 def where_dsn(dsn: str) -> str:

@@ -35,7 +35,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from outbox import redaction
 
@@ -68,6 +68,12 @@ class Credentials:
         )
         if bool(found.user) != bool(found.password):
             raise BindRefused(f"set both {USER_ENV} and {PASSWORD_ENV} for basic auth, or neither")
+        if found.user and ":" in found.user:
+            # Basic auth sends "user:password" and splits at the first colon (RFC 7617):
+            # such a user could never log in.
+            raise BindRefused(
+                f"{USER_ENV} cannot contain ':' (basic auth splits user and password there)"
+            )
         for secret in (found.token, found.password):
             if secret:
                 redaction.remember(f"scheme://console:{secret}@console")
@@ -75,6 +81,21 @@ class Credentials:
 
     def __bool__(self) -> bool:
         return bool(self.token or (self.user and self.password))
+
+
+def trusted_proxies(given: Sequence[str]) -> tuple[str, ...]:
+    """The ``--trusted-proxy`` values as networks uvicorn understands; refuses anything
+    else (a name, or ``*``, which would let every client choose its audited address)."""
+    proxies = []
+    for value in given:
+        try:
+            proxies.append(str(ipaddress.ip_network(value.strip(), strict=False)))
+        except ValueError:
+            raise BindRefused(
+                f"--trusted-proxy {value!r} is not an IP address or network "
+                "(e.g. 10.0.0.5 or 10.0.0.0/8)"
+            ) from None
+    return tuple(dict.fromkeys(proxies))
 
 
 def is_loopback(host: str) -> bool:

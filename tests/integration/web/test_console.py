@@ -50,9 +50,10 @@ import uvicorn  # noqa: E402
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
 from outbox.inbox.store import render_sql  # noqa: E402
-from outbox.web.app import WebConfig, create_app  # noqa: E402
+from outbox.web.app import WebConfig  # noqa: E402
 from outbox.web.console import ConsoleConfig, InboxTarget  # noqa: E402
 from outbox.web.security import Credentials  # noqa: E402
+from outbox.web.server import uvicorn_config  # noqa: E402
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -85,9 +86,9 @@ def start_console(config: WebConfig) -> Console:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), log_config=None, access_log=False, lifespan="off")
-    )
+    served = uvicorn_config(config, port)  # as `outbox web` serves it
+    served.lifespan = "off"
+    server = uvicorn.Server(served)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 10, "the console to start")
@@ -430,6 +431,41 @@ def test_web__a_post_without_the_csrf_token_is_refused(
     status, _ = http(f"{console.url}/dead-letters/purge")  # GET: not a way to change state
     assert status == 405
     assert dead_letter_ids(settings.dsn) == [row_id]
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["no-proxy", "trusted-proxy"])
+def test_web__the_audited_client_is_the_peer_unless_a_trusted_proxy_forwards_it(
+    trusted: bool,
+    settings: Settings,
+    topology: Topology,
+    web_config: WebConfig,
+    page: Page,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """X-Forwarded-For is believed only from a --trusted-proxy: uvicorn's default
+    (believe 127.0.0.1) let any local process name the client of a purge."""
+    with psycopg.connect(web_config.console.outboxes[0].dsn, autocommit=True) as conn:
+        conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
+    config = dataclasses.replace(web_config, trusted_proxies=("127.0.0.1/32",) if trusted else ())
+    running = start_console(config)
+    try:
+        row_id, _ = add_dead_letter(settings.dsn, topology.exchange)
+        page.goto(f"{running.url}/dead-letters")
+        token = page.context.cookies()[0]["value"]
+        response = page.request.post(
+            f"{running.url}/dead-letters/purge",
+            form={"id": str(row_id), "csrf_token": token, "expected": "1"},
+            headers={"X-Forwarded-For": "203.0.113.66"},
+        )
+        assert response.status == 200, response.text()[:300]
+        [logged] = [
+            r for r in caplog.records if getattr(r, "event", "") == "web.dead_letters_purged"
+        ]
+        client = logged.fields["client"]  # type: ignore[attr-defined]
+        assert client == ("203.0.113.66" if trusted else "127.0.0.1")
+        assert dead_letter_ids(settings.dsn) == []
+    finally:
+        running.stop()
 
 
 def test_web__read_only_shows_no_action_and_refuses_posts(

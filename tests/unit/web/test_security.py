@@ -34,6 +34,24 @@ def test_credentials__half_a_basic_auth_pair_is_refused() -> None:
     assert not Credentials.from_env({"OUTBOX_WEB_TOKEN": ""})
 
 
+def test_credentials__a_basic_auth_user_with_a_colon_is_refused() -> None:
+    """Basic auth splits "user:password" at the first colon: such a user could never
+    log in, so the console refuses to start with it."""
+    with pytest.raises(BindRefused, match="cannot contain ':'"):
+        Credentials.from_env({"OUTBOX_WEB_USER": "ops:team", "OUTBOX_WEB_PASSWORD": "pw-value"})
+
+
+def test_trusted_proxies__addresses_and_networks_only() -> None:
+    assert security.trusted_proxies(["10.0.0.5", " 10.0.0.0/8", "::1", "10.0.0.5"]) == (
+        "10.0.0.5/32",
+        "10.0.0.0/8",
+        "::1/128",
+    )
+    for bad in ("*", "proxy.example.com", "10.0.0.0/33", ""):
+        with pytest.raises(BindRefused, match="--trusted-proxy"):
+            security.trusted_proxies([bad])
+
+
 def test_credentials__their_secrets_are_masked_in_everything_printed() -> None:
     Credentials.from_env(
         {
