@@ -52,7 +52,10 @@ from outbox.bench.harness import (
     Echo,
     bare_publish,
     bench_database,
+    is_postgres,
+    per_10k,
     percentile,
+    process_cpu_seconds,
 )
 from outbox.db import session
 from outbox.errors import OutboxError
@@ -114,10 +117,13 @@ class ConsumeBench:
         """A kombu consumer that acks each message: seconds from first to last."""
         ids = self.fill()
         arrived: list[float] = []
+        cpu: list[float] = []  # this process's CPU at the first and the last message
 
         def on_message(message: Any) -> None:
             arrived.append(time.perf_counter())
             message.ack()
+            if len(arrived) == 1 or len(arrived) == len(ids):
+                cpu.append(time.process_time())
 
         with Connection(self.o.amqp_url) as conn:
             consumer = Consumer(
@@ -134,14 +140,23 @@ class ConsumeBench:
                     conn.drain_events(timeout=1)
             consumer.cancel()
         seconds = arrived[-1] - arrived[0] if len(arrived) > 1 else 0.0
-        return {"messages": len(arrived), "seconds": seconds, "rate": _rate(len(arrived), seconds)}
+        return {
+            "messages": len(arrived),
+            "seconds": seconds,
+            "rate": _rate(len(arrived), seconds),
+            # The bare consumer runs alone in this process: its CPU is the process's.
+            "cpu_s_per_10k": per_10k(cpu[-1] - cpu[0], len(arrived) - 1) if len(cpu) > 1 else None,
+            "backend_cpu_s_per_10k": None,
+        }
 
     def handwritten(self) -> dict[str, Any]:
         """kombu + psycopg, one transaction per message: effects/s, first to last effect."""
         ids = self.fill()
         self.conn.execute("TRUNCATE bench_effects, bench_handwritten_inbox")
         db = psycopg.connect(self.db.dsn, application_name="outbox-bench-handwritten")
+        backend = db.info.backend_pid if is_postgres(db.info.backend_pid) else None
         handled = [0]
+        cpu: list[tuple[float, float | None]] = []  # at the first and the last message
 
         def on_message(message: Any) -> None:
             message_id = message.properties.get("message_id")
@@ -155,6 +170,8 @@ class ConsumeBench:
                     db.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message_id])
             message.ack()
             handled[0] += 1
+            if handled[0] == 1 or handled[0] == len(ids):
+                cpu.append((time.process_time(), process_cpu_seconds(backend) if backend else None))
 
         try:
             with Connection(self.o.amqp_url) as conn:
@@ -173,15 +190,18 @@ class ConsumeBench:
                 consumer.cancel()
         finally:
             db.close()
-        return self._effects(len(ids))
+        result = self._effects(len(ids))
+        result.update(_cpu_window(cpu, handled[0] - 1))
+        return result
 
     def inbox(self) -> dict[str, Any]:
         """``outbox consume`` with the trivial handler: effects/s, first to last effect."""
         ids = self.fill()
         self.conn.execute("TRUNCATE bench_effects")
         with self._consume_process() as process:
-            self._wait_for_effects(len(ids), process)
+            cpu = self._wait_for_effects(len(ids), process)
         result = self._effects(len(ids))
+        result.update(cpu)
         self.conn.execute("TRUNCATE bench_inbox")
         return result
 
@@ -287,15 +307,39 @@ class ConsumeBench:
             "rate": _rate(int(row["effects"]), seconds),
         }
 
-    def _wait_for_effects(self, count: int, process: subprocess.Popen[bytes]) -> None:
+    def _wait_for_effects(
+        self, count: int, process: subprocess.Popen[bytes]
+    ) -> dict[str, float | None]:
+        """Wait until ``count`` effects are in; the CPU per 10,000 effects of the
+        ``outbox consume`` process and of its PostgreSQL backend, from the first
+        poll that saw effects to the one that saw them all (start-up not counted)."""
         deadline = time.monotonic() + 600
+        backend: int | None = None
+        first: tuple[int, float, float | None] | None = None
         while time.monotonic() < deadline:
             check_running(process, self._logs.get(process.pid))
             row = self.conn.execute("SELECT count(*) AS n FROM bench_effects").fetchone()
-            if row and row["n"] >= count:
-                return
+            n = int(row["n"]) if row else 0
+            if n and backend is None:
+                backend = self._consumer_backend()
+            if n:
+                own = process_cpu_seconds(process.pid) or 0.0
+                theirs = process_cpu_seconds(backend) if backend else None
+                if first is None:
+                    first = (n, own, theirs)
+                if n >= count:
+                    return _cpu_window([first[1:], (own, theirs)], n - first[0])
             time.sleep(0.05)
         raise OutboxError("outbox consume did not finish within 600 s")
+
+    def _consumer_backend(self) -> int | None:
+        """The pid of ``outbox consume``'s PostgreSQL backend (None: not local)."""
+        row = self.conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'outbox-consume'"
+        ).fetchone()
+        pid = int(row["pid"]) if row else None
+        return pid if pid is not None and is_postgres(pid) else None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -370,6 +414,21 @@ class _CommitListener(threading.Thread):
             self._conn.close()
 
 
+def _cpu_window(
+    samples: list[tuple[float, float | None]], messages: int
+) -> dict[str, float | None]:
+    """CPU per 10,000 messages between the first and the last of ``samples``
+    ((own CPU, backend CPU or None) each) over ``messages``."""
+    if len(samples) < 2 or messages <= 0:
+        return {"cpu_s_per_10k": None, "backend_cpu_s_per_10k": None}
+    (own0, theirs0), (own1, theirs1) = samples[0], samples[-1]
+    backend = theirs1 - theirs0 if theirs0 is not None and theirs1 is not None else None
+    return {
+        "cpu_s_per_10k": per_10k(own1 - own0, messages),
+        "backend_cpu_s_per_10k": per_10k(backend, messages),
+    }
+
+
 def _rate(messages: int, seconds: float) -> float:
     return messages / seconds if seconds > 0 else 0.0
 
@@ -419,12 +478,38 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
             "ratio_to_handwritten": (
                 round(inbox_rate / handwritten_rate, 3) if handwritten_rate else None
             ),
+            # CPU seconds per 10,000 messages (/proc, medians): the consumer's process
+            # and its PostgreSQL backend (None: not measured, or not on this machine).
+            **_cpu_medians("bare", bare_runs),
+            **_cpu_medians("handwritten", handwritten_runs),
+            **_cpu_medians("inbox", inbox_runs),
         },
         "latency": latency,
         "every_message_once": all(r["messages"] == options.rows for r in bare_runs)
         and all(r["exactly_once"] for r in handwritten_runs + inbox_runs)
         and latency["committed"] == latency["sent"],
     }
+
+
+def _cpu_medians(kind: str, runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    def median(key: str) -> float | None:
+        values = [r.get(key) for r in runs]
+        known = [v for v in values if v is not None]
+        return round(statistics.median(known), 3) if known and len(known) == len(values) else None
+
+    return {
+        f"{kind}_cpu_s_per_10k": median("cpu_s_per_10k"),
+        f"{kind}_backend_cpu_s_per_10k": median("backend_cpu_s_per_10k"),
+    }
+
+
+def _cpu(c: dict[str, Any], kind: str) -> str:
+    own, backend = c.get(f"{kind}_cpu_s_per_10k"), c.get(f"{kind}_backend_cpu_s_per_10k")
+    if own is None:
+        return "-"
+    if backend is None:
+        return f"{own:.2f}"
+    return f"{own + backend:.2f} ({own:.2f} + {backend:.2f} PostgreSQL)"
 
 
 def _ratio(value: float | None) -> str:
@@ -441,13 +526,15 @@ def render(report: dict[str, Any]) -> str:
             f"{report['server_version']} ({report['machine']['postgres']}), "
             f"medians of {report['repeats']}",
             "",
-            "| what | per second | ratio to bare | ratio to hand-written |",
-            "|---|---:|---:|---:|",
-            f"| bare kombu consumer (ack only) | {c['bare_median']:,} msg | 1.00 | |",
+            "| what | per second | ratio to bare | ratio to hand-written | CPU s per 10k |",
+            "|---|---:|---:|---:|---:|",
+            f"| bare kombu consumer (ack only) | {c['bare_median']:,} msg | 1.00 | | "
+            f"{_cpu(c, 'bare')} |",
             f"| hand-written kombu + psycopg, commit per message | "
-            f"{c['handwritten_median']:,} effects | {_ratio(c['handwritten_ratio'])} | 1.00 |",
+            f"{c['handwritten_median']:,} effects | {_ratio(c['handwritten_ratio'])} | 1.00 | "
+            f"{_cpu(c, 'handwritten')} |",
             f"| outbox consume, one-row handler | {c['inbox_median']:,} effects | {ratio} | "
-            f"{_ratio(c['ratio_to_handwritten'])} |",
+            f"{_ratio(c['ratio_to_handwritten'])} | {_cpu(c, 'inbox')} |",
             "",
             "runs: bare "
             + " / ".join(f"{r:,}" for r in c["bare_msg_per_s"])

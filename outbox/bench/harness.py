@@ -424,7 +424,7 @@ class Backends:
         ).fetchall()
         # A pid of a remote server may name an unrelated process here: only a local
         # postgres process counts.
-        self.pids = [int(r["pid"]) for r in rows if _is_postgres(int(r["pid"]))]
+        self.pids = [int(r["pid"]) for r in rows if is_postgres(int(r["pid"]))]
         self.local = bool(rows) and len(self.pids) == len(rows)
 
     def cpu_seconds(self) -> float | None:
@@ -433,7 +433,7 @@ class Backends:
         return sum(process_cpu_seconds(pid) or 0.0 for pid in self.pids)
 
 
-def _is_postgres(pid: int) -> bool:
+def is_postgres(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
             return cmdline.read().startswith(b"postgres")

@@ -13,6 +13,13 @@ would change or choke on: an exchange or routing key that is not UTF-8 (py-amqp
 decodes the deliver method strictly) and the body exactly as it arrived (py-amqp
 decodes it to ``str`` when ``content_encoding`` names a text codec, kombu
 decompresses it when a ``compression`` header is set, an empty one is ``''``).
+
+Frames come off the socket through ``BufferedFrames``: one ``recv`` of up to 64 KiB
+holds dozens of deliveries, parsed from the buffer, where py-amqp reads each frame
+with two ``recv`` calls of its exact size (six system calls per message).  It uses
+py-amqp's private transport (``sock``, ``_read_buffer``), so it is installed only
+where that is found as expected (``BufferedFrames.install``); elsewhere, and over
+TLS, py-amqp reads as it always does.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import logging
+import socket
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from struct import unpack_from
@@ -28,6 +37,7 @@ from typing import Any
 
 import amqp
 from amqp import spec
+from amqp import transport as amqp_transport
 from amqp.exceptions import UnexpectedFrame
 from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
@@ -153,6 +163,92 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
     return on_frame
 
 
+# Errors of ``recv`` that do not mean the connection is gone (as py-amqp's).
+_UNAVAILABLE = frozenset([errno.EAGAIN, errno.EINTR, errno.ENOENT, errno.EWOULDBLOCK])
+_FRAME_END = 0xCE
+
+
+class BufferedFrames:
+    """``read_frame`` for a py-amqp transport on a plain TCP socket: reads what the
+    socket has (up to ``chunk`` bytes, at least the rest of the frame in hand) and
+    parses frames from that buffer.  What is read and not parsed yet stays in the
+    buffer through timeouts (a partial frame is completed by the next call); a
+    closed or failed socket is an ``OSError`` as in py-amqp, which also marks
+    the transport disconnected."""
+
+    chunk = 65536
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        # Bytes py-amqp has read and not parsed yet come first.
+        self.buffer: bytes = bytes(transport._read_buffer)
+        transport._read_buffer = b""
+        self.offset = 0
+
+    @classmethod
+    def install(cls, transport: Any) -> BufferedFrames | None:
+        """Read ``transport``'s frames through a ``BufferedFrames`` (returned) if
+        it is py-amqp's plain TCP transport as this code knows it; None (py-amqp
+        reads) otherwise: TLS, another transport, or a py-amqp without these
+        private attributes."""
+        plain = getattr(amqp_transport, "TCPTransport", None)
+        if (
+            plain is None
+            or type(transport) is not plain
+            or not isinstance(getattr(transport, "_read_buffer", None), bytes | bytearray)
+            or not isinstance(getattr(transport, "sock", None), socket.socket)
+            or not callable(getattr(transport, "read_frame", None))
+        ):
+            return None
+        frames = cls(transport)
+        transport.read_frame = frames.read_frame
+        return frames
+
+    def read_frame(self) -> tuple[int, int, bytes]:
+        buffer, offset = self.buffer, self.offset
+        if len(buffer) - offset >= 8:
+            frame_type, channel, size = unpack_from(">BHI", buffer, offset)
+            end = offset + 7 + size
+            if end < len(buffer):
+                if buffer[end] != _FRAME_END:
+                    raise UnexpectedFrame(
+                        f"Received frame_end {buffer[end]:#04x} while expecting 0xce"
+                    )
+                self.offset = end + 1
+                return frame_type, channel, buffer[offset + 7 : end]
+        # Not a whole frame in the buffer: read until it is, then parse it above.
+        self._fill(7)
+        _, _, size = unpack_from(">BHI", self.buffer, 0)
+        self._fill(7 + size + 1)
+        return self.read_frame()
+
+    def _fill(self, wanted: int) -> None:
+        """Read until the buffer holds ``wanted`` bytes from the offset on."""
+        buffer = self.buffer[self.offset :]
+        self.buffer, self.offset = buffer, 0
+        while len(buffer) < wanted:
+            sock = self.transport.sock
+            if sock is None:
+                raise OSError("the connection to RabbitMQ is closed")
+            try:
+                data = sock.recv(max(wanted - len(buffer), self.chunk))
+            except (BlockingIOError, InterruptedError) as exc:
+                if isinstance(exc, InterruptedError):
+                    continue
+                raise TimeoutError() from exc  # non-blocking: nothing more yet
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                if exc.errno not in _UNAVAILABLE:
+                    self.transport.connected = False
+                raise
+            if not data:
+                self.transport.connected = False
+                raise OSError("Server unexpectedly closed connection")
+            buffer += data
+            self.buffer = buffer
+
+
 @dataclasses.dataclass(frozen=True)
 class Delivery:
     """One delivery: the handler's view of it and the broker's handle to settle it."""
@@ -215,6 +311,7 @@ class Broker:
         self.conn: Connection | None = None
         self._consumer: Consumer | None = None
         self._received: list[Any] | None = None
+        self._frames: BufferedFrames | None = None  # None: py-amqp reads
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -252,6 +349,7 @@ class Broker:
                 interval_step=0,
                 interval_max=0,
             )
+            self._frames = BufferedFrames.install(getattr(conn.connection, "transport", None))
             channel = conn.channel()
             if s.bindings:
                 self._declare(channel)
@@ -316,10 +414,18 @@ class Broker:
             raise BrokerUnavailable("not connected to RabbitMQ")
         received: list[Any] = []
         self._received = received
+        batch_size = self.settings.batch_size
         try:
             conn.drain_events(timeout=timeout)
             with _nonblocking(conn):
-                while len(received) < self.settings.batch_size:
+                if self._frames is not None:
+                    # The frames straight from the buffer to py-amqp's frame handler:
+                    # what ``drain_events(timeout=0)`` does per frame, without its
+                    # four calls and the context manager around each read.
+                    read, on_frame = self._frames.read_frame, conn.connection.on_inbound_frame
+                    while len(received) < batch_size:
+                        on_frame(read())
+                while len(received) < batch_size:
                     conn.drain_events(timeout=0)
         except TimeoutError:  # socket.timeout: nothing (more) arrived
             pass
@@ -361,6 +467,7 @@ class Broker:
 
     def close(self) -> None:
         self._consumer = None
+        self._frames = None
         if self.conn is not None:
             # Closing a dead connection must not hide the error that killed it.
             with contextlib.suppress(Exception):

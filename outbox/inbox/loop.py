@@ -309,23 +309,26 @@ def handler_left(before: SessionState, after: SessionState, *, pending: bool = F
     not (the handler's transaction may go on to the COMMIT).  ``pending``: in
     pipeline mode, before the sync, where a transaction with statements in flight
     shows as active (the whole check runs again after the sync)."""
-    if pending and after.transaction == "active":
-        after = dataclasses.replace(after, transaction="intrans")
+    transaction = after.transaction
+    if pending and transaction == "active":
+        transaction = "intrans"
     if after.closed:
         return "the handler closed the connection it was handed"
     if after.broken:
         return "the handler's session ended (the server closed it)"
-    if after.transaction == "inerror":
+    if transaction == "inerror":
         return (
             "the handler caught a database error; its transaction was aborted and cannot "
             "commit (let the error propagate, or use conn.transaction() as a savepoint "
             "around the statement that may fail)"
         )
-    if after.transaction != "intrans":
+    if transaction != "intrans":
         return (
             "the handler ended the transaction itself (commit or rollback); it must leave "
             "that to the consumer (use conn.transaction() for savepoints)"
         )
+    if after.settings == before.settings:  # the common case, compared in C
+        return None
     changed = [
         name
         for (name, was), (_, now) in zip(before.settings, after.settings, strict=True)

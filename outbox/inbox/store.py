@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import operator
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -70,6 +71,8 @@ SETTINGS = (
     "prepare_threshold",
     "prepared_max",
 )
+# All of them at once, in C (``session`` runs before and after every handler call).
+_read_settings = operator.attrgetter(*SETTINGS)
 
 
 def inbox_identifiers(table: str) -> dict[str, sql.Composable]:
@@ -373,7 +376,7 @@ class InboxStore:
             closed=conn.closed,
             broken=conn.broken,
             transaction=_STATUS.get(status, "unknown"),
-            settings=tuple((name, getattr(conn, name)) for name in SETTINGS),
+            settings=tuple(zip(SETTINGS, _read_settings(conn), strict=True)),
         )
 
     def restore(self, state: SessionState) -> None:

@@ -16,14 +16,18 @@ import os
 import pwd
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 
+import pika
 import psycopg
 import pytest
 
 from outbox.config import Settings
 from outbox.db.devcluster import PostgresCluster, free_port
+from outbox.inbox.broker import Broker, BufferedFrames
+from outbox.inbox.settings import ConsumerSettings
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.fixtures.faults import RabbitNode, RelayProcess, prepared_left, relay_sessions, wait_for
 from tests.fixtures.servers import Topology, run_cli, settings_env
@@ -232,3 +236,35 @@ def test_tls__an_unreadable_ca_file_is_a_usage_error(
         env = {**settings_env(tls_case.settings), "OUTBOX_AMQP_CA_FILE": ca_file}
         result = run_cli("relay", "--drain", env=env)
         assert_one_clear_error(result, 2, says)
+
+
+def test_tls__the_consumer_reads_amqps_with_py_amqps_own_reads(
+    tls_case: TlsCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over TLS the consumer's buffered frame reader is not installed (it reads a
+    plain socket): py-amqp reads, and every delivery arrives whole."""
+    topology = tls_case.topology
+    ch = topology.channel()
+    ch.confirm_delivery()
+    bodies = {f"tls-{i}": bytes([i]) * (i * 50_000) for i in range(6)}
+    for message_id, body in bodies.items():
+        ch.basic_publish(topology.exchange, "k", body, pika.BasicProperties(message_id=message_id))
+    ch.connection.close()
+    # py-amqp's default TLS context trusts the test's CA through OpenSSL's variable.
+    assert tls_case.settings.amqp_ca_file is not None
+    monkeypatch.setenv("SSL_CERT_FILE", tls_case.settings.amqp_ca_file)
+    url = tls_case.settings.amqp_url
+    broker = Broker(ConsumerSettings(queue=topology.queue, dsn="unused", amqp_url=url))
+    broker.open()
+    try:
+        assert broker.conn is not None
+        read_frame = broker.conn.connection.transport.read_frame
+        assert not isinstance(getattr(read_frame, "__self__", None), BufferedFrames)
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < len(bodies) and time.monotonic() < deadline:
+            got += broker.drain(timeout=1.0)
+        broker.settle(got[-1], ack=True, multiple=True)
+    finally:
+        broker.close()
+    assert {d.message.message_id: d.message.body for d in got} == bodies
