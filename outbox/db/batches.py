@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,12 +59,29 @@ KEYED_WINDOW = 5
 # as running it on a small batch (0.36 ms against 0.12 ms), so at 2,000 commits/s,
 # a few rows per batch, the server spent more on planning claims than on claiming.
 # The driver prepares the claim on its 5th run; the generic plan is then reused
-# (``tests/integration/db/test_claim_plan.py`` pins its shape too).  Sent with the
-# claim and its BEGIN in one round trip; both settings end with the transaction.
+# (``tests/integration/db/test_claim_plan.py`` pins its shape too).  Both settings
+# end with the transaction.
 PINNED_CLAIM_PLAN = (
     "SELECT set_config('enable_seqscan', 'off', true),"
     " set_config('plan_cache_mode', 'force_generic_plan', true)"
 )
+# Sent with its BEGIN as one simple query, then the claim: two round trips.  Sending
+# all three in one pipeline (psycopg's pipeline mode) saved a round trip but cost
+# the relay about 0.15 ms more CPU per claim, a tenth of its CPU per batch at a
+# few rows per batch, where CPU per batch is the latency on a busy machine.
+BEGIN_CLAIM = f"BEGIN; {PINNED_CLAIM_PLAN}".encode()
+
+# A gid of the relay's own format (``outbox.gid``) needs no escaping: the statements
+# that name it are built as bytes, not composed (composition showed in the relay's
+# profile at a few rows per batch).  Anything else is quoted by the driver.
+_PLAIN_GID = re.compile(r"[A-Za-z0-9_:.-]+")
+
+
+def gid_statement(verb: str, gid: str) -> bytes | sql.Composed:
+    """``verb`` followed by ``gid`` as a string literal."""
+    if _PLAIN_GID.fullmatch(gid):
+        return f"{verb} '{gid}'".encode()
+    return sql.SQL(verb + " {}").format(sql.Literal(gid))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,15 +192,8 @@ class BatchStore(Session):
             "own": list(own),
         }
         with self._translated("claiming a batch"), claim_cursor(self.conn) as cur:
-            if psycopg.Pipeline.is_supported():
-                # BEGIN, the planner settings and the claim in one round trip.
-                with self.conn.pipeline():
-                    self.conn.execute("BEGIN")
-                    self.conn.execute(PINNED_CLAIM_PLAN)
-                    cur.execute(self.queries["claim_batch"], params)
-            else:  # a libpq older than 14: two round trips
-                self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
-                cur.execute(self.queries["claim_batch"], params)
+            self.conn.execute(BEGIN_CLAIM, prepare=False)
+            cur.execute(self.queries["claim_batch"], params)
             records = cur.fetchall()
             rows = [outbox_row(r) for r in with_texts(self.conn, records)]
             return sorted(rows, key=lambda row: row.id)
@@ -190,7 +201,7 @@ class BatchStore(Session):
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
         with self._translated("rolling back a claim"):
-            self.conn.execute("ROLLBACK")
+            self.conn.execute(b"ROLLBACK", prepare=False)
 
     def prepare(self, gid: str) -> None:
         """PREPARE TRANSACTION: the claim survives any crash, undecided.
@@ -199,9 +210,8 @@ class BatchStore(Session):
         may not have happened; the caller must not publish and must look the gid
         up (``gid_exists``) after reconnecting.
         """
-        stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid))
         try:
-            self.conn.execute(stmt)
+            self.conn.execute(gid_statement("PREPARE TRANSACTION", gid), prepare=False)
         except pgerrors.ObjectNotInPrerequisiteState as exc:
             self._rollback_quietly()
             raise PreparedTransactionsDisabled(
@@ -233,9 +243,8 @@ class BatchStore(Session):
         connection raises ``OutcomeUnknown``.
         """
         verb = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
-        stmt = sql.SQL(verb + " {}").format(sql.Literal(gid))
         try:
-            self.conn.execute(stmt)
+            self.conn.execute(gid_statement(verb, gid), prepare=False)
         except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
             return False
         except psycopg.Error as exc:
