@@ -3,7 +3,8 @@
 At 2,000 commits/s a batch holds a handful of rows, so every round trip and every
 planning of the claim is paid per few messages (README, "Benchmarks").  The claim
 goes out with its BEGIN and planner settings in one round trip, and its plan is
-made once per session (a generic plan), not once per claim.
+made once per session (a generic plan), not once per claim.  The gid statements
+are built without the driver's composition when the gid needs no quoting.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import psycopg
 import pytest
 
-from outbox.db.batches import BatchStore
+from outbox.db.batches import BatchStore, gid_statement
 
 
 def _fill(dsn: str, rows: int) -> None:
@@ -117,6 +118,28 @@ def test_claim__two_round_trips_without_pipeline_mode(
         before = proxy.round_trips
         assert len(store.claim_batch(100)) == 5
         assert proxy.round_trips - before == 2
+        store.abandon_claim()
+    finally:
+        store.close()
+
+
+def test_gid_statements__a_gid_that_needs_quoting_is_quoted(dsn: str) -> None:
+    """A gid outside the relay's own format (``outbox.gid``; a resolver may finish
+    what it finds) is quoted by the driver, not pasted into the statement."""
+    assert (
+        gid_statement("COMMIT PREPARED", "obx:outbox:ab12:7")
+        == b"COMMIT PREPARED 'obx:outbox:ab12:7'"
+    )
+    assert not isinstance(gid_statement("COMMIT PREPARED", "obx:it's"), bytes)
+    _fill(dsn, 1)
+    store = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        assert len(store.claim_batch(1)) == 1
+        store.prepare("obx:it's; a \\ gid")
+        assert store.gid_exists("obx:it's; a \\ gid")
+        assert store.finish("obx:it's; a \\ gid", commit=False)
+        assert not store.finish("obx:it's; a \\ gid", commit=True)  # gone: finished
+        assert len(store.claim_batch(1)) == 1  # rolled back: claimable again
         store.abandon_claim()
     finally:
         store.close()
