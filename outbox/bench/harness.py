@@ -31,6 +31,7 @@ import json
 import math
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -283,6 +284,39 @@ class RelayProcesses:
                         events.append(entry)
             log.close()
         return events
+
+
+class PollerProcess:
+    """``python -m outbox.bench.poller``, the latency baseline, started and ready."""
+
+    def __init__(self, dsn: str, table: str, amqp_url: str) -> None:
+        env = dict(os.environ, OUTBOX_DSN=dsn, OUTBOX_TABLE=table, OUTBOX_AMQP_URL=amqp_url)
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox.bench.poller"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self._log.seek(0)
+            text = self._log.read().decode(errors="replace")[-2000:]
+            self.stop()
+            raise OutboxError(f"the bench's poller did not start:\n{text}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
 
 
 # -- the database ------------------------------------------------------------------
@@ -583,24 +617,18 @@ class Bench:
         )
 
     def latency(self) -> dict[str, Any]:
-        self.broker.purge()
-        self.conn.execute(f'TRUNCATE "{self.db.table}"')
-        receiver = Receiver(self.o.amqp_url, self.broker.queue)
-        receiver.start()
-        receiver.ready.wait(10)
+        """Commit → consumer at ``--latency-rate``: one relay (with its CPU, then its
+        idle cost), and under the same producers the relay's loop without two-phase
+        commit (``outbox.bench.poller``), the baseline that says what the guarantee
+        costs on this machine, whatever else runs on it."""
+        receiver = self._fresh_receiver()
         relays = RelayProcesses(self.settings(), 1)
-        committed: dict[str, float] = {}
         try:
             wait_registered(self.conn, self.db.table, 1, relays)
             time.sleep(0.5)
             backends = Backends(self.conn)
             cpu0, backend_cpu0 = relays.cpu_seconds(), backends.cpu_seconds()
-            count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
-            # On a busy machine the producers may fall behind the rate: said in the report.
-            committed_rate = self._commit_at_rate(count, committed)
-            deadline = time.monotonic() + 10
-            while len(receiver.arrived) < count and time.monotonic() < deadline:
-                time.sleep(0.05)
+            committed, committed_rate = self._commit_and_receive(receiver)
             relay_cpu = relays.cpu_seconds() - cpu0
             backend_cpu1 = backends.cpu_seconds()
             idle = self._idle(relays)
@@ -608,29 +636,52 @@ class Bench:
             relays.stop()
             receiver.stop()
         self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
-        latencies = sorted(
-            (receiver.arrived[m] - t) * 1000 for m, t in committed.items() if m in receiver.arrived
+        result = latency_figures(committed, committed_rate, receiver.arrived)
+        result["rate_per_s"] = self.o.latency_rate
+        result["relay_cpu_s_per_10k"] = _rounded(per_10k(relay_cpu, len(committed)))
+        result["backend_cpu_s_per_10k"] = _rounded(
+            per_10k(
+                backend_cpu1 - backend_cpu0
+                if backend_cpu0 is not None and backend_cpu1 is not None
+                else None,
+                len(committed),
+            )
         )
-        result: dict[str, Any] = {
-            "rate_per_s": self.o.latency_rate,
-            "committed_per_s": round(committed_rate),
-            "sent": len(committed),
-            "delivered": sum(1 for m in committed if m in receiver.arrived),
-            "relay_cpu_s_per_10k": _rounded(per_10k(relay_cpu, len(committed))),
-            "backend_cpu_s_per_10k": _rounded(
-                per_10k(
-                    backend_cpu1 - backend_cpu0
-                    if backend_cpu0 is not None and backend_cpu1 is not None
-                    else None,
-                    len(committed),
-                )
-            ),
-        }
-        for q in (50, 95, 99):
-            result[f"p{q}_ms"] = round(percentile(latencies, q), 2)
-        result["max_ms"] = round(latencies[-1], 2) if latencies else None
+        result["baseline"] = self._poller_latency()
         result["idle"] = idle
         return result
+
+    def _poller_latency(self) -> dict[str, Any]:
+        receiver = self._fresh_receiver()
+        poller = PollerProcess(self.db.dsn, self.db.table, self.o.amqp_url)
+        try:
+            time.sleep(0.5)
+            committed, committed_rate = self._commit_and_receive(receiver)
+        finally:
+            poller.stop()
+            receiver.stop()
+        return latency_figures(committed, committed_rate, receiver.arrived)
+
+    def _fresh_receiver(self) -> Receiver:
+        """An empty outbox and queue, and a consumer noting arrivals on it."""
+        self.broker.purge()
+        self.conn.execute(f'TRUNCATE "{self.db.table}"')
+        receiver = Receiver(self.o.amqp_url, self.broker.queue)
+        receiver.start()
+        receiver.ready.wait(10)
+        return receiver
+
+    def _commit_and_receive(self, receiver: Receiver) -> tuple[dict[str, float], float]:
+        """Commit the latency run's rows and wait (10 s at most) for them to arrive;
+        returns when each commit returned, by message id, and the rate reached."""
+        count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
+        committed: dict[str, float] = {}
+        # On a busy machine the producers may fall behind the rate: said in the report.
+        committed_rate = self._commit_at_rate(count, committed)
+        deadline = time.monotonic() + 10
+        while len(receiver.arrived) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return committed, committed_rate
 
     def _commit_at_rate(self, count: int, committed: dict[str, float]) -> float:
         """Commit ``count`` single-row transactions at ``--latency-rate``, noting when
@@ -714,6 +765,22 @@ class Bench:
 
 def _rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def latency_figures(
+    committed: dict[str, float], committed_rate: float, arrived: dict[str, float]
+) -> dict[str, Any]:
+    """Percentiles of commit → arrival, in ms, and how many arrived."""
+    latencies = sorted((arrived[m] - t) * 1000 for m, t in committed.items() if m in arrived)
+    result: dict[str, Any] = {
+        "committed_per_s": round(committed_rate),
+        "sent": len(committed),
+        "delivered": sum(1 for m in committed if m in arrived),
+    }
+    for q in (50, 95, 99):
+        result[f"p{q}_ms"] = round(percentile(latencies, q), 2)
+    result["max_ms"] = round(latencies[-1], 2) if latencies else None
+    return result
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

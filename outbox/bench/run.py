@@ -147,6 +147,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         and all(b["delivered_min"] >= b["rows"] for b in bursts)
         and all(s["delivered_min"] >= s["rows"] for s in (ordering or {}).get("shapes", []))
         and latency["delivered"] == latency["sent"]
+        and latency["baseline"]["delivered"] == latency["baseline"]["sent"]
         and all(m["exactly_once"] for m in memory)
     )
     return {
@@ -174,6 +175,24 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "memory": memory,
         "every_row_arrived": every_row,
     }
+
+
+def _baseline_lines(lat: dict[str, Any]) -> list[str]:
+    """The latency run's baseline (``outbox.bench.poller``) and the relay's ratio to it."""
+    base = lat.get("baseline")
+    if not base:
+        return []
+
+    def ratio(q: str) -> str:
+        return f"{lat[q] / base[q]:.2f}x" if base.get(q) else "-"
+
+    return [
+        f"  same producers, the relay's loop without two-phase commit (claim, publish, "
+        f"confirms, COMMIT; no PREPARE, no ledger), {base['delivered']}/{base['sent']} "
+        f"delivered: p50 {base['p50_ms']} ms, p95 {base['p95_ms']} ms, p99 {base['p99_ms']} "
+        f"ms, max {base['max_ms']} ms; {base['committed_per_s']} commits/s reached; "
+        f"the relay at {ratio('p50_ms')} its p50, {ratio('p99_ms')} its p99",
+    ]
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -260,6 +279,7 @@ def render(report: dict[str, Any]) -> str:
         f"p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, max {lat['max_ms']} ms; "
         f"{lat.get('committed_per_s', '-')} commits/s reached; CPU s per 10,000 msgs: "
         f"{_cpu_cell(lat.get('relay_cpu_s_per_10k'), lat.get('backend_cpu_s_per_10k'))}",
+        *_baseline_lines(lat),
         f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
         f"{idle['db_transactions_per_s']} database transactions/s",
     ]

@@ -66,6 +66,10 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
     assert latency["delivered"] == latency["sent"] == 30
     assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
     assert latency["committed_per_s"] > 0 and latency["relay_cpu_s_per_10k"] is not None
+    # The baseline under the same producers: the relay's loop without two-phase commit.
+    baseline = latency["baseline"]
+    assert baseline["delivered"] == baseline["sent"] == 30
+    assert baseline["p50_ms"] <= baseline["p99_ms"] <= baseline["max_ms"]
     # The bursty load: 3 writers x 2 commits x 50 rows, per relay count; no fault is
     # injected, so no duplicate and no rollback.
     assert [(b["relays"], b["rows"]) for b in report["bursts"]] == [(1, 300), (2, 300)]
