@@ -54,22 +54,59 @@ too; without the signal handlers (``consume(..., install_signal_handlers=False)`
 in an application) it may be Ctrl-C, so it also stops the consumer once the
 batch in hand is settled.
 
+Redelivered messages (AMQP ``redelivered``: delivered before and not acked, after
+a consumer died or lost its connection with them in hand, or a requeue) are
+applied one at a time after the others (``Processor.alone``)::
+
+    start_attempt   lock the message's id (session advisory lock), then in its own
+                    transaction (async commit, one round trip): id in the inbox ->
+                    a duplicate, lock released; earlier attempts >= --max-attempts
+                    -> park it, no handler call; else count one more attempt
+    the steps above, for this message alone   (success: its count goes in the COMMIT)
+    failure         only its error is recorded (the attempt is counted already)
+    end_attempt     unlock
+
+A message whose handler kills the process (a segfault, the OOM killer,
+``os._exit``) always comes back redelivered, and no ``except`` counts that
+attempt: it is counted before the call instead, and once its attempts reach
+``--max-attempts`` the next redelivery parks it unseen (``plan``).  Alone, so that
+a death is counted against the message whose handler ran: a batch whose 37th
+message kills the process comes back whole, and only the 37th accumulates
+attempts.  The first death, in a batch, is not counted (nothing is written before
+a batch), so a killer costs ``--max-attempts`` + 1 deaths.  The lock makes a
+consumer that holds a copy of the message wait for this outcome, so a copy in
+flight is never counted as an attempt.  First deliveries keep the batch path
+without any extra statement.  A redelivered message costs two more round trips
+(count, unlock), an asynchronous commit, and a transaction of its own instead of
+a share of a batch's (after a consumer restart: up to ``--prefetch`` messages,
+once).  Their counts go with their effects.  Being in flight when a consumer
+stops does not count (SIGTERM finishes the call in hand); a kill -9 of the
+consumer while a redelivered message's handler runs counts as its attempt, as
+the killer's own death does.
+
 Crash table (kill -9 or a lost connection at any point):
 
 | crash point | state left | when the message comes back |
 |---|---|---|
-| before COMMIT (ids, handler) | rolled back, unacked | applied then |
+| before COMMIT (ids, handler) | rolled back, unacked | applied then (redelivered: alone) |
+| killed in the handler (by it, or kill -9) | rolled back, unacked (1) | alone, counted (2) |
+| alone: after the count, before the handler | its attempt committed, unacked | alone, counted (2) |
 | after COMMIT, before the acks | effects and ids committed, unacked | ids found: acked, no effect |
 | after the ack | done | (a relay duplicate) id found: skipped |
 | database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
 
-A failed attempt is counted in ``<inbox>_attempts`` and the message goes back to
+(1) applied alone (redelivered): its attempt was committed before the call; in a
+batch (a first delivery): nothing counted.  (2) redelivered, applied alone with its
+attempt counted first; once its attempts reached ``--max-attempts``: parked unseen.
+
+A failed attempt is counted in ``<inbox>_attempts`` (once: a redelivered
+message's was counted before the call) and the message goes back to
 the queue after a short capped backoff (``--retry-delay``, doubling up to
 ``--retry-delay-max``).  At ``--max-attempts`` it is parked in ``<inbox>_parked``
 (with its id recorded, in one transaction) and acked, so it never blocks the
-queue; ``outbox parked retry`` puts it back.  A message without a ``message_id``
-(or whose properties cannot be read) cannot be deduplicated: it is parked at
-once and the handler never sees it.
+queue; ``outbox parked retry`` puts it back (as a new delivery, its count reset).
+A message without a ``message_id`` (or whose properties cannot be read) cannot be
+deduplicated: it is parked at once and the handler never sees it.
 
 Roles: ``Processor`` is one transaction of messages (the steps above; the
 database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
