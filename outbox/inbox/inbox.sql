@@ -120,11 +120,50 @@ SELECT now() AS started, set_config('outbox.inbox_guard', 'sealed', true) AS gua
 DELETE FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
 
 -- count_attempt --
+-- A failed attempt: %(increment)s is 0 when the attempt was counted before the
+-- handler was called (start_attempt), so that no attempt is counted twice.
 INSERT INTO {attempts} AS a (consumer, message_id, attempts, last_error)
 VALUES (%(consumer)s, %(message_id)s, 1, %(error)s)
 ON CONFLICT (consumer, message_id) DO UPDATE
-SET attempts = a.attempts + 1, last_error = EXCLUDED.last_error, last_failed_at = now()
+SET attempts = a.attempts + %(increment)s, last_error = EXCLUDED.last_error,
+    last_failed_at = now()
 RETURNING attempts
+
+-- start_attempt --
+-- A redelivered message is applied alone, and its attempt is counted first, in a
+-- transaction of its own (committed before the handler runs), so that the count
+-- survives a handler that kills the process.  Nothing is written for an id already
+-- in the inbox (a duplicate: no handler call) nor for a message whose earlier
+-- attempts reached %(max_attempts)s (it is parked instead).  Returns whether the
+-- id is in the inbox, the attempts before this one and the last error raised.
+-- A duplicate's attempt lock is released here.  The caller holds the message's attempt lock (attempt_lock), so no other consumer
+-- counts or applies a copy of it meanwhile.
+WITH done AS (
+    SELECT EXISTS (SELECT 1 FROM {inbox}
+                   WHERE consumer = %(consumer)s AND message_id = %(message_id)s) AS done
+), earlier AS (
+    SELECT coalesce(max(attempts), 0) AS attempts, coalesce(max(last_error), '') AS last_error
+    FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
+), counted AS (
+    INSERT INTO {attempts} AS a (consumer, message_id, attempts, last_error)
+    SELECT %(consumer)s, %(message_id)s, 1, ''
+    FROM done, earlier
+    WHERE NOT done.done AND earlier.attempts < %(max_attempts)s
+    ON CONFLICT (consumer, message_id) DO UPDATE
+    SET attempts = a.attempts + 1, last_failed_at = now()
+    RETURNING attempts
+)
+SELECT done.done AS duplicate, earlier.attempts AS earlier, earlier.last_error,
+       CASE WHEN done.done THEN pg_advisory_unlock(%(lock_class)s, %(lock_key)s) END AS unlocked
+FROM done, earlier
+
+-- attempt_lock --
+-- Held by the session (not the transaction) from before start_attempt until the
+-- message's outcome is committed, or until the process dies (the session ends).
+SELECT pg_advisory_lock(%(lock_class)s, %(lock_key)s)
+
+-- attempt_unlock --
+SELECT pg_advisory_unlock(%(lock_class)s, %(lock_key)s)
 
 -- park_message --
 INSERT INTO {parked} AS p

@@ -54,22 +54,59 @@ too; without the signal handlers (``consume(..., install_signal_handlers=False)`
 in an application) it may be Ctrl-C, so it also stops the consumer once the
 batch in hand is settled.
 
+Redelivered messages (AMQP ``redelivered``: delivered before and not acked, after
+a consumer died or lost its connection with them in hand, or a requeue) are
+applied one at a time after the others (``Processor.alone``)::
+
+    start_attempt   lock the message's id (session advisory lock), then in its own
+                    transaction (async commit, one round trip): id in the inbox ->
+                    a duplicate, lock released; earlier attempts >= --max-attempts
+                    -> park it, no handler call; else count one more attempt
+    the steps above, for this message alone   (success: its count goes in the COMMIT)
+    failure         only its error is recorded (the attempt is counted already)
+    end_attempt     unlock
+
+A message whose handler kills the process (a segfault, the OOM killer,
+``os._exit``) always comes back redelivered, and no ``except`` counts that
+attempt: it is counted before the call instead, and once its attempts reach
+``--max-attempts`` the next redelivery parks it unseen (``plan``).  Alone, so that
+a death is counted against the message whose handler ran: a batch whose 37th
+message kills the process comes back whole, and only the 37th accumulates
+attempts.  The first death, in a batch, is not counted (nothing is written before
+a batch), so a killer costs ``--max-attempts`` + 1 deaths.  The lock makes a
+consumer that holds a copy of the message wait for this outcome, so a copy in
+flight is never counted as an attempt.  First deliveries keep the batch path
+without any extra statement.  A redelivered message costs two more round trips
+(count, unlock), an asynchronous commit, and a transaction of its own instead of
+a share of a batch's (after a consumer restart: up to ``--prefetch`` messages,
+once).  Their counts go with their effects.  Being in flight when a consumer
+stops does not count (SIGTERM finishes the call in hand); a kill -9 of the
+consumer while a redelivered message's handler runs counts as its attempt, as
+the killer's own death does.
+
 Crash table (kill -9 or a lost connection at any point):
 
 | crash point | state left | when the message comes back |
 |---|---|---|
-| before COMMIT (ids, handler) | rolled back, unacked | applied then |
+| before COMMIT (ids, handler) | rolled back, unacked | applied then (redelivered: alone) |
+| killed in the handler (by it, or kill -9) | rolled back, unacked (1) | alone, counted (2) |
+| alone: after the count, before the handler | its attempt committed, unacked | alone, counted (2) |
 | after COMMIT, before the acks | effects and ids committed, unacked | ids found: acked, no effect |
 | after the ack | done | (a relay duplicate) id found: skipped |
 | database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
 
-A failed attempt is counted in ``<inbox>_attempts`` and the message goes back to
+(1) applied alone (redelivered): its attempt was committed before the call; in a
+batch (a first delivery): nothing counted.  (2) redelivered, applied alone with its
+attempt counted first; once its attempts reached ``--max-attempts``: parked unseen.
+
+A failed attempt is counted in ``<inbox>_attempts`` (once: a redelivered
+message's was counted before the call) and the message goes back to
 the queue after a short capped backoff (``--retry-delay``, doubling up to
 ``--retry-delay-max``).  At ``--max-attempts`` it is parked in ``<inbox>_parked``
 (with its id recorded, in one transaction) and acked, so it never blocks the
-queue; ``outbox parked retry`` puts it back.  A message without a ``message_id``
-(or whose properties cannot be read) cannot be deduplicated: it is parked at
-once and the handler never sees it.
+queue; ``outbox parked retry`` puts it back (as a new delivery, its count reset).
+A message without a ``message_id`` (or whose properties cannot be read) cannot be
+deduplicated: it is parked at once and the handler never sees it.
 
 Roles: ``Processor`` is one transaction of messages (the steps above; the
 database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
@@ -121,6 +158,7 @@ from outbox.inbox.store import (
     Failure,
     InboxStore,
     SessionState,
+    Started,
     StatementRefused,
     describe,
 )
@@ -139,6 +177,7 @@ __all__ = [
     "HandlerNotFound",
     "Inbox",
     "InboxMessage",
+    "Plan",
     "Processor",
     "QueueMissing",
     "QueuePublisher",
@@ -149,6 +188,7 @@ __all__ = [
     "load_handler",
     "parking_for",
     "parse_bindings",
+    "plan",
     "retry_delay",
     "to_inbox_message",
 ]
@@ -216,6 +256,36 @@ class Disposition(enum.Enum):
     PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
 
 
+class Plan(enum.Enum):
+    BATCH = "batch"  # a first delivery: with the others, one transaction, nothing before
+    ALONE = "alone"  # redelivered: its attempt is committed first, then it is applied alone
+    PARK = "park"  # redelivered, its earlier attempts reached --max-attempts: parked unseen
+
+
+def plan(redelivered: bool, attempts: int, max_attempts: int) -> Plan:
+    """How a message is applied (pure).  ``attempts``: the committed count of its
+    earlier attempts, failed or unfinished (read only for a redelivered message:
+    a first delivery never costs a read)."""
+    if not redelivered:
+        return Plan.BATCH
+    return Plan.PARK if attempts >= max_attempts else Plan.ALONE
+
+
+def unfinished_reason(attempts: int, last_error: str) -> str:
+    """Why a message parked by ``Plan.PARK`` is parked (its last attempt never
+    finished: the consumer died or lost a connection while the handler ran)."""
+    why = (
+        "the consumer died or lost a connection while the handler ran: the handler may "
+        "kill the process (a segfault, the OOM killer, os._exit)"
+    )
+    if not last_error:
+        return f"redelivered {attempts} times without finishing ({why})"
+    return (
+        f"{attempts} attempts failed or did not finish, the last one unfinished ({why}); "
+        f"the last error raised: {last_error}"
+    )
+
+
 def retry_delay(
     attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
 ) -> float:
@@ -268,8 +338,20 @@ class StorePort(Protocol):
     def reconnect(self) -> None: ...
 
     def record_failure(
-        self, message_id: str, error: str, *, max_attempts: int, parking: Parking
+        self,
+        message_id: str,
+        error: str,
+        *,
+        max_attempts: int,
+        parking: Parking,
+        counted: bool = False,
     ) -> Failure: ...
+
+    # A redelivered message's attempt, committed before its handler is called
+    # (``Processor.alone``); ``end_attempt`` once its outcome is committed.
+    def start_attempt(self, message_id: str, *, max_attempts: int) -> Started: ...
+
+    def end_attempt(self, message_id: str) -> None: ...
 
     def park(self, parking: Parking) -> None: ...
 
@@ -375,8 +457,11 @@ class Processor:
         # Called when a handler raises KeyboardInterrupt (see the BaseException policy).
         self.on_interrupt = on_interrupt
         # Attempts of messages in hand when the database went away, counted once
-        # it is back (the messages themselves went back to the queue).
-        self.owed: list[tuple[InboxMessage, str]] = []
+        # it is back (the messages themselves went back to the queue); True: the
+        # attempt was counted before the call (``alone``), only its error is owed.
+        self.owed: list[tuple[InboxMessage, str, bool]] = []
+        # The message whose attempt is counted already while it is applied alone.
+        self._counted: InboxMessage | None = None
         # Batches run their handlers in pipeline mode (see ``transaction``) until a
         # handler shows it cannot (a batch fails there and every message of it
         # succeeds one by one: e.g. COPY, or logic on an error caught at once).
@@ -385,8 +470,20 @@ class Processor:
     def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
         all); if it fails, apply them one by one, so a failing message costs only
-        itself."""
+        itself.  Redelivered messages are applied alone, after the others, each
+        with its attempt committed first (``alone``)."""
         self.settle_owed()
+        if not any(m.redelivered for m in messages):  # the hot path
+            return self._batch(messages)
+        outcomes: list[tuple[Disposition, float]] = []
+        first = [m for m in messages if not m.redelivered]
+        applied = iter(self._batch(first) if first else [])
+        again = {i: self.process(m) for i, m in enumerate(messages) if m.redelivered}
+        for i in range(len(messages)):
+            outcomes.append(again[i] if i in again else next(applied))
+        return outcomes
+
+    def _batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         usable = [m for m in messages if _unusable(m) is None]
         if len(usable) < 2:
             return [self.process(m) for m in messages]
@@ -409,14 +506,50 @@ class Processor:
         return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
 
     def process(self, message: InboxMessage) -> tuple[Disposition, float]:
-        """Apply one message in its own transaction."""
+        """Apply one message in its own transaction (a redelivered one: ``alone``)."""
         self.settle_owed()
         if _unusable(message):
             return self._park_unusable(message)
+        if message.redelivered:
+            return self.alone(message)
         done = self.transaction([message])
         if isinstance(done, Broken):
             return self._failed(message, done.reason)
         return done[0]
+
+    def alone(self, message: InboxMessage) -> tuple[Disposition, float]:
+        """A redelivered message: it may be the one that killed the consumer that
+        held it (a segfault, the OOM killer, ``os._exit`` in its handler), which no
+        ``except`` can count.  So its attempt is committed before the handler is
+        called, in a transaction of its own, under a lock that makes a consumer
+        holding a copy of it wait for this outcome; and once its earlier attempts
+        reach ``--max-attempts`` it is parked without a call (``plan``).  Alone, so
+        that a death is counted against the message whose handler ran, not against
+        a whole batch."""
+        message_id = str(message.message_id)
+        store, max_attempts = self.store, self.settings.max_attempts
+        started = store.start_attempt(message_id, max_attempts=max_attempts)
+        if started.duplicate:  # lock released already
+            return self._duplicate(message)
+        try:
+            if plan(True, started.earlier, max_attempts) is Plan.PARK:
+                outcome = self._park_unfinished(message, started)
+            else:
+                self._counted = message
+                try:
+                    done = self.transaction([message])
+                finally:
+                    self._counted = None
+                if isinstance(done, Broken):
+                    outcome = self._failed(message, done.reason, counted=True)
+                else:
+                    outcome = done[0]
+        except BaseException:
+            with contextlib.suppress(OutboxError):
+                store.end_attempt(message_id)
+            raise
+        store.end_attempt(message_id)
+        return outcome
 
     def transaction(
         self, messages: Sequence[InboxMessage], *, pipelined: bool = False
@@ -535,15 +668,15 @@ class Processor:
             try:
                 store.reconnect()
             except DatabaseUnavailable:
-                self.owed.append((message, reason))
+                self.owed.append((message, reason, message is self._counted))
                 raise
         return Broken(message, reason)
 
     def settle_owed(self) -> None:
         """Count the attempts owed since an outage (see ``owed``)."""
         while self.owed:
-            message, reason = self.owed[0]
-            self._failed(message, f"{reason} (then the database was unreachable)")
+            message, reason, counted = self.owed[0]
+            self._failed(message, f"{reason} (then the database was unreachable)", counted=counted)
             self.owed.pop(0)
 
     def _duplicate(self, message: InboxMessage) -> tuple[Disposition, float]:
@@ -558,8 +691,40 @@ class Processor:
         emit(log, "consumer.parked", logging.WARNING, reason=reason)
         return Disposition.PARKED, 0.0
 
-    def _failed(self, message: InboxMessage, error: str) -> tuple[Disposition, float]:
-        """Count the failed attempt of ``message`` (its own transaction): park it at
+    def _park_unfinished(
+        self, message: InboxMessage, started: Started
+    ) -> tuple[Disposition, float]:
+        """``Plan.PARK``: the attempts counted reached the limit and the last one
+        never finished; parked (id recorded, one transaction) without a call."""
+        message_id = str(message.message_id)
+        reason = unfinished_reason(started.earlier, started.last_error)
+        failure = self.store.record_failure(
+            message_id,
+            text_safe(reason),
+            max_attempts=self.settings.max_attempts,
+            parking=parking_for(message, reason),
+            counted=True,
+        )
+        if failure.duplicate:
+            return self._duplicate(message)
+        if not failure.parked:  # its count went meanwhile (retention): one more attempt
+            return Disposition.RETRY, 0.0
+        self.stats.parked += 1
+        emit(
+            log,
+            "consumer.parked",
+            logging.ERROR,
+            message_id=message_id,
+            attempts=failure.attempts,
+            error=reason,
+        )
+        return Disposition.PARKED, 0.0
+
+    def _failed(
+        self, message: InboxMessage, error: str, *, counted: bool = False
+    ) -> tuple[Disposition, float]:
+        """Count the failed attempt of ``message`` (its own transaction; ``counted``:
+        counted before the call, only its error is recorded): park it at
         ``--max-attempts``, else hold it for its retry delay."""
         message_id = str(message.message_id)
         self.stats.handler_failures += 1
@@ -568,6 +733,7 @@ class Processor:
             text_safe(error),
             max_attempts=self.settings.max_attempts,
             parking=parking_for(message, error),
+            counted=counted,
         )
         if failure.duplicate:
             return self._duplicate(message)

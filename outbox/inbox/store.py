@@ -58,6 +58,8 @@ DEFAULT_INBOX_TABLE = "outbox_inbox"
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
+# Advisory-lock class of a redelivered message's attempt (``start_attempt``).
+ATTEMPT_LOCK_CLASS = 0x6F6261
 
 # The connection settings a handler could change; restored after each failure.
 SETTINGS = (
@@ -156,6 +158,18 @@ class Failure:
 
 
 @dataclasses.dataclass(frozen=True)
+class Started:
+    """What ``start_attempt`` found: the id already in the inbox (``duplicate``:
+    nothing written, the lock released), else the count of the message's
+    ``earlier`` attempts (this one was counted if they are below the limit) and
+    the last error one of them raised ('' if none did)."""
+
+    duplicate: bool
+    earlier: int
+    last_error: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SessionState:
     """What a handler can see and change of the session it is handed (read
     without I/O): the loop compares it before and after each handler call."""
@@ -203,6 +217,8 @@ class InboxStore:
         # runs longer in pipeline mode is failed by the loop instead.
         self.idle_timeout: float | None = None
         self.conn = self._connect()
+        # The session that holds an attempt lock (``start_attempt``), if any.
+        self._attempt_session: psycopg.Connection[Any] | None = None
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] = connect(
@@ -389,15 +405,65 @@ class InboxStore:
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
 
+    # -- attempts of redelivered messages ---------------------------------------------
+    def _attempt_lock(self, message_id: str) -> dict[str, Any]:
+        key = f"{self.table}\x00{self.consumer}\x00{message_id}".encode("utf-8", "surrogatepass")
+        return self._params(
+            message_id=message_id,
+            lock_class=ATTEMPT_LOCK_CLASS,
+            lock_key=zlib.crc32(key) & 0x7FFFFFFF,
+        )
+
+    def start_attempt(self, message_id: str, *, max_attempts: int) -> Started:
+        """Before a redelivered message's handler is called: take its attempt lock
+        (a consumer that holds a copy of it waits here for the other's outcome) and
+        commit one more attempt, unless the id is in the inbox or the earlier
+        attempts reached ``max_attempts``.  One round trip; the commit is
+        asynchronous: the count must survive this process, which a handler may
+        kill, not a crash of the server.  The lock stays until ``end_attempt`` or
+        the end of the session."""
+        params = {**self._attempt_lock(message_id), "max_attempts": max_attempts}
+        with self._translated("counting an attempt"):
+            with self.conn.pipeline():
+                self.conn.execute("BEGIN READ WRITE")
+                self.conn.execute(self.queries["attempt_lock"], params)
+                self.conn.execute("SET LOCAL synchronous_commit = off")
+                cur = self.conn.execute(self.queries["start_attempt"], params)
+                self.conn.execute("COMMIT")
+            row = cur.fetchone()
+        assert row is not None
+        duplicate = bool(row[0])
+        self._attempt_session = None if duplicate else self.conn
+        return Started(duplicate=duplicate, earlier=int(row[1]), last_error=str(row[2]))
+
+    def end_attempt(self, message_id: str) -> None:
+        """Release the attempt lock ``start_attempt`` took (nothing if the session
+        it was taken on is gone or replaced: the lock went with it)."""
+        if self.broken or self._attempt_session is not self.conn:
+            return
+        self._attempt_session = None
+        with self._translated("releasing an attempt lock"):
+            self.conn.execute(self.queries["attempt_unlock"], self._attempt_lock(message_id))
+
     # -- failures and parking (transactions of their own) ---------------------------
     def record_failure(
-        self, message_id: str, error: str, *, max_attempts: int, parking: Parking
+        self,
+        message_id: str,
+        error: str,
+        *,
+        max_attempts: int,
+        parking: Parking,
+        counted: bool = False,
     ) -> Failure:
-        """Count a failed attempt; at ``max_attempts`` park the message (its id goes
-        into the inbox in the same transaction, so no later copy applies it)."""
+        """Count a failed attempt (``counted``: ``start_attempt`` counted it already,
+        only its error is recorded); at ``max_attempts`` park the message (its id
+        goes into the inbox in the same transaction, so no later copy applies it)."""
         params = self._params(message_id=message_id)
         with self._transaction("recording a failed attempt") as conn:
-            row = conn.execute(self.queries["count_attempt"], {**params, "error": error}).fetchone()
+            row = conn.execute(
+                self.queries["count_attempt"],
+                {**params, "error": error, "increment": 0 if counted else 1},
+            ).fetchone()
             attempts = int(row[0]) if row else 1
             if attempts < max_attempts:
                 return Failure(attempts, parked=False)

@@ -107,6 +107,13 @@ def act(conn, message):
         # A plain SET (not SET LOCAL) that commits with the effect: the session keeps it.
         record(conn, message)
         conn.execute("SELECT set_config('search_path', 'nowhere', false)")
+    elif what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
+        record(conn, message)
+    elif what == "die":
+        # Kills the process, as a segfault or the OOM killer would: no except runs.
+        os._exit(1)
+    elif what == "sigkill":
+        os.kill(os.getpid(), 9)
     elif what == "own_connect":
         psycopg.connect("postgresql://nobody@127.0.0.1:1/nothing", connect_timeout=1)
     else:

@@ -19,7 +19,7 @@ from typing import Any
 
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.inbox.message import InboxMessage, Parking
-from outbox.inbox.store import SETTINGS, Failure, SessionState
+from outbox.inbox.store import SETTINGS, Failure, SessionState, Started
 
 Journal = list[str]
 
@@ -96,6 +96,8 @@ class FakeStore:
         self.inbox: set[str] = set()
         self.effects: list[str] = []
         self.attempts: dict[str, int] = {}
+        self.last_error: dict[str, str] = {}
+        self.locked: set[str] = set()  # attempt locks held
         self.parked: list[Parking] = []
         self.pending_ids: list[str] = []
         self.pending_effects: list[str] = []
@@ -208,11 +210,20 @@ class FakeStore:
         self.conn = FakeConnection(self)
 
     def record_failure(
-        self, message_id: str, error: str, *, max_attempts: int, parking: Parking
+        self,
+        message_id: str,
+        error: str,
+        *,
+        max_attempts: int,
+        parking: Parking,
+        counted: bool = False,
     ) -> Failure:
         self.journal.append(f"record_failure {message_id}")
         self._maybe_fail("record_failure")
-        attempts = self.attempts.get(message_id, 0) + 1
+        self.last_error[message_id] = error
+        attempts = self.attempts.get(message_id, 0) + (
+            0 if counted and message_id in self.attempts else 1
+        )
         self.attempts[message_id] = attempts
         if attempts < max_attempts:
             return Failure(attempts, parked=False)
@@ -222,6 +233,22 @@ class FakeStore:
         self.inbox.add(message_id)
         self.parked.append(dataclasses.replace(parking))
         return Failure(attempts, parked=True)
+
+    def start_attempt(self, message_id: str, *, max_attempts: int) -> Started:
+        """Committed at once (its own transaction), as in PostgreSQL."""
+        self.journal.append(f"start_attempt {message_id}")
+        self._maybe_fail("start_attempt")
+        if message_id in self.inbox:
+            return Started(duplicate=True, earlier=0, last_error="")
+        earlier = self.attempts.get(message_id, 0)
+        if earlier < max_attempts:
+            self.attempts[message_id] = earlier + 1
+        self.locked.add(message_id)
+        return Started(False, earlier, self.last_error.get(message_id, ""))
+
+    def end_attempt(self, message_id: str) -> None:
+        self.journal.append(f"end_attempt {message_id}")
+        self.locked.discard(message_id)
 
     def park(self, parking: Parking) -> None:
         self.journal.append("park")

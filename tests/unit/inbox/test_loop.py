@@ -203,7 +203,7 @@ def test_outage__a_session_that_cannot_be_replaced_is_an_outage_and_the_attempt_
     store.fail_next["reconnect"] = DatabaseUnavailable("server down")
     with pytest.raises(DatabaseUnavailable):
         p.process(message("l", b"lose"))
-    assert store.attempts == {} and [m.message_id for m, _ in p.owed] == ["l"]
+    assert store.attempts == {} and [m.message_id for m, *_ in p.owed] == ["l"]
     store.reconnect()  # the database is back
     assert p.process(message("g", b"ok"))[0] is Disposition.HANDLED
     assert store.attempts == {"l": 1} and p.owed == []

@@ -1,0 +1,195 @@
+"""A message whose handler kills the consumer process (``os._exit``, SIGKILL: what
+a segfault or the OOM killer does) ends parked, with the reason, and never loops:
+``outbox consume`` processes restarted after each death as a supervisor would,
+until the queue drains.  Every other message has exactly one effect, none is lost.
+
+Redelivered messages are applied alone with their attempt committed before the
+handler is called, so only the killer accumulates attempts, also when it sits in
+the middle of a batch of 100 (``outbox/inbox/loop.py``, ``Processor.alone``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from outbox.inbox import parked
+from outbox.inbox.loop import ConsumerStats, Disposition, InboxMessage, Processor
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.store import InboxStore, ParkedStore
+from tests.fixtures.servers import Topology
+from tests.integration.inbox.support import (
+    INBOX,
+    Consumer,
+    create_effects_table,
+    parked_bodies,
+    publish,
+    queue_depth,
+    rows,
+    scalar,
+)
+
+MAX_ATTEMPTS = 3
+
+
+@pytest.fixture
+def consumer_dsn(empty_dsn: str) -> str:
+    return create_effects_table(empty_dsn)
+
+
+def supervise(
+    folder: Path,
+    dsn: str,
+    topology: Topology,
+    expected: set[bytes],
+    *,
+    prefetch: int,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Run one consumer, restarted after each death, until every body in
+    ``expected`` has an effect or is parked and the queue is empty; returns the
+    deaths and the last consumer's output.  Fails when the killer loops (more
+    deaths than it may cost) or after a timeout."""
+    deaths, deadline = 0, time.monotonic() + 120
+    process = Consumer(folder, dsn, topology, max_attempts=MAX_ATTEMPTS, prefetch=prefetch, env=env)
+    try:
+        while True:
+            if not process.alive():
+                assert process.process.returncode in (1, -9), process.output()[-3000:]
+                deaths += 1
+                assert deaths <= MAX_ATTEMPTS + 1, f"the killer loops:\n{process.output()[-3000:]}"
+                process.close()
+                process = Consumer(
+                    folder, dsn, topology, max_attempts=MAX_ATTEMPTS, prefetch=prefetch, env=env
+                )
+            done = {bytes(r[0]) for r in rows(dsn, "SELECT body FROM effects")}
+            started = scalar(dsn, "SELECT to_regclass(%s) IS NOT NULL", [f"{INBOX}_parked"])
+            if (
+                started
+                and expected <= done | set(parked_bodies(dsn))
+                and queue_depth(topology) == 0
+            ):
+                break
+            assert time.monotonic() < deadline, f"not settled; {deaths} deaths"
+            time.sleep(0.05)
+        time.sleep(0.5)  # whatever the last one holds is settled
+        assert process.alive(), process.output()[-3000:]
+        assert process.terminate() == 0, process.output()[-3000:]
+        return deaths, process.output()
+    finally:
+        process.close()
+
+
+@pytest.mark.parametrize("how", ["die", "sigkill"])
+@pytest.mark.parametrize(("count", "at", "prefetch"), [(30, 10, 4), (100, 37, 200)])
+def test_killer__parked_after_max_attempts_counted_deaths_the_others_applied_once(
+    topology: Topology,
+    consumer_dsn: str,
+    tmp_path: Path,
+    how: str,
+    count: int,
+    at: int,
+    prefetch: int,
+) -> None:
+    """(30, 10, 4): small batches, the killer among them; (100, 37, 200): one batch
+    of 100 (half of --prefetch 200) with the killer 37th: it comes back whole,
+    redelivered, and only the killer is parked."""
+    messages = [
+        (f"m{i}", f"{how}:{i}".encode() if i == at else f"ok:{i}".encode()) for i in range(count)
+    ]
+    publish(topology, messages)
+    deaths, output = supervise(
+        tmp_path, consumer_dsn, topology, {b for _, b in messages}, prefetch=prefetch
+    )
+    # The first death comes in a batch (nothing is counted there); each later one
+    # was counted before its handler call: parked on the next redelivery, unseen.
+    assert deaths == MAX_ATTEMPTS + 1
+    parked = rows(consumer_dsn, f"SELECT message_id, error, attempts FROM {INBOX}_parked")
+    assert len(parked) == 1
+    message_id, error, attempts = parked[0]
+    assert message_id == f"m{at}" and attempts == MAX_ATTEMPTS
+    assert error.startswith(f"redelivered {MAX_ATTEMPTS} times without finishing"), error
+    assert "os._exit" in error
+    effects = collections.Counter(
+        r[0] for r in rows(consumer_dsn, "SELECT message_id FROM effects")
+    )
+    assert effects == {f"m{i}": 1 for i in range(count) if i != at}
+    assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}") == count
+    assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+    assert queue_depth(topology) == 0 and topology.messages() == []
+    assert "without finishing" in output  # parked by the last consumer, on its redelivery
+
+
+def test_killer__a_retried_killer_starts_counting_afresh(
+    topology: Topology, consumer_dsn: str, tmp_path: Path
+) -> None:
+    """``outbox parked retry`` removes the parked row, the id and the count; the
+    message comes back as a new delivery (not redelivered): it takes the batch
+    path, is parked again only after as many deaths as the first time, and is
+    applied once the handler is fixed."""
+    publish(topology, [("k", b"die:k"), ("g", b"ok:g")])
+    expected = {b"die:k", b"ok:g"}
+    assert supervise(tmp_path, consumer_dsn, topology, expected, prefetch=4)[0] == MAX_ATTEMPTS + 1
+    for fixed in (False, True):
+        store = ParkedStore(consumer_dsn, INBOX)
+        try:
+            assert parked.retry(store, topology.amqp_url, None) == ["k"]
+        finally:
+            store.close()
+        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+        env = {"HANDLER_FIXED": "1"} if fixed else {}
+        deaths, _ = supervise(tmp_path, consumer_dsn, topology, expected, prefetch=4, env=env)
+        assert deaths == (0 if fixed else MAX_ATTEMPTS + 1)
+        assert len(parked_bodies(consumer_dsn)) == (0 if fixed else 1)
+    effects = collections.Counter(
+        r[0] for r in rows(consumer_dsn, "SELECT message_id FROM effects")
+    )
+    assert effects == {"k": 1, "g": 1}
+
+
+def test_killer__a_copy_in_another_consumer_waits_for_the_outcome(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """Two redelivered copies of one message in two consumers at once: the second
+    waits on the first's attempt lock and finds its id (no attempt counted for it,
+    none left behind)."""
+    settings = ConsumerSettings(queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX)
+    in_handler, release = threading.Event(), threading.Event()
+
+    def held(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+        conn.execute("INSERT INTO effects (message_id) VALUES (%s)", [message.message_id])
+        in_handler.set()
+        assert release.wait(10)
+
+    def record(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+        conn.execute("INSERT INTO effects (message_id) VALUES (%s)", [message.message_id])
+
+    stores = [InboxStore(consumer_dsn, INBOX, settings.consumer) for _ in range(2)]
+    stores[0].ensure_schema()
+    try:
+        a = Processor(stores[0], held, settings, ConsumerStats())
+        b = Processor(stores[1], record, settings, ConsumerStats())
+        copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
+        results = {}
+        thread = threading.Thread(target=lambda: results.update(a=a.process(copy)[0]))
+        thread.start()
+        assert in_handler.wait(10)
+        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()  # on the attempt lock
+        assert scalar(consumer_dsn, f"SELECT attempts FROM {INBOX}_attempts") == 1
+        release.set()
+        thread.join(10)
+        waiting.join(10)
+        assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
+        assert scalar(consumer_dsn, "SELECT count(*) FROM effects") == 1
+        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+    finally:
+        for store in stores:
+            store.close()
