@@ -709,14 +709,17 @@ class Processor:
             return self._duplicate(message)
         if not failure.parked:  # its count went meanwhile (retention): one more attempt
             return Disposition.RETRY, 0.0
+        return self._parked(message_id, failure.attempts, reason)
+
+    def _parked(self, message_id: str, attempts: int, error: str) -> tuple[Disposition, float]:
         self.stats.parked += 1
         emit(
             log,
             "consumer.parked",
             logging.ERROR,
             message_id=message_id,
-            attempts=failure.attempts,
-            error=reason,
+            attempts=attempts,
+            error=error,
         )
         return Disposition.PARKED, 0.0
 
@@ -738,16 +741,7 @@ class Processor:
         if failure.duplicate:
             return self._duplicate(message)
         if failure.parked:
-            self.stats.parked += 1
-            emit(
-                log,
-                "consumer.parked",
-                logging.ERROR,
-                message_id=message_id,
-                attempts=failure.attempts,
-                error=error,
-            )
-            return Disposition.PARKED, 0.0
+            return self._parked(message_id, failure.attempts, error)
         delay = retry_delay(failure.attempts, self.settings)
         emit(
             log,
