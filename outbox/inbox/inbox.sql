@@ -94,7 +94,7 @@ ON CONFLICT DO NOTHING
 -- those it returns are new (their effects are applied next, in the same
 -- transaction), the others are duplicates.  Sorted, so two consumers whose batches
 -- share ids take their locks in the same order.  It also clears the attempt
--- counters of new ids that were delivered before, arms {guard} and returns when
+-- counters of the ids that were delivered before (new, or applied meanwhile), arms {guard} and returns when
 -- the transaction started, which `seal` compares before the COMMIT.
 WITH new AS (
     INSERT INTO {inbox} (consumer, message_id)
@@ -102,9 +102,10 @@ WITH new AS (
     ON CONFLICT DO NOTHING
     RETURNING message_id
 ), forgotten AS (
-    DELETE FROM {attempts} a USING new
-    WHERE a.consumer = %(consumer)s AND a.message_id = new.message_id
-      AND a.message_id = ANY(%(redelivered)s::text[])
+    -- Also for a redelivered id found here already: another consumer applied a copy
+    -- of it while this one counted its attempt (start_attempt sees no uncommitted id).
+    DELETE FROM {attempts} a
+    WHERE a.consumer = %(consumer)s AND a.message_id = ANY(%(redelivered)s::text[])
 )
 SELECT now() AS started,
        set_config('outbox.inbox_guard', 'armed', true) AS guard,

@@ -325,7 +325,7 @@ class InboxStore:
     ) -> tuple[datetime.datetime, set[str]]:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
-        new ``redelivered`` keys go."""
+        ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
         with self._translated("recording message ids"):
             with self.conn.pipeline():
                 self.conn.execute("BEGIN READ WRITE")

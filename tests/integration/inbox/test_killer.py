@@ -193,3 +193,47 @@ def test_killer__a_copy_in_another_consumer_waits_for_the_outcome(
     finally:
         for store in stores:
             store.close()
+
+
+def test_killer__a_redelivered_copy_of_a_message_applied_meanwhile_leaves_no_count(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """A first delivery of a message in flight in one consumer (its id recorded, not
+    committed: the attempt lock is not taken on that path) and a redelivered copy in
+    another: the copy's attempt is counted (the id is not visible yet), then its
+    transaction finds the id: a duplicate, and the count it left goes with it."""
+    settings = ConsumerSettings(queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX)
+    in_handler, release = threading.Event(), threading.Event()
+
+    def record(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+        conn.execute("INSERT INTO effects (message_id) VALUES (%s)", [message.message_id])
+
+    def held(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+        record(conn, message)
+        in_handler.set()
+        assert release.wait(10)
+
+    stores = [InboxStore(consumer_dsn, INBOX, settings.consumer) for _ in range(2)]
+    stores[0].ensure_schema()
+    try:
+        a = Processor(stores[0], held, settings, ConsumerStats())
+        b = Processor(stores[1], record, settings, ConsumerStats())
+        first = InboxMessage("c", b"x", {}, "ex", "k", None, False, topology.queue)
+        copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
+        results = {}
+        thread = threading.Thread(target=lambda: results.update(a=a.process(first)[0]))
+        thread.start()
+        assert in_handler.wait(10)
+        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()  # on the id a's transaction recorded
+        release.set()
+        thread.join(10)
+        waiting.join(10)
+        assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
+        assert scalar(consumer_dsn, "SELECT count(*) FROM effects") == 1
+        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+    finally:
+        for store in stores:
+            store.close()

@@ -151,7 +151,7 @@ class FakeStore:
         self._begin()  # BEGIN READ WRITE
         new = {k for k in keys if k not in self.inbox and k not in self.pending_ids}
         self.pending_ids.extend(sorted(new))
-        self.pending_forget.extend(k for k in redelivered if k in new)
+        self.pending_forget.extend(redelivered)
         self.guard = "armed"
         return self.started, new
 
