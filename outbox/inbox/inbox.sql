@@ -94,8 +94,9 @@ ON CONFLICT DO NOTHING
 -- those it returns are new (their effects are applied next, in the same
 -- transaction), the others are duplicates.  Sorted, so two consumers whose batches
 -- share ids take their locks in the same order.  It also clears the attempt
--- counters of the ids that were delivered before (new, or applied meanwhile), arms {guard} and returns when
--- the transaction started, which `seal` compares before the COMMIT.
+-- counters of the ids that were delivered before (new, or applied meanwhile), arms
+-- {guard} and returns when the transaction started, which `seal` compares before the
+-- COMMIT.
 WITH new AS (
     INSERT INTO {inbox} (consumer, message_id)
     SELECT %(consumer)s, id FROM unnest(%(ids)s::text[]) AS id ORDER BY id
