@@ -13,7 +13,6 @@ from pathlib import Path
 
 import amqp
 import pika
-import pytest
 
 from outbox.inbox import parked
 from outbox.inbox.properties import HEADERS_FLAG
@@ -22,7 +21,6 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
     consumer,
-    create_effects_table,
     effect_bodies,
     parked_bodies,
     publish,
@@ -31,11 +29,6 @@ from tests.integration.inbox.support import (
 )
 
 MESSAGE_ID_FLAG = 0x0080
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def test_foreign__a_routing_key_that_is_not_utf8_is_applied_or_parked(

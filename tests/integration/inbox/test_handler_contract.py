@@ -17,18 +17,12 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
     consumer,
-    create_effects_table,
     effect_bodies,
     parked_bodies,
     publish,
     rows,
     wait_settled,
 )
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def good(count: int) -> list[tuple[str, bytes]]:

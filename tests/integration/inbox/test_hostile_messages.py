@@ -16,7 +16,6 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
     consumer,
-    create_effects_table,
     effect_bodies,
     inbox_key,
     parked_bodies,
@@ -25,11 +24,6 @@ from tests.integration.inbox.support import (
     scalar,
     wait_settled,
 )
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def good(count: int, tag: str = "g") -> list[tuple[str, bytes]]:

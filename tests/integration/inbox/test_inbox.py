@@ -86,12 +86,6 @@ def create_effects_table(dsn: str) -> str:
     return dsn
 
 
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    """The consumer's own database (not the outbox's), with the effect table."""
-    return create_effects_table(empty_dsn)
-
-
 def record(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
     conn.execute(
         "INSERT INTO effects (message_id, body) VALUES (%s, %s)",

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import psycopg
-import pytest
 
 from outbox.config import Settings
 from tests.fixtures.faults import (
@@ -33,7 +32,6 @@ from tests.fixtures.faults import (
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (
     ConsumeProcess,
-    create_effects_table,
     ready_messages,
     scalar,
 )
@@ -42,11 +40,6 @@ BATCH = 20
 RELAYS = 2
 CONSUMERS = 3
 CHAOS_SECONDS = 20
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(

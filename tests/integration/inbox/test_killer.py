@@ -26,7 +26,6 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
     Consumer,
-    create_effects_table,
     parked_bodies,
     publish,
     queue_depth,
@@ -35,11 +34,6 @@ from tests.integration.inbox.support import (
 )
 
 MAX_ATTEMPTS = 3
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def supervise(
@@ -152,56 +146,13 @@ def test_killer__a_retried_killer_starts_counting_afresh(
     assert effects == {"k": 1, "g": 1}
 
 
-def test_killer__a_copy_in_another_consumer_waits_for_the_outcome(
-    topology: Topology, consumer_dsn: str
-) -> None:
-    """Two redelivered copies of one message in two consumers at once: the second
-    waits on the first's attempt lock and finds its id (no attempt counted for it,
-    none left behind)."""
-    settings = ConsumerSettings(queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX)
-    in_handler, release = threading.Event(), threading.Event()
-
-    def held(conn: psycopg.Connection[object], message: InboxMessage) -> None:
-        conn.execute("INSERT INTO effects (message_id) VALUES (%s)", [message.message_id])
-        in_handler.set()
-        assert release.wait(10)
-
-    def record(conn: psycopg.Connection[object], message: InboxMessage) -> None:
-        conn.execute("INSERT INTO effects (message_id) VALUES (%s)", [message.message_id])
-
-    stores = [InboxStore(consumer_dsn, INBOX, settings.consumer) for _ in range(2)]
-    stores[0].ensure_schema()
-    try:
-        a = Processor(stores[0], held, settings, ConsumerStats())
-        b = Processor(stores[1], record, settings, ConsumerStats())
-        copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
-        results = {}
-        thread = threading.Thread(target=lambda: results.update(a=a.process(copy)[0]))
-        thread.start()
-        assert in_handler.wait(10)
-        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
-        waiting.start()
-        time.sleep(0.5)
-        assert waiting.is_alive()  # on the attempt lock
-        assert scalar(consumer_dsn, f"SELECT attempts FROM {INBOX}_attempts") == 1
-        release.set()
-        thread.join(10)
-        waiting.join(10)
-        assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
-        assert scalar(consumer_dsn, "SELECT count(*) FROM effects") == 1
-        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
-    finally:
-        for store in stores:
-            store.close()
-
-
-def test_killer__a_redelivered_copy_of_a_message_applied_meanwhile_leaves_no_count(
-    topology: Topology, consumer_dsn: str
-) -> None:
-    """A first delivery of a message in flight in one consumer (its id recorded, not
-    committed: the attempt lock is not taken on that path) and a redelivered copy in
-    another: the copy's attempt is counted (the id is not visible yet), then its
-    transaction finds the id: a duplicate, and the count it left goes with it."""
+def race(
+    topology: Topology, consumer_dsn: str, *, first_redelivered: bool
+) -> tuple[dict[str, Disposition], int]:
+    """Consumer a holds a message in its handler (a first delivery, or a redelivered
+    copy); consumer b gets a redelivered copy of it meanwhile and must wait.  Returns
+    both outcomes and the attempt count while b waited; checks one effect, no count
+    left behind."""
     settings = ConsumerSettings(queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX)
     in_handler, release = threading.Event(), threading.Event()
 
@@ -218,22 +169,48 @@ def test_killer__a_redelivered_copy_of_a_message_applied_meanwhile_leaves_no_cou
     try:
         a = Processor(stores[0], held, settings, ConsumerStats())
         b = Processor(stores[1], record, settings, ConsumerStats())
-        first = InboxMessage("c", b"x", {}, "ex", "k", None, False, topology.queue)
+        first = InboxMessage("c", b"x", {}, "ex", "k", None, first_redelivered, topology.queue)
         copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
-        results = {}
+        results: dict[str, Disposition] = {}
         thread = threading.Thread(target=lambda: results.update(a=a.process(first)[0]))
         thread.start()
         assert in_handler.wait(10)
         waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
         waiting.start()
         time.sleep(0.5)
-        assert waiting.is_alive()  # on the id a's transaction recorded
+        assert waiting.is_alive()
+        counted = int(
+            scalar(consumer_dsn, f"SELECT coalesce(sum(attempts), 0) FROM {INBOX}_attempts")
+        )
         release.set()
         thread.join(10)
         waiting.join(10)
-        assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
         assert scalar(consumer_dsn, "SELECT count(*) FROM effects") == 1
         assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+        return results, counted
     finally:
         for store in stores:
             store.close()
+
+
+def test_killer__a_copy_in_another_consumer_waits_for_the_outcome(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """Two redelivered copies of one message in two consumers at once: the second
+    waits on the first's attempt lock (one attempt counted, the first's) and finds
+    its id (none left behind)."""
+    results, counted = race(topology, consumer_dsn, first_redelivered=True)
+    assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
+    assert counted == 1
+
+
+def test_killer__a_redelivered_copy_of_a_message_applied_meanwhile_leaves_no_count(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """A first delivery of a message in flight in one consumer (its id recorded, not
+    committed: the attempt lock is not taken on that path) and a redelivered copy in
+    another: the copy's attempt is counted (the id is not visible yet), then its
+    transaction waits on the id and finds it: a duplicate, and the count it left goes
+    with it."""
+    results, _ = race(topology, consumer_dsn, first_redelivered=False)
+    assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}

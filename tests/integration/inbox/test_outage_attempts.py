@@ -15,18 +15,12 @@ from tests.fixtures.faults import TcpProxy, proxied_dsn, wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (
     consumer_settings,
-    create_effects_table,
     effects,
     new_ids,
     publish,
     record,
     running,
 )
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def test_outage__the_message_in_hand_counts_its_attempt_once_the_database_is_back(

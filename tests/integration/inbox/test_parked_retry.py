@@ -19,17 +19,11 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
     consumer,
-    create_effects_table,
     parked_bodies,
     publish,
     scalar,
     wait_settled,
 )
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def test_retry__sends_each_parked_message_once_while_the_handler_still_fails(

@@ -18,17 +18,11 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (
     _message,
     _processor,
-    create_effects_table,
     effects,
     new_ids,
     record,
     scalar,
 )
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def _counters(dsn: str) -> None:

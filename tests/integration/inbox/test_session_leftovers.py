@@ -11,7 +11,6 @@ from tests.fixtures.servers import Topology
 from tests.integration.inbox import support
 from tests.integration.inbox.support import (
     consumer,
-    create_effects_table,
     effect_bodies,
     parked_bodies,
     publish,
@@ -27,11 +26,6 @@ def leaves_state(conn, message):
     conn.execute("CREATE TEMP TABLE scratch (x int)")
     record(conn, message)
 '''
-
-
-@pytest.fixture
-def consumer_dsn(empty_dsn: str) -> str:
-    return create_effects_table(empty_dsn)
 
 
 def test_leftovers__a_message_failing_on_an_earlier_handlers_leftovers_is_retried_clean(
