@@ -138,8 +138,8 @@ RETURNING attempts
 -- in the inbox (a duplicate: no handler call) nor for a message whose earlier
 -- attempts reached %(max_attempts)s (it is parked instead).  Returns whether the
 -- id is in the inbox, the attempts before this one and the last error raised.
--- A duplicate's attempt lock is released here.  The caller holds the message's attempt lock (attempt_lock), so no other consumer
--- counts or applies a copy of it meanwhile.
+-- The caller holds the message's attempt lock (attempt_lock), so no other consumer
+-- counts or applies a copy of it meanwhile; a duplicate's lock is released here.
 WITH done AS (
     SELECT EXISTS (SELECT 1 FROM {inbox}
                    WHERE consumer = %(consumer)s AND message_id = %(message_id)s) AS done
