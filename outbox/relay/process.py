@@ -95,6 +95,7 @@ class Relay:
         self.stop = stop if stop is not None else StopFlag()
         self.stats = Stats()
         self.store: BatchStore | None = None
+        self.committer: BatchStore | None = None  # COMMIT PREPARED at depth 2
         self.liveness: Liveness | None = None
         self.wakeups: WakeupListener | None = None
         self.publisher = Publisher(
@@ -125,11 +126,12 @@ class Relay:
         self._connect_broker()
         self._connect_database()
 
-    def _open_store(self) -> BatchStore:
+    def _open_store(self, application_name: str = "outbox-relay") -> BatchStore:
         s = self.settings
         return BatchStore(
             s.dsn,
             s.table,
+            application_name=application_name,
             connect_timeout=s.connect_timeout,
             statement_timeout=s.statement_timeout,
         )
@@ -141,6 +143,11 @@ class Relay:
                 self.store.close()
             self.store = self.batches.store = None
             self.store = self.batches.store = self._open_store()
+        if self.settings.pipeline and (self.committer is None or self.committer.broken):
+            if self.committer is not None:
+                self.committer.close()
+            self.committer = self.batches.committer = None
+            self.committer = self.batches.committer = self._open_store("outbox-relay-commit")
         if self.wakeups is None or self.wakeups.broken:
             if self.wakeups is not None:
                 self.wakeups.close()
@@ -219,10 +226,13 @@ class Relay:
             self.wakeups.close()
         if self.store is not None:
             self.store.close()
+        if self.committer is not None:
+            self.committer.close()
         self.publisher.close()
         self.liveness = None
         self.wakeups = None
         self.store = self.batches.store = None
+        self.committer = self.batches.committer = None
 
     # -- the loop --------------------------------------------------------------
     def run(self, *, drain: bool = False) -> Stats:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -134,6 +135,41 @@ def test_pg_restart__running_relay_reconnects_and_carries_on(
     wait_for(lambda: not prepared_left(crash_settings.dsn), 30, "dead relay ids' batches")
     # Only the batch in flight when the server went away can be duplicated.
     check_delivery(crash_settings.dsn, topology, committed, max_duplicates=BATCH)
+
+
+def test_committer_session_killed__its_batches_are_committed_from_their_evidence(
+    crash_settings: Settings, topology: Topology
+) -> None:
+    """Pipelined, COMMIT PREPARED runs on a session of its own while the work
+    connection claims the next batch.  Ending that session again and again (the
+    commit cut off, or its answer lost) costs no duplicate: each such batch has its
+    evidence and is committed after looking its gid up."""
+    settings = dataclasses.replace(crash_settings, pipeline=True, backoff_initial=0.05)
+    committed = insert_rows(settings.dsn, topology.exchange, 1500)
+    relay = Relay(settings)
+    thread = run_in_thread(relay)
+    kills = 0
+    try:
+        with psycopg.connect(settings.dsn, autocommit=True) as admin:
+            deadline = time.monotonic() + 90
+            while relay.stats.messages_published < len(committed):
+                assert time.monotonic() < deadline, "the relay stopped making progress"
+                row = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'outbox-relay-commit' "
+                    "AND datname = current_database()"
+                ).fetchone()
+                kills += row[0] if row else 0
+                time.sleep(0.2)
+        assert thread.is_alive(), "the relay must never exit on an outage"
+    finally:
+        stop(relay, thread)
+    assert kills >= 3
+    assert relay.stats.write_failures["commit_prepared"] >= 1
+    assert relay.stats.batches_rolled_back == 0
+    assert prepared_left(settings.dsn) == []
+    report = check_delivery(settings.dsn, topology, committed, max_duplicates=0)
+    assert report.duplicates == 0
 
 
 @both_modes
