@@ -149,6 +149,7 @@ class BatchStore(Session):
         statement_timeout: float | None = None,
     ) -> None:
         super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
+        self._claim: tuple[psycopg.Cursor[Row], bytes] | None = None
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
@@ -199,19 +200,29 @@ class BatchStore(Session):
             "hold": hold_keys,
             "own": list(own),
         }
-        with self._translated("claiming a batch"), claim_cursor(self.conn) as cur:
+        with self._translated("claiming a batch"):
+            cur, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
                 # BEGIN, the planner settings and the claim in one round trip.
                 with self.conn.pipeline():
-                    self.conn.execute("BEGIN")
+                    self.conn.execute(b"BEGIN", prepare=False)
                     self.conn.execute(PINNED_CLAIM_PLAN)
-                    cur.execute(self.queries["claim_batch"], params)
+                    cur.execute(statement, params)
             else:  # a libpq older than 14: two round trips
                 self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
-                cur.execute(self.queries["claim_batch"], params)
+                cur.execute(statement, params)
             records = cur.fetchall()
             rows = [outbox_row(r) for r in with_texts(self.conn, records)]
             return sorted(rows, key=lambda row: row.id)
+
+    def _claim_statement(self) -> tuple[psycopg.Cursor[Row], bytes]:
+        """The claim's cursor and statement, built once per session: composing the
+        statement and setting up a cursor's loaders for every claim was about 7% of
+        the relay's CPU at a few rows per batch.  Reusing the cursor keeps the rows of
+        the batch before valid: each payload's view holds its own result."""
+        if self._claim is None:
+            self._claim = (claim_cursor(self.conn), self.queries["claim_batch"].as_bytes(self.conn))
+        return self._claim
 
     def abandon_claim(self) -> None:
         """Roll back an unprepared claim (nothing claimed, or before PREPARE)."""
