@@ -209,3 +209,37 @@ def test_prepared_slots_exhausted__relay_backs_off_says_so_and_resumes(
     # Backing off (0.05 s doubling to 0.5 s here), not spinning: a handful of tries.
     assert attempts_before < 50
     check_delivery(crash_settings.dsn, topology, committed, max_duplicates=0)
+
+
+def test_committer_ended_while_the_relay_idles__the_next_burst_costs_no_failed_write(
+    crash_settings: Settings, topology: Topology
+) -> None:
+    """While the relay waits for work, its other sessions poll, heartbeat and resolve;
+    the committer alone sits idle.  A server that ends idle sessions
+    (``idle_session_timeout``, or a pooler's idle timeout) ends it, and nothing is
+    lost by then: it has nothing outstanding.  The next burst must not pay for it
+    with a failed COMMIT PREPARED (a write failure, a backoff, a lookup)."""
+    settings = dataclasses.replace(crash_settings, pipeline=True)
+    with psycopg.connect(settings.dsn, autocommit=True) as admin:
+        dbname = admin.info.dbname
+        admin.execute(
+            sql.SQL("ALTER DATABASE {} SET idle_session_timeout = '2s'").format(
+                sql.Identifier(dbname)
+            )
+        )
+    committed = insert_rows(settings.dsn, topology.exchange, 25)
+    relay = Relay(settings)
+    thread = run_in_thread(relay)
+    try:
+        wait_for(lambda: relay.stats.messages_published == 25, 30, "the first burst")
+        time.sleep(4)  # idle: poll, heartbeat and resolver passes; the committer ended
+        assert relay.stats.reconnects == 0, "the relay's other sessions stay busy enough"
+        committed += insert_rows(settings.dsn, topology.exchange, 25, tag="after")
+        wait_for(lambda: relay.stats.messages_published == 50, 30, "the second burst")
+        assert thread.is_alive()
+    finally:
+        stop(relay, thread)
+    assert dict(relay.stats.write_failures) == {}
+    assert relay.stats.reconnects == 0
+    assert prepared_left(settings.dsn) == []
+    check_delivery(settings.dsn, topology, committed, max_duplicates=0)
