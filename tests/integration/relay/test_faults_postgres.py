@@ -288,8 +288,7 @@ def test_committer_stalled__never_a_third_prepared_batch_and_the_relay_carries_o
                 deadline = time.monotonic() + 8
                 while time.monotonic() < deadline:
                     row = admin.execute(
-                        "SELECT count(*) FROM pg_prepared_xacts "
-                        "WHERE database = current_database()"
+                        "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
                     ).fetchone()
                     most = max(most, row[0] if row else 0)
                     time.sleep(0.02)
