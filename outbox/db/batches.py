@@ -275,18 +275,31 @@ class BatchStore(Session):
             return self._finish_failed(verb, gid, exc)
         return True
 
-    def send_commit(self, gid: str) -> None:
+    def send_commit(self, gid: str) -> bool:
         """Send COMMIT PREPARED and return at once; ``collect_commit`` reads the outcome.
 
         The relay's committer session runs it while the work connection claims the
         next batch (``relay.batches``).  Nothing else may use this session until
         the outcome is collected.  A connection lost here raises ``OutcomeUnknown``
         (the statement may have gone out) and closes the session.
+
+        False, nothing sent: the server had ended the session before (it sits
+        idle while the relay waits for work, and ``idle_session_timeout`` or a
+        pooler ends idle sessions); the session is closed, the caller commits
+        elsewhere.
         """
         statement = gid_statement("COMMIT PREPARED", gid)
         if not isinstance(statement, bytes):
             statement = statement.as_bytes(self.conn)
         pgconn = self.conn.pgconn
+        # Read what came while idle: an ended session left its error there, and EOF
+        # behind it (libpq reads the one, then sees the other on its next read).
+        for _ in range(2):
+            with contextlib.suppress(psycopg.Error):
+                pgconn.consume_input()
+        if pgconn.status != pq.ConnStatus.OK:
+            self.close()
+            return False
         try:
             pgconn.send_query(statement)
             while pgconn.flush():
@@ -296,6 +309,7 @@ class BatchStore(Session):
             raise OutcomeUnknown(
                 f"COMMIT PREPARED of {gid} was cut off: {first_line(exc)}"
             ) from exc
+        return True
 
     def collect_commit(self, gid: str) -> bool:
         """The outcome of ``send_commit``, as ``finish(gid, commit=True)`` gives it.

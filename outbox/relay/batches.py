@@ -47,7 +47,10 @@ loop: at 2,000 commits/s, a few rows per batch, it was about a sixth of a step.
 Its outcome is collected before the next PREPARE, so a relay never holds more
 than two prepared batches, and a batch counts as committed only once collected.
 A committer that fails puts its batch in doubt like a cut COMMIT PREPARED: the
-batch has its evidence, so it is committed after looking its gid up.
+batch has its evidence, so it is committed after looking its gid up.  A committer
+the server ended before the COMMIT was sent (it sits idle while the relay waits
+for work: ``idle_session_timeout``) sent nothing: the batch is committed on the
+work connection, without a failure.
 
 When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
 the claim may take them, ``BatchStore.claim_batch(own=…)``), 4 and 5 swap: N+1 is
@@ -211,7 +214,7 @@ class BatchStorePort(Protocol):
     def abandon_claim(self) -> None: ...
     def prepare(self, gid: str) -> None: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
-    def send_commit(self, gid: str) -> None: ...
+    def send_commit(self, gid: str) -> bool: ...
     def collect_commit(self, gid: str) -> bool: ...
     def gid_exists(self, gid: str) -> bool: ...
     def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None: ...
@@ -677,10 +680,13 @@ class Batches:
         self._collect()
         if self.committer is not None and not wait:
             with self._writing("commit_prepared"):
-                self.committer.send_commit(batch.gid)
-            self._committing = batch
-            self._crash_point("after_commit_sent")
-            return
+                sent = self.committer.send_commit(batch.gid)
+            if sent:
+                self._committing = batch
+                self._crash_point("after_commit_sent")
+                return
+            # The committer had ended while idle, nothing sent: commit here (the
+            # relay opens a new committer before the next step).
         with self._writing("commit_prepared"):
             self._store().finish(batch.gid, commit=True)
         self._committed(batch)

@@ -404,6 +404,22 @@ def test_failure__committer_failing_during_the_next_claim_leaves_that_claim_unpr
     assert batches.stats.batches_committed == 3
 
 
+def test_failure__committer_ended_while_idle_commits_on_the_work_connection() -> None:
+    """The server ended the idle committer (idle_session_timeout): nothing was sent,
+    so the outcome is certain; the batch is committed on the work connection, with
+    no failed write and no batch in doubt."""
+    store, broker = FakeStore(make_rows(25)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    store.committer_ended = True
+    batches.step()  # batch 1's COMMIT PREPARED: the committer is found ended
+    assert store.sending is None and "obx:outbox:r1:1" not in store.prepared
+    assert batches.stats.batches_committed == 1 and not batches.in_doubt
+    drain(batches)
+    assert dict(batches.stats.write_failures) == {}
+    assert store.rows == {} and store.prepared == {} and duplicates(broker, 25) == 0
+
+
 @both_depths
 def test_failure__unwritable_dead_letters_roll_back_once_then_publish_nothing(
     depth: int,
