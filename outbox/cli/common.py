@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import sys
@@ -30,6 +31,20 @@ from outbox.errors import OutboxError
 from outbox.events import json_line
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def freeze_startup_heap() -> None:
+    """Put the objects a long-running process holds from start-up (modules, classes,
+    connections) out of the garbage collector's reach (``gc.freeze``).
+
+    The relay and the consumer keep them for life, and every full collection walked
+    them all: about 45,000 objects, 8 ms on a quiet machine; one in the middle of a
+    relay's latency run at 2,000 commits/s, on two busy cores, took 112 ms, a pause
+    every message in flight waited out.  Objects created later are collected as
+    before; a cycle frozen here is never freed, so garbage is collected first.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def env_option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:

@@ -12,6 +12,7 @@ from outbox.cli.common import (
     backoff_max_option,
     consumer_server_options,
     env_option,
+    freeze_startup_heap,
     known_errors,
     log_format_option,
     log_level_option,
@@ -151,6 +152,7 @@ def consume(
                     f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
                 ) from exc
             emit(log, "consumer.endpoints", address=metrics_address, port=endpoints.port)
+        freeze_startup_heap()
         stats = consumer.run()
     finally:
         if endpoints is not None:

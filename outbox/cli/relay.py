@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from outbox.cli.common import (
+    freeze_startup_heap,
     known_errors,
     metrics_address_option,
     metrics_port_option,
@@ -55,6 +56,7 @@ def relay(
         emit(log, "relay.endpoints", address=metrics_address, port=endpoints.port)
     try:
         runner.start()
+        freeze_startup_heap()
         stats = runner.run(drain=drain)
     finally:
         if endpoints is not None:
