@@ -249,7 +249,7 @@ def test_killer__the_database_lost_before_the_last_attempts_error_is_recorded(
         proxy.arm(b"last_error = EXCLUDED.last_error")  # recording attempt 2's error
         with pytest.raises(DatabaseUnavailable):
             processor.process(copy)
-        assert proxy.triggered.is_set()
+        assert proxy.triggered.wait(5)  # set by the proxy's thread, just after the cut
         if next_copy == "same process":
             store.reconnect()  # what the consumer does after an outage
             outcome = processor.process(copy)[0]
