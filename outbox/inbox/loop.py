@@ -168,6 +168,7 @@ from outbox.inbox.message import (
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
+    SETTINGS,
     Failure,
     InboxStore,
     SessionState,
@@ -438,7 +439,7 @@ def handler_left(before: SessionState, after: SessionState, *, pending: bool = F
         return None
     changed = [
         name
-        for (name, was), (_, now) in zip(before.settings, after.settings, strict=True)
+        for name, was, now in zip(SETTINGS, before.settings, after.settings, strict=True)
         if was != now
     ]
     if changed:

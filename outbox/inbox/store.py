@@ -41,7 +41,7 @@ import datetime
 import operator
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
@@ -169,15 +169,15 @@ class Started:
     last_error: str
 
 
-@dataclasses.dataclass(frozen=True)
-class SessionState:
+class SessionState(NamedTuple):
     """What a handler can see and change of the session it is handed (read
-    without I/O): the loop compares it before and after each handler call."""
+    without I/O): the loop compares it before and after each handler call (a
+    tuple: built for every message, it must be cheap)."""
 
     closed: bool
     broken: bool
     transaction: str  # idle, active, intrans, inerror, unknown
-    settings: tuple[tuple[str, Any], ...]
+    settings: tuple[Any, ...]  # the values of ``SETTINGS``, in that order
 
 
 def describe(exc: BaseException) -> str:
@@ -391,12 +391,9 @@ class InboxStore:
 
     def session(self) -> SessionState:
         conn = self.conn
-        status = conn.info.transaction_status
+        status = conn.pgconn.transaction_status  # conn.info builds an object per call
         return SessionState(
-            closed=conn.closed,
-            broken=conn.broken,
-            transaction=_STATUS.get(status, "unknown"),
-            settings=tuple(zip(SETTINGS, _read_settings(conn), strict=True)),
+            conn.closed, conn.broken, _STATUS.get(status, "unknown"), _read_settings(conn)
         )
 
     def restore(self, state: SessionState) -> None:
@@ -413,7 +410,7 @@ class InboxStore:
             self.conn = self._connect()  # the old one holds the lock until end_attempt
         else:
             self.reconnect()
-        for name, value in state.settings:
+        for name, value in zip(SETTINGS, state.settings, strict=True):
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
 
@@ -539,7 +536,8 @@ class InboxStore:
         return int(row[0]) if row else 0
 
 
-_STATUS = {
+# By the libpq status as an int (``pgconn.transaction_status``; the enum hashes alike).
+_STATUS: dict[int, str] = {
     TransactionStatus.IDLE: "idle",
     TransactionStatus.ACTIVE: "active",
     TransactionStatus.INTRANS: "intrans",
