@@ -355,9 +355,6 @@ class StorePort(Protocol):
 
     def commit(self) -> None: ...
 
-    # ``commit`` in two halves: send the COMMIT, then (the result) wait for its outcome.
-    def send_commit(self) -> Callable[[], None]: ...
-
     def rollback(self) -> None: ...
 
     def session(self) -> SessionState: ...
@@ -495,9 +492,6 @@ class Processor:
         # handler shows it cannot (a batch fails there and every message of it
         # succeeds one by one: e.g. COPY, or logic on an error caught at once).
         self.pipelining = store.pipelining
-        # Called while a pipelined batch's COMMIT is in flight (``Inbox`` reads the
-        # next batch from the broker there); must not raise.
-        self.meanwhile: Callable[[], None] | None = None
 
     def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
@@ -660,18 +654,7 @@ class Processor:
                     "on in a new one",
                 )
         try:
-            # DatabaseUnavailable: outcome unknown, the inbox decides
-            if pipelined and self.meanwhile is not None:
-                # Sent without waiting: the next batch is read from the broker while
-                # the server commits (and syncs its WAL); the outcome is collected
-                # before anything else, and this batch is acked only after it.
-                committed = store.send_commit()
-                try:
-                    self.meanwhile()
-                finally:
-                    committed()
-            else:
-                store.commit()
+            store.commit()  # DatabaseUnavailable: outcome unknown, the inbox decides
         except StatementRefused as exc:
             # A deferred constraint or a serialization failure refused the COMMIT:
             # the effect of a message in the transaction failed.
@@ -861,10 +844,6 @@ class Inbox:
         self.broker: BrokerPort = broker if broker is not None else Broker(settings)
         self._connect_store = connect_store or _connect_store
         self._next_prune = 0.0
-        # The next batch, read while a batch's COMMIT was in flight (``_read_ahead``),
-        # and what reading it raised (raised in turn once that COMMIT is settled).
-        self._ahead: Sequence[Any] = ()
-        self._ahead_error: OutboxError | None = None
 
     # -- control --------------------------------------------------------------
     def stop(self) -> None:
@@ -915,7 +894,7 @@ class Inbox:
                 if not self.broker.connected:
                     self.broker.open()
                 self._maybe_prune()
-                deliveries, self._ahead = self._ahead or self.broker.drain(timeout=1.0), ()
+                deliveries = self.broker.drain(timeout=1.0)
                 if deliveries:
                     self._handle(deliveries)
                 self.stats.last_progress = time.monotonic()
@@ -936,14 +915,12 @@ class Inbox:
         return self.stats
 
     def close(self) -> None:
-        self._ahead, self._ahead_error = (), None
         self.broker.close()
         if self.store is not None:
             self.store.close()
             self.store = None
 
     def _outage(self, exc: OutboxError, failures: int) -> None:
-        self._ahead, self._ahead_error = (), None  # they go back with the connection
         self.stats.reconnects += 1
         self.stats.last_error = exc.message
         self.stats.last_progress = time.monotonic()  # backing off is progress
@@ -977,7 +954,6 @@ class Inbox:
                 self.stats,
                 on_interrupt=None if self._signal_handlers else self.stop,
             )
-            self.processor.meanwhile = self._read_ahead
         else:  # the same processor: it may owe attempts from before the outage
             self.processor.store = store
 
@@ -997,16 +973,6 @@ class Inbox:
         self._next_prune = now + (1.0 if full else self.settings.prune_interval)
 
     # -- the deliveries in hand -----------------------------------------------------
-    def _read_ahead(self) -> None:
-        """While a batch's COMMIT is in flight: read the next batch, only what is
-        here already (never wait: the batch in hand is acked after the COMMIT)."""
-        if self._ahead or self._stop.is_set():
-            return
-        try:
-            self._ahead = self.broker.drain(timeout=0)
-        except OutboxError as exc:
-            self._ahead_error = exc
-
     def _handle(self, deliveries: Sequence[Any]) -> None:
         """Apply, then settle: ack what committed (or was skipped or parked); hold
         failed ones for their retry delay and put them back on the queue."""
@@ -1015,9 +981,6 @@ class Inbox:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
         messages = [d.message for d in deliveries]
         outcomes = processor.process_batch(messages)
-        if self._ahead_error is not None:  # the broker went away while it committed
-            error, self._ahead_error = self._ahead_error, None
-            raise error
         if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))

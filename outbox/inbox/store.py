@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import Column, generators, sql
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg import Column, sql
+from psycopg.pq import TransactionStatus
 from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
@@ -383,24 +383,6 @@ class InboxStore:
         when the messages come back); ``StatementRefused``: rolled back."""
         with self._translated("committing"):
             self.conn.execute("COMMIT")
-
-    def send_commit(self) -> Callable[[], None]:
-        """``commit`` without waiting: the COMMIT goes out now (one simple-protocol
-        message, as ``commit`` sends it, so the server answers as soon as it has
-        committed); call the result to wait for its outcome, which raises as
-        ``commit`` does.  Nothing else may run on the connection in between."""
-        conn = self.conn
-        with self._translated("committing"):
-            conn.pgconn.send_query(b"COMMIT")
-            conn.wait(generators.send(conn.pgconn))
-
-        def outcome() -> None:
-            with self._translated("committing"):
-                for result in conn.wait(generators.fetch_many(conn.pgconn)):
-                    if result.status != ExecStatus.COMMAND_OK:
-                        raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-
-        return outcome
 
     def rollback(self) -> None:
         with self._translated("rolling back"):

@@ -180,11 +180,6 @@ class FakeStore:
         self._maybe_fail("commit")
         self._commit()
 
-    def send_commit(self) -> Callable[[], None]:
-        """The COMMIT in flight: it runs (or fails) when its outcome is collected."""
-        self.journal.append("send_commit")
-        return self.commit
-
     def rollback(self) -> None:
         self.journal.append("rollback")
         self._maybe_fail("rollback")
