@@ -42,6 +42,7 @@ from amqp.exceptions import UnexpectedFrame
 from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer
 
 from outbox.errors import BrokerUnavailable, ExitCode, OutboxError
 from outbox.events import emit
@@ -308,11 +309,7 @@ class Broker:
     def __init__(self, settings: ConsumerSettings) -> None:
         self.settings = settings
         self.conn: Connection | None = None
-        # The subscription: py-amqp's channel and consumer tag.  Deliveries go from
-        # py-amqp's channel straight to ``_dispatch`` (no kombu Consumer, whose
-        # kombu Message per delivery was 5% of a busy consumer's CPU).
-        self._channel: Any = None
-        self._consumer: str | None = None
+        self._consumer: Consumer | None = None
         self._received: list[Any] | None = None
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
 
@@ -357,14 +354,20 @@ class Broker:
             if s.bindings:
                 self._declare(channel)
             self._check_queue(channel)
-            channel.basic_qos(0, s.prefetch, False)
-            tag = channel.basic_consume(s.queue, callback=self._dispatch)
+            consumer = Consumer(
+                channel,
+                queues=[Queue(s.queue, no_declare=True)],
+                on_message=self._dispatch,
+                prefetch_count=s.prefetch,
+                auto_declare=False,
+            )
+            consumer.consume()
         except QueueMissing:
             self.close()
             raise
         except errors as exc:
             raise self._translate("connecting", exc) from exc
-        self._channel, self._consumer = channel, tag
+        self._consumer = consumer
 
     def _check_queue(self, channel: Any) -> None:
         try:
@@ -447,12 +450,11 @@ class Broker:
         reject with requeue (the message goes back to its queue position)."""
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
-        handle = delivery.handle  # py-amqp's message
         try:
             if ack:
-                handle.channel.basic_ack(handle.delivery_tag, multiple=multiple)
+                delivery.handle.ack(multiple=multiple)
             else:
-                handle.channel.basic_reject(handle.delivery_tag, requeue=True)
+                delivery.handle.reject(requeue=True)
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
 
@@ -460,11 +462,11 @@ class Broker:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""
         if self._consumer is not None and self.conn is not None:
             with contextlib.suppress(*broker_errors(self.conn)):
-                self._channel.basic_cancel(self._consumer)
-        self._channel, self._consumer = None, None
+                self._consumer.cancel()
+        self._consumer = None
 
     def close(self) -> None:
-        self._channel, self._consumer = None, None
+        self._consumer = None
         self._frames = None
         if self.conn is not None:
             # Closing a dead connection must not hide the error that killed it.
