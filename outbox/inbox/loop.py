@@ -75,7 +75,16 @@ message kills the process comes back whole, and only the 37th accumulates
 attempts.  The first death, in a batch, is not counted (nothing is written before
 a batch), so a killer costs ``--max-attempts`` + 1 deaths.  The lock makes a
 consumer that holds a copy of the message wait for this outcome, so a copy in
-flight is never counted as an attempt.  First deliveries keep the batch path
+flight is never counted as an attempt.  The outcome of a failed call is its
+recorded error: the session of a failed handler is replaced before that record
+(``store.restore``), so the old session, which holds the lock, stays open and
+idle until ``end_attempt`` ends it; otherwise a waiting copy would go on between
+the two and read a count without its error (and, at ``--max-attempts``, park the
+message a second time as unfinished).  A database lost before that record: the
+process records the error once the database is back (``settle_owed``); a copy
+another process applies meanwhile, or after this one died, sees a count without an
+outcome, and at ``--max-attempts`` parks the message saying just that: the outcome
+of the last attempt is unknown (``unfinished_reason``).  First deliveries keep the batch path
 without any extra statement.  A redelivered message costs two more round trips
 (count, unlock), an asynchronous commit, and a transaction of its own instead of
 a share of a batch's (after a consumer restart: up to ``--prefetch`` messages,
@@ -91,6 +100,7 @@ Crash table (kill -9 or a lost connection at any point):
 | before COMMIT (ids, handler) | rolled back, unacked | applied then (redelivered: alone) |
 | killed in the handler (by it, or kill -9) | rolled back, unacked (1) | alone, counted (2) |
 | alone: after the count, before the handler | its attempt committed, unacked | alone, counted (2) |
+| alone: the handler raised, error not recorded | its attempt committed, unacked | counted (3) |
 | after COMMIT, before the acks | effects and ids committed, unacked | ids found: acked, no effect |
 | after the ack | done | (a relay duplicate) id found: skipped |
 | database lost during COMMIT | outcome unknown here | the inbox decides: applied once |
@@ -98,6 +108,9 @@ Crash table (kill -9 or a lost connection at any point):
 (1) applied alone (redelivered): its attempt was committed before the call; in a
 batch (a first delivery): nothing counted.  (2) redelivered, applied alone with its
 attempt counted first; once its attempts reached ``--max-attempts``: parked unseen.
+(3) a lost database, the same process alive: it records the error first, once
+the database is back (parked with it at ``--max-attempts``); else parked unseen,
+with "the outcome of the last attempt unknown".
 
 A failed attempt is counted in ``<inbox>_attempts`` (once: a redelivered
 message's was counted before the call) and the message goes back to
@@ -155,6 +168,7 @@ from outbox.inbox.message import (
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
+    SETTINGS,
     Failure,
     InboxStore,
     SessionState,
@@ -235,13 +249,23 @@ def load_handler(spec: str) -> Handler:
 
 
 # -- counters, decisions ---------------------------------------------------------------
+# Why a message was parked (``ConsumerStats.parked_by``, the metric's ``reason``):
+# its handler kept failing; its last attempt has no known outcome (``Plan.PARK``: the
+# handler may kill the process); it cannot be deduplicated (no message_id, or
+# properties that cannot be read).
+PARK_REASONS = ("failed", "unfinished", "unusable")
+
+
 @dataclasses.dataclass
 class ConsumerStats:
     handled: int = 0
     duplicates_skipped: int = 0
     handler_failures: int = 0
     retried: int = 0
-    parked: int = 0
+    parked: int = 0  # all reasons
+    parked_by: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
+    )
     reconnects: int = 0
     pruned: int = 0
     handler_seconds: Durations = dataclasses.field(default_factory=Durations)
@@ -272,17 +296,19 @@ def plan(redelivered: bool, attempts: int, max_attempts: int) -> Plan:
 
 
 def unfinished_reason(attempts: int, last_error: str) -> str:
-    """Why a message parked by ``Plan.PARK`` is parked (its last attempt never
-    finished: the consumer died or lost a connection while the handler ran)."""
+    """Why a message parked by ``Plan.PARK`` is parked: its last attempt was counted
+    and no outcome of it was ever recorded.  The handler may have killed the process,
+    or the consumer died or lost its database before it could record the outcome
+    (an error the handler raised included): which one, nothing here can tell."""
     why = (
-        "the consumer died or lost a connection while the handler ran: the handler may "
+        "the consumer died or lost its database before recording it: the handler may "
         "kill the process (a segfault, the OOM killer, os._exit)"
     )
     if not last_error:
-        return f"redelivered {attempts} times without finishing ({why})"
+        return f"redelivered {attempts} times, the outcome of the last attempt unknown ({why})"
     return (
-        f"{attempts} attempts failed or did not finish, the last one unfinished ({why}); "
-        f"the last error raised: {last_error}"
+        f"{attempts} attempts failed or did not finish, the outcome of the last one "
+        f"unknown ({why}); the last error recorded: {last_error}"
     )
 
 
@@ -413,7 +439,7 @@ def handler_left(before: SessionState, after: SessionState, *, pending: bool = F
         return None
     changed = [
         name
-        for (name, was), (_, now) in zip(before.settings, after.settings, strict=True)
+        for name, was, now in zip(SETTINGS, before.settings, after.settings, strict=True)
         if was != now
     ]
     if changed:
@@ -668,15 +694,19 @@ class Processor:
             try:
                 store.reconnect()
             except DatabaseUnavailable:
-                self.owed.append((message, reason, message is self._counted))
+                self.stats.handler_failures += 1  # its error is recorded later
+                self._owe(message, reason, counted=message is self._counted)
                 raise
         return Broken(message, reason)
 
+    def _owe(self, message: InboxMessage, reason: str, *, counted: bool) -> None:
+        self.owed.append((message, f"{reason} (then the database was unreachable)", counted))
+
     def settle_owed(self) -> None:
-        """Count the attempts owed since an outage (see ``owed``)."""
+        """Record the attempts owed since an outage (see ``owed``)."""
         while self.owed:
-            message, reason, counted = self.owed[0]
-            self._failed(message, f"{reason} (then the database was unreachable)", counted=counted)
+            message, error, counted = self.owed[0]
+            self._record_failure(message, error, counted=counted, owe=False)
             self.owed.pop(0)
 
     def _duplicate(self, message: InboxMessage) -> tuple[Disposition, float]:
@@ -684,10 +714,14 @@ class Processor:
         emit(log, "consumer.duplicate_skipped", logging.DEBUG, message_id=message.message_id)
         return Disposition.DUPLICATE, 0.0
 
+    def _count_parked(self, reason: str) -> None:
+        self.stats.parked += 1
+        self.stats.parked_by[reason] += 1
+
     def _park_unusable(self, message: InboxMessage) -> tuple[Disposition, float]:
         reason = _unusable(message) or ""
         self.store.park(parking_for(message, reason))
-        self.stats.parked += 1
+        self._count_parked("unusable")
         emit(log, "consumer.parked", logging.WARNING, reason=reason)
         return Disposition.PARKED, 0.0
 
@@ -709,10 +743,12 @@ class Processor:
             return self._duplicate(message)
         if not failure.parked:  # its count went meanwhile (retention): one more attempt
             return Disposition.RETRY, 0.0
-        return self._parked(message_id, failure.attempts, reason)
+        return self._parked(message_id, failure.attempts, reason, why="unfinished")
 
-    def _parked(self, message_id: str, attempts: int, error: str) -> tuple[Disposition, float]:
-        self.stats.parked += 1
+    def _parked(
+        self, message_id: str, attempts: int, error: str, *, why: str
+    ) -> tuple[Disposition, float]:
+        self._count_parked(why)
         emit(
             log,
             "consumer.parked",
@@ -729,19 +765,36 @@ class Processor:
         """Count the failed attempt of ``message`` (its own transaction; ``counted``:
         counted before the call, only its error is recorded): park it at
         ``--max-attempts``, else hold it for its retry delay."""
-        message_id = str(message.message_id)
         self.stats.handler_failures += 1
-        failure = self.store.record_failure(
-            message_id,
-            text_safe(error),
-            max_attempts=self.settings.max_attempts,
-            parking=parking_for(message, error),
-            counted=counted,
-        )
+        return self._record_failure(message, error, counted=counted, owe=counted)
+
+    def _record_failure(
+        self, message: InboxMessage, error: str, *, counted: bool, owe: bool
+    ) -> tuple[Disposition, float]:
+        """``_failed`` without the count of handler failures.  ``owe`` (an attempt
+        counted before the call): if the database goes away before its error is
+        recorded, the process records it once the database is back (``settle_owed``),
+        so that the message is not parked later as one whose last attempt has no
+        known outcome.  Recording it again is harmless (it only sets the error); an
+        attempt not counted before is not owed: its COMMIT may have been lost after
+        it ran, and a second count would park the message an attempt early."""
+        message_id = str(message.message_id)
+        try:
+            failure = self.store.record_failure(
+                message_id,
+                text_safe(error),
+                max_attempts=self.settings.max_attempts,
+                parking=parking_for(message, error),
+                counted=counted,
+            )
+        except DatabaseUnavailable:
+            if owe:
+                self._owe(message, error, counted=counted)
+            raise
         if failure.duplicate:
             return self._duplicate(message)
         if failure.parked:
-            return self._parked(message_id, failure.attempts, error)
+            return self._parked(message_id, failure.attempts, error, why="failed")
         delay = retry_delay(failure.attempts, self.settings)
         emit(
             log,

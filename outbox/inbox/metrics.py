@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from outbox import health
 from outbox.errors import OutboxError
+from outbox.inbox.loop import PARK_REASONS
 from outbox.inbox.store import InboxStore
 from outbox.probes import DATABASE_CACHE_SECONDS, HealthServer, histogram
 
@@ -88,11 +89,21 @@ class ConsumerCollector(Collector):
                 stats.handler_failures,
                 "Handler calls that raised (rolled back; retried or parked).",
             ),
-            ("parked", stats.parked, "Messages this consumer parked (gave up on)."),
             ("reconnects", stats.reconnects, "Retries after a database or broker failure."),
             ("inbox_pruned", stats.pruned, "Inbox ids deleted by retention."),
         ):
             yield CounterMetricFamily(f"outbox_consumer_{name}", doc, value=value)
+        parked = CounterMetricFamily(
+            "outbox_consumer_parked",
+            "Messages this consumer parked (gave up on), by reason: failed (the handler "
+            "kept failing), unfinished (the outcome of the last attempt is unknown: the "
+            "handler may kill the process), unusable (no message_id, or unreadable "
+            "properties).",
+            labels=["reason"],
+        )
+        for reason in PARK_REASONS:
+            parked.add_metric([reason], stats.parked_by[reason])
+        yield parked
         yield histogram(
             "outbox_consumer_handler_duration_seconds",
             "Handler calls, successful or not (the transaction's commit not included).",

@@ -41,7 +41,7 @@ import datetime
 import operator
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
@@ -169,15 +169,15 @@ class Started:
     last_error: str
 
 
-@dataclasses.dataclass(frozen=True)
-class SessionState:
+class SessionState(NamedTuple):
     """What a handler can see and change of the session it is handed (read
-    without I/O): the loop compares it before and after each handler call."""
+    without I/O): the loop compares it before and after each handler call (a
+    tuple: built for every message, it must be cheap)."""
 
     closed: bool
     broken: bool
     transaction: str  # idle, active, intrans, inerror, unknown
-    settings: tuple[tuple[str, Any], ...]
+    settings: tuple[Any, ...]  # the values of ``SETTINGS``, in that order
 
 
 def describe(exc: BaseException) -> str:
@@ -216,9 +216,9 @@ class InboxStore:
         # PostgreSQL applies it only between synced statements, so a handler that
         # runs longer in pipeline mode is failed by the loop instead.
         self.idle_timeout: float | None = None
-        self.conn = self._connect()
         # The session that holds an attempt lock (``start_attempt``), if any.
         self._attempt_session: psycopg.Connection[Any] | None = None
+        self.conn = self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] = connect(
@@ -258,8 +258,12 @@ class InboxStore:
         self.conn = self._connect()
 
     def close(self) -> None:
+        held, self._attempt_session = self._attempt_session, None
         with contextlib.suppress(Exception):
             self.conn.close()
+        if held is not None and held is not self.conn:
+            with contextlib.suppress(Exception):
+                held.close()
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
@@ -387,21 +391,26 @@ class InboxStore:
 
     def session(self) -> SessionState:
         conn = self.conn
-        status = conn.info.transaction_status
+        status = conn.pgconn.transaction_status  # conn.info builds an object per call
         return SessionState(
-            closed=conn.closed,
-            broken=conn.broken,
-            transaction=_STATUS.get(status, "unknown"),
-            settings=tuple(zip(SETTINGS, _read_settings(conn), strict=True)),
+            conn.closed, conn.broken, _STATUS.get(status, "unknown"), _read_settings(conn)
         )
 
     def restore(self, state: SessionState) -> None:
         """A new session with the settings of ``state``, in place of one a handler
         failed on: what earlier handlers left in it for good (a WITH HOLD cursor,
         a prepared statement, a temporary table, a session lock) must not fail
-        the message again (``DatabaseUnavailable`` if no new session)."""
-        self.reconnect()
-        for name, value in state.settings:
+        the message again (``DatabaseUnavailable`` if no new session).
+
+        The session that holds an attempt lock (``start_attempt``) is kept open,
+        idle, until ``end_attempt``: the lock must outlive the failed handler's
+        session until the attempt's error is recorded, or a consumer holding a copy
+        of the message would go on before it, reading a count without that error."""
+        if self._attempt_session is self.conn and not self.broken:
+            self.conn = self._connect()  # the old one holds the lock until end_attempt
+        else:
+            self.reconnect()
+        for name, value in zip(SETTINGS, state.settings, strict=True):
             if getattr(self.conn, name) != value:
                 setattr(self.conn, name, value)
 
@@ -437,11 +446,18 @@ class InboxStore:
         return Started(duplicate=duplicate, earlier=int(row[1]), last_error=str(row[2]))
 
     def end_attempt(self, message_id: str) -> None:
-        """Release the attempt lock ``start_attempt`` took (nothing if the session
-        it was taken on is gone or replaced: the lock went with it)."""
-        if self.broken or self._attempt_session is not self.conn:
+        """Release the attempt lock ``start_attempt`` took: unlock it, or end the
+        session that holds it if ``restore`` replaced that session (nothing if it is
+        gone: the lock went with it)."""
+        held, self._attempt_session = self._attempt_session, None
+        if held is None:
             return
-        self._attempt_session = None
+        if held is not self.conn:
+            with contextlib.suppress(Exception):
+                held.close()  # the end of the session releases its locks
+            return
+        if self.broken:
+            return
         with self._translated("releasing an attempt lock"):
             self.conn.execute(self.queries["attempt_unlock"], self._attempt_lock(message_id))
 
@@ -520,7 +536,8 @@ class InboxStore:
         return int(row[0]) if row else 0
 
 
-_STATUS = {
+# By the libpq status as an int (``pgconn.transaction_status``; the enum hashes alike).
+_STATUS: dict[int, str] = {
     TransactionStatus.IDLE: "idle",
     TransactionStatus.ACTIVE: "active",
     TransactionStatus.INTRANS: "intrans",

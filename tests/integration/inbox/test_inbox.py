@@ -823,7 +823,9 @@ def test_endpoints__consumer_counters_histogram_parked_gauge_and_probes(
     assert metrics["outbox_consumer_handled_total"] == 3
     assert metrics["outbox_consumer_duplicates_skipped_total"] == 1
     assert metrics["outbox_consumer_handler_failures_total"] == 2
-    assert metrics["outbox_consumer_parked_total"] == 1
+    assert metrics["outbox_consumer_parked_total{reason=failed}"] == 1
+    assert metrics["outbox_consumer_parked_total{reason=unfinished}"] == 0
+    assert metrics["outbox_consumer_parked_total{reason=unusable}"] == 0
     assert metrics["outbox_consumer_parked_messages"] == 1
     # Every call: 3 that committed, 2 that failed, and any batch attempt that was
     # split up because one of its messages failed.

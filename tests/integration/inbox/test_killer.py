@@ -14,14 +14,17 @@ import collections
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
+from outbox.errors import DatabaseUnavailable
 from outbox.inbox import parked
 from outbox.inbox.loop import ConsumerStats, Disposition, InboxMessage, Processor
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.store import InboxStore, ParkedStore
+from tests.fixtures.faults import TcpProxy, proxied_dsn
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,
@@ -107,7 +110,9 @@ def test_killer__parked_after_max_attempts_counted_deaths_the_others_applied_onc
     assert len(parked) == 1
     message_id, error, attempts = parked[0]
     assert message_id == f"m{at}" and attempts == MAX_ATTEMPTS
-    assert error.startswith(f"redelivered {MAX_ATTEMPTS} times without finishing"), error
+    assert error.startswith(
+        f"redelivered {MAX_ATTEMPTS} times, the outcome of the last attempt unknown"
+    ), error
     assert "os._exit" in error
     effects = collections.Counter(
         r[0] for r in rows(consumer_dsn, "SELECT message_id FROM effects")
@@ -116,7 +121,7 @@ def test_killer__parked_after_max_attempts_counted_deaths_the_others_applied_onc
     assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}") == count
     assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
     assert queue_depth(topology) == 0 and topology.messages() == []
-    assert "without finishing" in output  # parked by the last consumer, on its redelivery
+    assert "outcome of the last attempt unknown" in output  # parked by the last consumer
 
 
 def test_killer__a_retried_killer_starts_counting_afresh(
@@ -214,3 +219,115 @@ def test_killer__a_redelivered_copy_of_a_message_applied_meanwhile_leaves_no_cou
     with it."""
     results, _ = race(topology, consumer_dsn, first_redelivered=False)
     assert results == {"a": Disposition.HANDLED, "b": Disposition.DUPLICATE}
+
+
+def refuse(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+    raise RuntimeError("the handler refuses")
+
+
+@pytest.mark.parametrize("next_copy", ["same process", "another process"])
+def test_killer__the_database_lost_before_the_last_attempts_error_is_recorded(
+    topology: Topology, consumer_dsn: str, next_copy: str
+) -> None:
+    """A redelivered message's last attempt is counted, its handler raises, and the
+    database goes away before the error is recorded.  The process that saw the
+    error records it once the database is back (the message is parked with it);
+    another process, which cannot know, parks it saying that the last attempt's
+    outcome is unknown, never that the consumer died in the handler."""
+    settings = ConsumerSettings(
+        queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX, max_attempts=2
+    )
+    info = psycopg.conninfo.conninfo_to_dict(consumer_dsn)
+    proxy = TcpProxy(str(info.get("host", "127.0.0.1")), int(info.get("port", 5432)))
+    store = InboxStore(proxied_dsn(consumer_dsn, proxy), INBOX, settings.consumer)
+    other: InboxStore | None = None
+    try:
+        store.ensure_schema()
+        processor = Processor(store, refuse, settings, ConsumerStats())
+        copy = InboxMessage("k", b"x", {}, "ex", "k", None, True, topology.queue)
+        assert processor.process(copy)[0] is Disposition.RETRY  # attempt 1, its error recorded
+        proxy.arm(b"last_error = EXCLUDED.last_error")  # recording attempt 2's error
+        with pytest.raises(DatabaseUnavailable):
+            processor.process(copy)
+        assert proxy.triggered.wait(5)  # set by the proxy's thread, just after the cut
+        if next_copy == "same process":
+            store.reconnect()  # what the consumer does after an outage
+            outcome = processor.process(copy)[0]
+            assert outcome is Disposition.DUPLICATE  # parked by the owed record, just before
+        else:
+            other = InboxStore(consumer_dsn, INBOX, settings.consumer)
+            outcome = Processor(other, refuse, settings, ConsumerStats()).process(copy)[0]
+            assert outcome is Disposition.PARKED
+        [(error, attempts)] = rows(consumer_dsn, f"SELECT error, attempts FROM {INBOX}_parked")
+        assert attempts == 2
+        if next_copy == "same process":
+            assert error.startswith("RuntimeError: the handler refuses"), error
+            assert "then the database was unreachable" in error
+        else:
+            assert "the outcome of the last one unknown" in error, error
+            assert "RuntimeError: the handler refuses" in error
+            assert "while the handler ran" not in error, error
+        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+    finally:
+        store.close()
+        if other is not None:
+            other.close()
+        proxy.close()
+
+
+class SlowToRecord(InboxStore):
+    """Records a failure only after ``delay`` seconds: the window between the
+    replacement of a failed handler's session and the record of its error."""
+
+    delay = 0.0
+
+    def record_failure(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay)
+        return super().record_failure(*args, **kwargs)
+
+
+def test_killer__a_copy_waits_for_the_error_of_a_failed_attempt_not_only_for_the_call(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """A redelivered message's handler raises at its last attempt: its session is
+    replaced (a failed handler's session is never reused), then its error is
+    recorded and it is parked.  A consumer holding a copy waits on the attempt lock
+    until that record is committed, so it finds the id (a duplicate) instead of a
+    count without an error, which would park the message a second time with a
+    wrong reason ("without a recorded outcome") and leave a count behind."""
+    settings = ConsumerSettings(
+        queue=topology.queue, dsn=consumer_dsn, inbox_table=INBOX, max_attempts=1
+    )
+    in_handler, release = threading.Event(), threading.Event()
+
+    def held(conn: psycopg.Connection[object], message: InboxMessage) -> None:
+        in_handler.set()
+        assert release.wait(10)
+        raise RuntimeError("the handler refuses")
+
+    slow = SlowToRecord(consumer_dsn, INBOX, settings.consumer)
+    slow.delay = 1.0
+    stores = [slow, InboxStore(consumer_dsn, INBOX, settings.consumer)]
+    stores[0].ensure_schema()
+    try:
+        a = Processor(stores[0], held, settings, ConsumerStats())
+        b = Processor(stores[1], refuse, settings, ConsumerStats())
+        copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
+        results: dict[str, Disposition] = {}
+        thread = threading.Thread(target=lambda: results.update(a=a.process(copy)[0]))
+        thread.start()
+        assert in_handler.wait(10)
+        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()
+        release.set()
+        thread.join(10)
+        waiting.join(10)
+        assert results == {"a": Disposition.PARKED, "b": Disposition.DUPLICATE}
+        [(error, attempts)] = rows(consumer_dsn, f"SELECT error, attempts FROM {INBOX}_parked")
+        assert error.startswith("RuntimeError: the handler refuses") and attempts == 1, error
+        assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
+    finally:
+        for store in stores:
+            store.close()

@@ -191,12 +191,12 @@ class FakeStore:
             closed=conn.closed,
             broken=conn.broken,
             transaction="unknown" if conn.closed or conn.broken else conn.status,
-            settings=tuple((name, getattr(conn, name)) for name in SETTINGS),
+            settings=tuple(getattr(conn, name) for name in SETTINGS),
         )
 
     def restore(self, state: SessionState) -> None:
         self.journal.append("restore")
-        for name, value in state.settings:
+        for name, value in zip(SETTINGS, state.settings, strict=True):
             setattr(self.conn, name, value)
 
     def reconnect(self) -> None:

@@ -229,8 +229,8 @@ def test_outage__lost_during_commit_is_unknown_and_owes_nothing() -> None:
 
 # -- the handler's session, judged (pure) ----------------------------------------------------
 def state(**changes: Any) -> SessionState:
-    base = SessionState(False, False, "intrans", tuple((n, n) for n in SETTINGS))
-    return dataclasses.replace(base, **changes)
+    base = SessionState(False, False, "intrans", tuple(SETTINGS))
+    return base._replace(**changes)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ def state(**changes: Any) -> SessionState:
         (state(transaction="idle"), "ended the transaction"),
         (state(transaction="unknown"), "ended the transaction"),
         (
-            state(settings=tuple((n, "changed" if n == "row_factory" else n) for n in SETTINGS)),
+            state(settings=tuple("changed" if n == "row_factory" else n for n in SETTINGS)),
             "changed the connection's settings (row_factory)",
         ),
     ],

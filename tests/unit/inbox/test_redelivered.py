@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from outbox.errors import DatabaseUnavailable
 from outbox.inbox.loop import (
     ConsumerSettings,
     ConsumerStats,
@@ -197,7 +198,9 @@ def test_killer__only_the_killer_is_parked_after_max_attempts_counted_deaths(
     # counted before its call: max_attempts + 1 deaths in all, then parked unseen.
     assert run.deaths == max_attempts + 1 == run.calls[f"m{killer}"]
     assert [p.message_id for p in store.parked] == [f"m{killer}"]
-    assert store.parked[0].error.startswith(f"redelivered {max_attempts} times without finishing")
+    assert store.parked[0].error.startswith(
+        f"redelivered {max_attempts} times, the outcome of the last attempt unknown"
+    )
     assert "os._exit" in store.parked[0].error
     good = [f"m{i}" for i in range(size) if i != killer]
     assert sorted(store.effects) == sorted(good)  # one effect each
@@ -213,8 +216,8 @@ def test_killer__after_a_raise_the_reason_keeps_the_last_error() -> None:
     p = Processor(store, ok, ConsumerSettings(queue="q", max_attempts=2), ConsumerStats())
     assert p.process(message("k", redelivered=True)) == (Disposition.PARKED, 0.0)
     error = store.parked[0].error
-    assert error.startswith("2 attempts failed or did not finish, the last one unfinished")
-    assert error.endswith("the last error raised: RuntimeError: refused")
+    assert error.startswith("2 attempts failed or did not finish, the outcome of the last one")
+    assert error.endswith("the last error recorded: RuntimeError: refused")
     assert store.effects == [] and store.inbox == {"k"} and store.attempts == {}
 
 
@@ -235,3 +238,65 @@ def test_killer__a_parked_and_retried_message_starts_counting_afresh() -> None:
     fixed = message("k", b"ok")  # the handler was fixed meanwhile
     assert run.deliver([fixed]) == [(Disposition.HANDLED, 0.0)]
     assert run.store.effects == ["k"] and run.store.parked == []
+
+
+def refuse(conn: FakeConnection, msg: InboxMessage) -> None:
+    raise RuntimeError("refused")
+
+
+@pytest.mark.parametrize("redelivered", [True, False])
+def test_alone__an_error_not_recorded_for_the_database_is_recorded_once_it_is_back(
+    redelivered: bool,
+) -> None:
+    """A redelivered message's attempt is counted before its call: if the database
+    goes away before its error is recorded, the error is owed and recorded later
+    (the last attempt is then parked with its error, not as one without an
+    outcome).  A first delivery's failure is not owed: its count may have
+    committed before the connection was lost, and it must not count twice."""
+    store = FakeStore()
+    p = Processor(store, refuse, ConsumerSettings(queue="q", max_attempts=1), ConsumerStats())
+    store.fail_next["record_failure"] = DatabaseUnavailable("lost")
+    with pytest.raises(DatabaseUnavailable):
+        p.process(message("k", redelivered=redelivered))
+    assert len(p.owed) == (1 if redelivered else 0)
+    p.settle_owed()
+    if redelivered:
+        [parked] = store.parked
+        assert parked.message_id == "k" and parked.error.startswith("RuntimeError: refused")
+        assert parked.error.endswith("(then the database was unreachable)")
+    else:
+        assert store.parked == [] and store.attempts == {}
+    assert p.stats.handler_failures == 1
+
+
+def test_metrics__parked_messages_are_counted_by_reason() -> None:
+    """``outbox_consumer_parked_total{reason}`` tells a handler that kept failing
+    (failed) from a last attempt without an outcome, the handler possibly killing
+    the process (unfinished), and a message that cannot be deduplicated (unusable)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from outbox.inbox.metrics import ConsumerCollector
+
+    store = FakeStore()
+    store.attempts["killer"] = 1
+    stats = ConsumerStats()
+    p = Processor(store, refuse, ConsumerSettings(queue="q", max_attempts=1), stats)
+    assert p.process(message("failing")) == (Disposition.PARKED, 0.0)
+    assert p.process(message("killer", redelivered=True)) == (Disposition.PARKED, 0.0)
+    assert p.process(message(None)) == (Disposition.PARKED, 0.0)
+    assert p.process(message("failing again")) == (Disposition.PARKED, 0.0)
+    inbox = SimpleNamespace(stats=stats, broker=SimpleNamespace(connected=True))
+    figure = SimpleNamespace(refresh=lambda: None, parked=None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ConsumerCollector(inbox, figure))  # type: ignore[arg-type]
+    [family] = [
+        f
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if f.name == "outbox_consumer_parked"
+    ]
+    by_reason = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert by_reason == {"failed": 2, "unfinished": 1, "unusable": 1}
+    assert stats.parked == 4
