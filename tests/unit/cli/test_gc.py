@@ -23,11 +23,12 @@ def unfrozen() -> Iterator[None]:
 def test_freeze_startup_heap__puts_what_lives_now_out_of_the_collectors_reach(
     unfrozen: None,
 ) -> None:
+    gc.collect()  # what the test process left as garbage is not "alive"
     alive = len(gc.get_objects())
     common.freeze_startup_heap()
-    assert gc.get_freeze_count() >= alive * 0.9
+    assert gc.get_freeze_count() >= alive - 1_000
     young = [[i] for i in range(100)]  # created later: collected as usual
-    assert len(gc.get_objects()) < alive * 0.1 + len(young) + 1_000
+    assert len(gc.get_objects()) < len(young) + 1_000
 
 
 def test_relay_command__freezes_after_connecting_and_before_relaying(
