@@ -21,8 +21,6 @@ POINTS = (
     "after_publish",
     "after_ledger",
     "before_commit_prepared",
-    # pipelined: COMMIT PREPARED sent on the committer session, its outcome not read
-    "after_commit_sent",
     # outbox consume (inbox.py): a message's effect committed, its ack not sent yet.
     "consume_after_commit",
 )

@@ -17,14 +17,12 @@ import contextlib
 import dataclasses
 import datetime
 import re
-import select
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
-from psycopg import pq, sql
-from psycopg.errors import error_from_result
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
@@ -82,14 +80,6 @@ def gid_statement(verb: str, gid: str) -> bytes | sql.Composed:
     if _PLAIN_GID.fullmatch(gid):
         return f"{verb} '{gid}'".encode()
     return sql.SQL(verb + " {}").format(sql.Literal(gid))
-
-
-def _wait_for(sock: int, *, write: bool, timeout: float) -> None:
-    """Block until ``sock`` is readable (writable); ``TimeoutError`` after ``timeout``."""
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT if write else select.POLLIN)
-    if not poller.poll(timeout * 1000):
-        raise TimeoutError(f"the server did not answer within {timeout:.0f} s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,97 +261,19 @@ class BatchStore(Session):
         verb = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
         try:
             self.conn.execute(gid_statement(verb, gid), prepare=False)
+        except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
+            return False
         except psycopg.Error as exc:
-            return self._finish_failed(verb, gid, exc)
-        return True
-
-    def send_commit(self, gid: str) -> bool:
-        """Send COMMIT PREPARED and return at once; ``collect_commit`` reads the outcome.
-
-        The relay's committer session runs it while the work connection claims the
-        next batch (``relay.batches``).  Nothing else may use this session until
-        the outcome is collected.  A connection lost here raises ``OutcomeUnknown``
-        (the statement may have gone out) and closes the session.
-
-        False, nothing sent: the server had ended the session before (it sits
-        idle while the relay waits for work, and ``idle_session_timeout`` or a
-        pooler ends idle sessions); the session is closed, the caller commits
-        elsewhere.
-        """
-        statement = gid_statement("COMMIT PREPARED", gid)
-        if not isinstance(statement, bytes):
-            statement = statement.as_bytes(self.conn)
-        pgconn = self.conn.pgconn
-        # Read what came while idle: an ended session left its error there, and EOF
-        # behind it (libpq reads the one, then sees the other on its next read).
-        for _ in range(2):
-            with contextlib.suppress(psycopg.Error):
-                pgconn.consume_input()
-        if pgconn.status != pq.ConnStatus.OK:
-            self.close()
-            return False
-        try:
-            pgconn.send_query(statement)
-            while pgconn.flush():
-                _wait_for(pgconn.socket, write=True, timeout=self._io_timeout())
-        except (psycopg.Error, OSError) as exc:
-            self.close()
-            raise OutcomeUnknown(
-                f"COMMIT PREPARED of {gid} was cut off: {first_line(exc)}"
+            # A statement timeout (or an operator's pg_cancel_backend) may strike
+            # before or after the server finished: look the gid up, like a cut.
+            if session_lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
+                raise OutcomeUnknown(f"{verb} of {gid} was cut off: {first_line(exc)}") from exc
+            # Refused on a live session (e.g. another role's gid): still prepared.
+            raise DatabaseRefused(
+                f"PostgreSQL refused {verb} {gid}: {first_line(exc)}",
+                "the batch stays prepared; the relay retries with backoff",
             ) from exc
         return True
-
-    def collect_commit(self, gid: str) -> bool:
-        """The outcome of ``send_commit``, as ``finish(gid, commit=True)`` gives it.
-
-        A session that failed mid-answer (lost, or silent past ``_io_timeout``) is
-        closed: the relay opens a new one.
-        """
-        pgconn = self.conn.pgconn
-        failed: psycopg.Error | None = None
-        try:
-            while True:
-                pgconn.consume_input()
-                while pgconn.is_busy():
-                    _wait_for(pgconn.socket, write=False, timeout=self._io_timeout())
-                    pgconn.consume_input()
-                result = pgconn.get_result()
-                if result is None:
-                    break
-                if result.status == pq.ExecStatus.FATAL_ERROR and failed is None:
-                    failed = error_from_result(result, encoding=self.conn.info.encoding)
-        except (psycopg.Error, OSError) as exc:
-            self.close()
-            raise OutcomeUnknown(
-                f"COMMIT PREPARED of {gid} was cut off: {first_line(exc)}"
-            ) from exc
-        if failed is None:
-            return True
-        try:
-            return self._finish_failed("COMMIT PREPARED", gid, failed)
-        except OutcomeUnknown:
-            self.close()
-            raise
-
-    def _io_timeout(self) -> float:
-        """How long ``send_commit``/``collect_commit`` wait on the socket: the server
-        ends the statement at ``statement_timeout``; a server that does not answer
-        at all is cut off a little later."""
-        return (self.statement_timeout or 30.0) + 5.0
-
-    def _finish_failed(self, verb: str, gid: str, exc: psycopg.Error) -> bool:
-        """What a failed COMMIT/ROLLBACK PREPARED means (``finish``)."""
-        if isinstance(exc, pgerrors.UndefinedObject | pgerrors.ObjectNotInPrerequisiteState):
-            return False
-        # A statement timeout (or an operator's pg_cancel_backend) may strike
-        # before or after the server finished: look the gid up, like a cut.
-        if session_lost(self.conn, exc) or isinstance(exc, pgerrors.QueryCanceled):
-            raise OutcomeUnknown(f"{verb} of {gid} was cut off: {first_line(exc)}") from exc
-        # Refused on a live session (e.g. another role's gid): still prepared.
-        raise DatabaseRefused(
-            f"PostgreSQL refused {verb} {gid}: {first_line(exc)}",
-            "the batch stays prepared; the relay retries with backoff",
-        ) from exc
 
     def gid_exists(self, gid: str) -> bool:
         with self._translated("looking up a prepared batch"):

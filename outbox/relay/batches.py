@@ -31,26 +31,11 @@ PREPARED: 1 (``--no-pipeline``) or 2 (``--pipeline``, the default).  One
 schedule serves both (``step``)::
 
     1. finish the batch kept from a failure it survived, if any;
-    2. claim batch N+1 (depth 2: while the broker persists N, and while the server
-       commits N-1 on the committer session); collect N-1's COMMIT PREPARED; PREPARE
-       N+1;
+    2. claim and PREPARE batch N+1 (depth 2: while the broker persists N);
     3. wait for N's confirms, record its dead letters, send its ledger record;
     4. publish N+1;
-    5. wait for N's ledger confirm, send COMMIT PREPARED N (depth 2: on the
-       committer session, without waiting: its outcome is collected in step 2 of
-       the next step, or before the relay waits for work, stops or fails);
-    6. depth 1: N+1 goes through 3 and 5 at once (it is the only batch), and
-       COMMIT PREPARED waits on the work connection.
-
-The committer session takes the COMMIT PREPARED round trip (a WAL flush) off the
-loop: at 2,000 commits/s, a few rows per batch, it was about a sixth of a step.
-Its outcome is collected before the next PREPARE, so a relay never holds more
-than two prepared batches, and a batch counts as committed only once collected.
-A committer that fails puts its batch in doubt like a cut COMMIT PREPARED: the
-batch has its evidence, so it is committed after looking its gid up.  A committer
-the server ended before the COMMIT was sent (it sits idle while the relay waits
-for work: ``idle_session_timeout``) sent nothing: the batch is committed on the
-work connection, without a failure.
+    5. wait for N's ledger confirm, COMMIT PREPARED N;
+    6. depth 1: N+1 goes through 3 and 5 at once (it is the only batch).
 
 When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
 the claim may take them, ``BatchStore.claim_batch(own=…)``), 4 and 5 swap: N+1 is
@@ -83,15 +68,13 @@ some messages published        some messages on the broker      no evidence → 
 all messages confirmed         every message on the broker      no evidence → ROLLBACK (resolver);
                                                                 duplicates = batch (tiny window)
 ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
-COMMIT PREPARED sent           unknown to the relay (depth 2:   gid gone → done; present → COMMIT
-                               not collected yet)               (resolver); no duplicate
+COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
 =============================  ===============================  ==================================
 
 At depth 2 the crash also finds the other batch in flight at its own step of
 the table (N+1 is at most "PREPARE" while N is before "ledger record confirmed",
-and at most "all messages confirmed" while N is after it; and while N's COMMIT
-PREPARED is not collected, N+1 is at most claimed, not prepared), so a crash leaves
-at most two batches to resolve.  Duplicates per crash: ≤ batch_size at depth 1,
+and at most "all messages confirmed" while N is after it), so a crash leaves at
+most two batches to resolve.  Duplicates per crash: ≤ batch_size at depth 1,
 ≤ 2 x batch_size at depth 2; at each crash point of ``outbox/fault_injection.py`` a kill
 costs at most one batch (``tests/integration/relay/test_faults_crash.py``).  A database
 outage costs at most one batch at either depth, and none at depth 2 while the
@@ -214,8 +197,6 @@ class BatchStorePort(Protocol):
     def abandon_claim(self) -> None: ...
     def prepare(self, gid: str) -> None: ...
     def finish(self, gid: str, *, commit: bool) -> bool: ...
-    def send_commit(self, gid: str) -> bool: ...
-    def collect_commit(self, gid: str) -> bool: ...
     def gid_exists(self, gid: str) -> bool: ...
     def record_dead_letters(self, dead: Sequence[DeadLetter], gid: str) -> None: ...
 
@@ -328,10 +309,6 @@ class Batches:
         self.stats = stats
         self.triage = Triage(settings.max_message_bytes)
         self.store: BatchStorePort | None = None  # the relay's current work connection
-        # The session that runs COMMIT PREPARED while the loop claims the next batch
-        # (depth 2; None: on the work connection, waiting).
-        self.committer: BatchStorePort | None = None
-        self._committing: Batch | None = None  # its COMMIT PREPARED sent, not collected
         self.relay_id = ""  # the relay's current id (a new one after a lost control session)
         self.in_flight: dict[str, Batch] = {}  # by gid, in claim order
         self.ledger_doubtful = False  # probe the ledger before the next batch
@@ -368,7 +345,7 @@ class Batches:
                 self._record(kept)
             if batch is not None and kept is not None and batch.follows:
                 # Rows of keys that ``kept`` holds: published only once it is committed.
-                self._commit(kept, wait=True)
+                self._commit(kept)
                 finished += len(kept.rows)
                 batch.first_dead = ordering.blockers(kept.dead)
                 kept = None
@@ -379,8 +356,6 @@ class Batches:
                 finished += len(kept.rows)
             if batch is not None and (self.depth == 1 or batch.unpublishable is not None):
                 self._finish(batch)  # unpublishable: nothing was sent; roll back, back off
-            if batch is None:
-                self._collect()  # nothing more in flight: the relay may go idle
             return len(batch.rows) if batch else finished
         except RETRYABLE as exc:
             self.fail(exc)
@@ -389,7 +364,6 @@ class Batches:
     def finish_in_flight(self) -> None:
         """Stopping: finish the batch published last, claim no more, settle the rest."""
         try:
-            self._collect()
             waiting = self._waiting()
             if waiting is not None:
                 self._finish(waiting)
@@ -434,16 +408,6 @@ class Batches:
                 store.abandon_claim()
                 return None
         self._crash_point("after_claim")
-        if self._committing is not None:
-            # The batch before ``waiting`` is being committed on the committer
-            # session: its outcome first, so that no more than two of our batches
-            # are ever prepared (the slots ``max_prepared_transactions`` counts).
-            try:
-                self._collect()
-            except RETRYABLE:
-                with contextlib.suppress(*RETRYABLE):
-                    store.abandon_claim()
-                raise
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
         held_keys = {r.ordering_key for r in held}
@@ -657,7 +621,7 @@ class Batches:
                 reason=letter.reason,
             )
 
-    def _commit(self, batch: Batch, *, wait: bool = False) -> None:
+    def _commit(self, batch: Batch) -> None:
         """Wait for the ledger confirm (the evidence), then COMMIT PREPARED."""
         assert batch.ledger is not None
         [entry] = self.broker.confirmed(batch.ledger, self.settings.publish_timeout)
@@ -677,31 +641,8 @@ class Batches:
         self._crash_point("after_ledger")
         batch.state, batch.evidence = State.EVIDENCED, True
         self._crash_point("before_commit_prepared")
-        self._collect()
-        if self.committer is not None and not wait:
-            with self._writing("commit_prepared"):
-                sent = self.committer.send_commit(batch.gid)
-            if sent:
-                self._committing = batch
-                self._crash_point("after_commit_sent")
-                return
-            # The committer had ended while idle, nothing sent: commit here (the
-            # relay opens a new committer before the next step).
         with self._writing("commit_prepared"):
             self._store().finish(batch.gid, commit=True)
-        self._committed(batch)
-
-    def _collect(self) -> None:
-        """Wait for the COMMIT PREPARED handed to the committer, if any."""
-        if self._committing is None:
-            return
-        batch, self._committing = self._committing, None
-        assert self.committer is not None
-        with self._writing("commit_prepared"):
-            self.committer.collect_commit(batch.gid)
-        self._committed(batch)
-
-    def _committed(self, batch: Batch) -> None:
         del self.in_flight[batch.gid]
         self.triage.suspects.clear(r.id for r in batch.rows)
         self._count_committed(batch)
@@ -742,10 +683,6 @@ class Batches:
     def fail(self, error: OutboxError | None) -> None:
         """After ``error`` (None: stopping, or the relay id was lost), every open batch
         is in doubt, except a published one that survives it, which stays in flight."""
-        if self._committing is not None:
-            with contextlib.suppress(*RETRYABLE):
-                self._collect()
-            self._committing = None
         for batch in self.in_flight.values():
             if batch.state is State.IN_DOUBT:
                 continue

@@ -22,9 +22,7 @@ Sessions: the work connection (claims, 2PC, resolver passes; every statement
 bounded by ``statement_timeout``, and the server checks every 2 s that we are
 still there), the control session (advisory lock and heartbeat, on a thread of
 its own: ``outbox.relay.liveness``, so a slow statement here cannot make the relay look
-partitioned), the wake-up session (LISTEN and the fallback poll) and, pipelined,
-the committer (COMMIT PREPARED while the work connection claims the next batch:
-``relay.batches``; when it cannot be opened, the work connection commits).  "resolver"
+partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
 is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
 only once the owner's control session is gone, or its heartbeat is older than
 ``relay_timeout`` (partition).  A relay whose own heartbeat is that stale no longer
@@ -60,10 +58,6 @@ from outbox.relay.stats import Stats
 from resolver.apply import resolve
 
 log = logging.getLogger("outbox.relay")
-
-# How long a relay whose committer session could not be opened commits on its work
-# connection before it tries to open one again.
-COMMITTER_RETRY_SECONDS = 30.0
 
 __all__ = ["Relay", "Stats", "StopFlag"]
 
@@ -101,7 +95,6 @@ class Relay:
         self.stop = stop if stop is not None else StopFlag()
         self.stats = Stats()
         self.store: BatchStore | None = None
-        self.committer: BatchStore | None = None  # COMMIT PREPARED at depth 2
         self.liveness: Liveness | None = None
         self.wakeups: WakeupListener | None = None
         self.publisher = Publisher(
@@ -114,7 +107,6 @@ class Relay:
             settings, self.publisher, self.stats, may_commit=self._may_commit, on_batch=on_batch
         )
         self.relay_id = ""
-        self._committer_retry = 0.0  # when to try opening a committer again
         self._next_resolve = 0.0
         self._failures = 0
 
@@ -133,12 +125,11 @@ class Relay:
         self._connect_broker()
         self._connect_database()
 
-    def _open_store(self, application_name: str = "outbox-relay") -> BatchStore:
+    def _open_store(self) -> BatchStore:
         s = self.settings
         return BatchStore(
             s.dsn,
             s.table,
-            application_name=application_name,
             connect_timeout=s.connect_timeout,
             statement_timeout=s.statement_timeout,
         )
@@ -176,31 +167,6 @@ class Relay:
             self.relay_id = self.batches.relay_id = self.liveness.relay_id
             self._next_resolve = 0.0  # resolve dead relays' batches right away
             emit(log, "relay.registered", relay=self.relay_id)
-        if self.settings.pipeline and (self.committer is None or self.committer.broken):
-            self._open_committer()  # last: the relay can do without it
-
-    def _open_committer(self) -> None:
-        """(Re)open the committer session; without one (``max_connections`` reached,
-        say) COMMIT PREPARED runs on the work connection, and opening it is tried
-        again ``COMMITTER_RETRY_SECONDS`` later."""
-        now = time.monotonic()
-        if now < self._committer_retry:
-            return
-        if self.committer is not None:
-            self.committer.close()
-        self.committer = self.batches.committer = None
-        try:
-            self.committer = self.batches.committer = self._open_store("outbox-relay-commit")
-        except DatabaseUnavailable as exc:
-            self._committer_retry = now + COMMITTER_RETRY_SECONDS
-            emit(
-                log,
-                "relay.committer_unavailable",
-                logging.WARNING,
-                error=exc.message,
-                hint="COMMIT PREPARED runs on the work connection meanwhile (slower); "
-                f"retrying in {COMMITTER_RETRY_SECONDS:.0f} s",
-            )
 
     def _connect_broker(self) -> None:
         if not self.publisher.connected:
@@ -253,13 +219,10 @@ class Relay:
             self.wakeups.close()
         if self.store is not None:
             self.store.close()
-        if self.committer is not None:
-            self.committer.close()
         self.publisher.close()
         self.liveness = None
         self.wakeups = None
         self.store = self.batches.store = None
-        self.committer = self.batches.committer = None
 
     # -- the loop --------------------------------------------------------------
     def run(self, *, drain: bool = False) -> Stats:

@@ -6,7 +6,6 @@ Issue 9, item 5.  Each test uses a real login role in the test database.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections import Counter
 
@@ -18,7 +17,7 @@ from outbox.db import privileges
 from outbox.errors import ExitCode, MissingPrivileges
 from outbox.relay.process import Relay
 from tests.acceptance.test_cli import assert_one_clear_error
-from tests.fixtures.faults import both_modes, check_delivery, insert_rows, prepared_left
+from tests.fixtures.faults import both_modes, prepared_left
 from tests.fixtures.servers import DbRole, Topology, run_cli, settings_env
 from tests.integration.relay.test_bad_rows import RunningRelay, dead_letter_rows
 from tests.integration.relay.test_relay import relay_drain, remaining_rows
@@ -157,24 +156,3 @@ def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
         b"unroutable",
     ]
     assert prepared_left(settings.dsn) == []
-
-
-def test_no_connection_left_for_the_committer__the_work_connection_commits(
-    settings: Settings, topology: Topology, db_role: DbRole, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A pipelined relay opens its committer session last; a role (or server) with no
-    connection left for it relays anyway, committing on the work connection, and says
-    so once, instead of backing off forever."""
-    grant(db_role, privileges.RELAY)
-    db_role.grant("ALTER ROLE {role} CONNECTION LIMIT 3")  # work, wake-up, control
-    restricted = dataclasses.replace(as_role(settings, db_role), pipeline=True, batch_size=10)
-    committed = insert_rows(settings.dsn, topology.exchange, 45)
-    relay = Relay(restricted)
-    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
-        stats = relay.run(drain=True)
-    warnings = [r for r in caplog.records if "relay.committer_unavailable" in r.getMessage()]
-    assert len(warnings) == 1, caplog.text
-    assert "too many connections" in warnings[0].getMessage()
-    assert stats.batches_committed == 5 and stats.batches_rolled_back == 0
-    assert not any(stats.write_failures.values()), stats.write_failures
-    check_delivery(settings.dsn, topology, committed, max_duplicates=0)

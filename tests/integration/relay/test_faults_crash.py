@@ -61,9 +61,6 @@ PIPELINED_CRASH_TABLE: dict[str, tuple[list[str], int]] = {
     "after_prepare:2": (["rollback", "rollback"], BATCH),
     # batch 1's ledger record is confirmed: committed; half of batch 2 is out
     "mid_publish:2": (["commit", "rollback"], BATCH // 2),
-    # batch 1's COMMIT PREPARED was sent on the committer session (the server runs
-    # it, dead client or not); batch 2 is published and confirmed without evidence
-    "after_commit_sent": (["rollback"], BATCH),
 }
 CASES = [(False, p) for p in CRASH_TABLE] + [(True, p) for p in PIPELINED_CRASH_TABLE]
 CASE_IDS = [f"{'pipelined' if pipe else 'serial'}-{p}" for pipe, p in CASES]

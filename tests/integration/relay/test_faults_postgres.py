@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -139,41 +136,6 @@ def test_pg_restart__running_relay_reconnects_and_carries_on(
     check_delivery(crash_settings.dsn, topology, committed, max_duplicates=BATCH)
 
 
-def test_committer_session_killed__its_batches_are_committed_from_their_evidence(
-    crash_settings: Settings, topology: Topology
-) -> None:
-    """Pipelined, COMMIT PREPARED runs on a session of its own while the work
-    connection claims the next batch.  Ending that session again and again (the
-    commit cut off, or its answer lost) costs no duplicate: each such batch has its
-    evidence and is committed after looking its gid up."""
-    settings = dataclasses.replace(crash_settings, pipeline=True, backoff_initial=0.05)
-    committed = insert_rows(settings.dsn, topology.exchange, 1500)
-    relay = Relay(settings)
-    thread = run_in_thread(relay)
-    kills = 0
-    try:
-        with psycopg.connect(settings.dsn, autocommit=True) as admin:
-            deadline = time.monotonic() + 90
-            while relay.stats.messages_published < len(committed):
-                assert time.monotonic() < deadline, "the relay stopped making progress"
-                row = admin.execute(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'outbox-relay-commit' "
-                    "AND datname = current_database()"
-                ).fetchone()
-                kills += row[0] if row else 0
-                time.sleep(0.05)  # often: a kill between send and collect is what counts
-        assert thread.is_alive(), "the relay must never exit on an outage"
-    finally:
-        stop(relay, thread)
-    assert kills >= 3
-    assert relay.stats.write_failures["commit_prepared"] >= 1
-    assert relay.stats.batches_rolled_back == 0
-    assert prepared_left(settings.dsn) == []
-    report = check_delivery(settings.dsn, topology, committed, max_duplicates=0)
-    assert report.duplicates == 0
-
-
 @both_modes
 def test_prepared_slots_exhausted__relay_backs_off_says_so_and_resumes(
     cluster: PostgresCluster,
@@ -211,96 +173,3 @@ def test_prepared_slots_exhausted__relay_backs_off_says_so_and_resumes(
     # Backing off (0.05 s doubling to 0.5 s here), not spinning: a handful of tries.
     assert attempts_before < 50
     check_delivery(crash_settings.dsn, topology, committed, max_duplicates=0)
-
-
-def test_committer_ended_while_the_relay_idles__the_next_burst_costs_no_failed_write(
-    crash_settings: Settings, topology: Topology
-) -> None:
-    """While the relay waits for work, its other sessions poll, heartbeat and resolve;
-    the committer alone sits idle.  A server that ends idle sessions
-    (``idle_session_timeout``, or a pooler's idle timeout) ends it, and nothing is
-    lost by then: it has nothing outstanding.  The next burst must not pay for it
-    with a failed COMMIT PREPARED (a write failure, a backoff, a lookup)."""
-    settings = dataclasses.replace(crash_settings, pipeline=True)
-    with psycopg.connect(settings.dsn, autocommit=True) as admin:
-        dbname = admin.info.dbname
-        admin.execute(
-            sql.SQL("ALTER DATABASE {} SET idle_session_timeout = '2s'").format(
-                sql.Identifier(dbname)
-            )
-        )
-    committed = insert_rows(settings.dsn, topology.exchange, 25)
-    relay = Relay(settings)
-    thread = run_in_thread(relay)
-    try:
-        wait_for(lambda: relay.stats.messages_published == 25, 30, "the first burst")
-        time.sleep(4)  # idle: poll, heartbeat and resolver passes; the committer ended
-        assert relay.stats.reconnects == 0, "the relay's other sessions stay busy enough"
-        committed += insert_rows(settings.dsn, topology.exchange, 25, tag="after")
-        wait_for(lambda: relay.stats.messages_published == 50, 30, "the second burst")
-        assert thread.is_alive()
-    finally:
-        stop(relay, thread)
-    assert dict(relay.stats.write_failures) == {}
-    assert relay.stats.reconnects == 0
-    assert prepared_left(settings.dsn) == []
-    check_delivery(settings.dsn, topology, committed, max_duplicates=0)
-
-
-def _stop_idle_committer(admin: psycopg.Connection[tuple[int, str]]) -> int:
-    """SIGSTOP the relay's committer backend while it is idle (not inside a COMMIT
-    PREPARED, so it holds no lock and no gid); its pid."""
-    while True:
-        row = admin.execute(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay-commit' "
-            "AND datname = current_database()"
-        ).fetchone()
-        if row is not None:
-            pid = int(row[0])
-            os.kill(pid, signal.SIGSTOP)
-            state = admin.execute(
-                "SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]
-            ).fetchone()
-            if state is not None and state[0] == "idle":
-                return pid
-            os.kill(pid, signal.SIGCONT)
-        time.sleep(0.001)
-
-
-def test_committer_stalled__never_a_third_prepared_batch_and_the_relay_carries_on(
-    crash_settings: Settings, topology: Topology
-) -> None:
-    """A committer whose server stops answering (its backend stalled, SIGSTOP) must
-    neither hang the relay (the outcome is waited for a bounded time, then looked
-    up) nor let it prepare a third batch while the stalled COMMIT PREPARED keeps its
-    batch prepared: the next claim's PREPARE waits for that outcome."""
-    settings = dataclasses.replace(crash_settings, pipeline=True, statement_timeout=1.0)
-    committed = insert_rows(settings.dsn, topology.exchange, 1500)
-    relay = Relay(settings)
-    thread = run_in_thread(relay)
-    most = 0
-    try:
-        wait_for(lambda: relay.stats.messages_published >= 100, 30, "publishing to start")
-        with psycopg.connect(settings.dsn, autocommit=True) as admin:
-            pid = _stop_idle_committer(admin)
-            try:
-                # Longer than the committer's bound on waiting (statement_timeout + 5 s).
-                deadline = time.monotonic() + 8
-                while time.monotonic() < deadline:
-                    row = admin.execute(
-                        "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
-                    ).fetchone()
-                    most = max(most, row[0] if row else 0)
-                    time.sleep(0.02)
-                failures = relay.stats.write_failures["commit_prepared"]
-            finally:
-                os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: relay.stats.messages_published >= len(committed), 60, "the backlog")
-        assert thread.is_alive()
-    finally:
-        stop(relay, thread)
-    assert most <= 2, f"{most} batches of one relay prepared at once"
-    assert failures == 1, "the stalled COMMIT PREPARED was given up after its bound"
-    assert relay.stats.batches_rolled_back == 0
-    assert prepared_left(settings.dsn) == []
-    check_delivery(settings.dsn, topology, committed, max_duplicates=0)

@@ -60,9 +60,6 @@ def make_batches(
     settings = Settings(batch_size=BATCH, pipeline=depth == 2, ledger_queue="ledger")
     batches = Batches(settings, broker, Stats(), may_commit=lambda: may_commit)
     batches.store = store
-    # Pipelined, as in production: COMMIT PREPARED on a committer session (the fake
-    # plays both sessions; ``FakeStore.sending`` is the commit sent, not collected).
-    batches.committer = store if depth == 2 else None
     batches.relay_id = relay_id
     return batches
 
@@ -108,57 +105,19 @@ def test_step__pipelined_overlaps_two_batches_in_the_documented_order() -> None:
     assert [b.state for b in batches.in_flight.values()] == [State.SENT]
     journal.clear()
     assert batches.step() == 10
-    # claim+PREPARE N+1 while N persists; N's evidence; publish N+1; commit N sent
+    # claim+PREPARE N+1 while N persists; N's evidence; publish N+1; commit N
     assert journal == [
         "claim 10",
         "prepare obx:outbox:r1:2",
         "confirmed 10",
         "ledger 1",
         "send 10",
-        "commit sent obx:outbox:r1:1",
-    ]
-    assert batches.stats.batches_committed == 0  # not until its outcome is collected
-    journal.clear()
-    assert batches.step() == 5
-    # N's COMMIT PREPARED runs during the claim of N+2, collected before its PREPARE
-    assert journal == [
-        "claim 5",
         "commit obx:outbox:r1:1",
-        "prepare obx:outbox:r1:3",
-        "confirmed 10",
-        "ledger 1",
-        "send 5",
-        "commit sent obx:outbox:r1:2",
     ]
     drain(batches)
-    assert store.rows == {} and store.prepared == {} and store.sending is None
-    assert store.most_prepared == 2
+    assert store.rows == {} and store.prepared == {}
     assert duplicates(broker, 25) == 0
     assert batches.stats.batches_committed == 3 and batches.stats.messages_published == 25
-
-
-def test_step__a_relay_with_nothing_to_claim_has_collected_every_commit() -> None:
-    store, broker = FakeStore(make_rows(15)), FakeBroker()
-    batches = make_batches(store, broker, depth=2)
-    steps = 0
-    while batches.step():
-        steps += 1
-        assert steps < 10
-    # The step that found nothing has collected the last COMMIT PREPARED: an idle
-    # relay holds no prepared batch and no uncollected commit.
-    assert store.sending is None and store.prepared == {} and batches.in_flight == {}
-    assert batches.stats.batches_committed == 2
-
-
-def test_step__stopping_collects_the_commit_in_flight() -> None:
-    store, broker = FakeStore(make_rows(25)), FakeBroker()
-    batches = make_batches(store, broker, depth=2)
-    batches.step()
-    batches.step()
-    assert store.sending is not None
-    batches.finish_in_flight()
-    assert store.sending is None and store.prepared == {} and batches.in_flight == {}
-    assert batches.stats.batches_committed == 2
 
 
 @both_depths
@@ -206,8 +165,6 @@ CRASH_TABLE = [
     ("after_claim", 2, 2, 10),  # batch 1 published, no evidence yet
     ("after_prepare", 2, 2, 10),
     ("mid_publish", 2, 2, 5),  # batch 1 committed, half of batch 2 out
-    # batch 1's COMMIT PREPARED sent, not collected; batch 2 published, no evidence
-    ("after_commit_sent", 1, 2, 10),
 ]
 
 
@@ -223,7 +180,6 @@ def test_crash_table__resolved_and_drained_with_the_documented_duplicates(
     faults.disarm()
 
     store.claim = None  # the dead process's open transaction ends with its session
-    store.server_runs_what_was_sent()
     assert len(store.prepared) <= depth, "a crash leaves at most `depth` batches prepared"
     for gid in list(store.prepared):  # a resolver pass, deciding from the ledger
         decision = decide(Owner.DEAD, gid in broker.ledger_gids())
@@ -370,54 +326,6 @@ def test_failure__commit_prepared_cut_off_is_committed_after_lookup(depth: int) 
     batches.settle()
     assert store.rows == {} and batches.stats.batches_committed == 1
     assert duplicates(broker, 10) == 0
-
-
-@pytest.mark.parametrize("reply_lost", [False, True], ids=["not-run", "run-reply-lost"])
-@pytest.mark.parametrize(
-    "error",
-    [
-        OutcomeUnknown("connection lost during COMMIT PREPARED"),
-        DatabaseRefused("PostgreSQL refused COMMIT PREPARED"),
-    ],
-    ids=["cut-off", "refused"],
-)
-def test_failure__committer_failing_during_the_next_claim_leaves_that_claim_unprepared(
-    error: OutboxError, reply_lost: bool
-) -> None:
-    store, broker = FakeStore(make_rows(25)), FakeBroker()
-    batches = make_batches(store, broker, depth=2)
-    batches.step()
-    batches.step()  # batch 1's COMMIT PREPARED sent; batch 2 published
-    store.reply_lost = reply_lost
-    store.fail_next["collect_commit"] = error
-    with pytest.raises(type(error)):
-        batches.step()  # claims batch 3, then collects batch 1's outcome
-    assert store.claim is None, "the claim made before the failure is rolled back"
-    assert len(store.prepared) <= 2 and not any("r1:3" in gid for gid in store.prepared)
-    first = batches.in_flight["obx:outbox:r1:1"]
-    assert (first.state, first.evidence) == (State.IN_DOUBT, True)
-    assert batches.in_flight["obx:outbox:r1:2"].kept  # published: survives, finished first
-    batches.settle()  # batch 1 has its evidence: committed, whoever ran the COMMIT
-    drain(batches)
-    assert store.rows == {} and store.prepared == {} and store.sending is None
-    assert duplicates(broker, 25) == 0
-    assert batches.stats.batches_committed == 3
-
-
-def test_failure__committer_ended_while_idle_commits_on_the_work_connection() -> None:
-    """The server ended the idle committer (idle_session_timeout): nothing was sent,
-    so the outcome is certain; the batch is committed on the work connection, with
-    no failed write and no batch in doubt."""
-    store, broker = FakeStore(make_rows(25)), FakeBroker()
-    batches = make_batches(store, broker, depth=2)
-    batches.step()
-    store.committer_ended = True
-    batches.step()  # batch 1's COMMIT PREPARED: the committer is found ended
-    assert store.sending is None and "obx:outbox:r1:1" not in store.prepared
-    assert batches.stats.batches_committed == 1 and not batches.in_doubt
-    drain(batches)
-    assert dict(batches.stats.write_failures) == {}
-    assert store.rows == {} and store.prepared == {} and duplicates(broker, 25) == 0
 
 
 @both_depths
