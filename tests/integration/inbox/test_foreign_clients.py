@@ -131,8 +131,10 @@ def test_foreign__a_retried_message_with_an_expiration_is_not_lost_while_no_one_
     """`parked retry` sent the per-message TTL back too: retried while the consumer
     was stopped (fix the handler, retry, deploy), RabbitMQ dropped the message after
     its TTL, and it was neither parked nor applied."""
-    publish(topology, [("ttl", b"raise:ttl")], expiration="1000")
     with consumer(tmp_path, consumer_dsn, topology, max_attempts=1):
+        # Published once the consumer is up: a consumer slow to start on a busy
+        # machine would otherwise let RabbitMQ drop it first (a flaky test).
+        publish(topology, [("ttl", b"raise:ttl")], expiration="1000")
         wait_settled(consumer_dsn, topology, [b"raise:ttl"], 30)
     store = ParkedStore(consumer_dsn, INBOX)
     try:
