@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,33 @@ def test_killer__a_retried_killer_starts_counting_afresh(
     assert effects == {"k": 1, "g": 1}
 
 
+def b_waits_for_a(
+    a: Processor,
+    first: InboxMessage,
+    b: Processor,
+    copy: InboxMessage,
+    in_handler: threading.Event,
+    release: threading.Event,
+    while_b_waits: Callable[[], None] = lambda: None,
+) -> dict[str, Disposition]:
+    """a processes ``first`` until its handler sets ``in_handler``; b then processes
+    ``copy`` and must still be waiting half a second later; ``release`` lets a's
+    handler end.  Returns both dispositions."""
+    results: dict[str, Disposition] = {}
+    thread = threading.Thread(target=lambda: results.update(a=a.process(first)[0]))
+    thread.start()
+    assert in_handler.wait(10)
+    waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive()
+    while_b_waits()
+    release.set()
+    thread.join(10)
+    waiting.join(10)
+    return results
+
+
 def race(
     topology: Topology, consumer_dsn: str, *, first_redelivered: bool
 ) -> tuple[dict[str, Disposition], int]:
@@ -176,23 +204,16 @@ def race(
         b = Processor(stores[1], record, settings, ConsumerStats())
         first = InboxMessage("c", b"x", {}, "ex", "k", None, first_redelivered, topology.queue)
         copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
-        results: dict[str, Disposition] = {}
-        thread = threading.Thread(target=lambda: results.update(a=a.process(first)[0]))
-        thread.start()
-        assert in_handler.wait(10)
-        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
-        waiting.start()
-        time.sleep(0.5)
-        assert waiting.is_alive()
-        counted = int(
-            scalar(consumer_dsn, f"SELECT coalesce(sum(attempts), 0) FROM {INBOX}_attempts")
-        )
-        release.set()
-        thread.join(10)
-        waiting.join(10)
+        counted: list[int] = []
+
+        def while_b_waits() -> None:
+            total = f"SELECT coalesce(sum(attempts), 0) FROM {INBOX}_attempts"
+            counted.append(int(scalar(consumer_dsn, total)))
+
+        results = b_waits_for_a(a, first, b, copy, in_handler, release, while_b_waits)
         assert scalar(consumer_dsn, "SELECT count(*) FROM effects") == 1
         assert scalar(consumer_dsn, f"SELECT count(*) FROM {INBOX}_attempts") == 0
-        return results, counted
+        return results, counted[0]
     finally:
         for store in stores:
             store.close()
@@ -313,17 +334,7 @@ def test_killer__a_copy_waits_for_the_error_of_a_failed_attempt_not_only_for_the
         a = Processor(stores[0], held, settings, ConsumerStats())
         b = Processor(stores[1], refuse, settings, ConsumerStats())
         copy = InboxMessage("c", b"x", {}, "ex", "k", None, True, topology.queue)
-        results: dict[str, Disposition] = {}
-        thread = threading.Thread(target=lambda: results.update(a=a.process(copy)[0]))
-        thread.start()
-        assert in_handler.wait(10)
-        waiting = threading.Thread(target=lambda: results.update(b=b.process(copy)[0]))
-        waiting.start()
-        time.sleep(0.5)
-        assert waiting.is_alive()
-        release.set()
-        thread.join(10)
-        waiting.join(10)
+        results = b_waits_for_a(a, copy, b, copy, in_handler, release)
         assert results == {"a": Disposition.PARKED, "b": Disposition.DUPLICATE}
         [(error, attempts)] = rows(consumer_dsn, f"SELECT error, attempts FROM {INBOX}_parked")
         assert error.startswith("RuntimeError: the handler refuses") and attempts == 1, error
