@@ -108,5 +108,10 @@ class OutcomeUnknown(OutboxError):
     """A PREPARE or COMMIT PREPARED was cut off: its result must be looked up."""
 
 
+class GidHeld(OutcomeUnknown):
+    """Another session is preparing or finishing this gid right now (55000, busy):
+    its result is not known yet, and it must be looked up again later."""
+
+
 class StatementTimedOut(DatabaseUnavailable):
     """PostgreSQL cancelled a statement (``statement_timeout``/``lock_timeout``); retried."""

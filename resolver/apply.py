@@ -18,7 +18,7 @@ from outbox.amqp import ledger
 from outbox.config import Settings
 from outbox.db import migrate, privileges
 from outbox.db.batches import BatchStore, PreparedBatch, RelayLiveness
-from outbox.errors import OutcomeUnknown
+from outbox.errors import GidHeld, OutcomeUnknown
 from outbox.events import emit
 from resolver.decide import Action, Decision, Owner, decide, is_ours, owner_state
 
@@ -31,7 +31,8 @@ class Resolution:
     age_seconds: float
     decision: Decision
     evidence: bool | None
-    outcome: str  # committed | rolled_back | finished_elsewhere | waiting | skipped | planned
+    # committed | rolled_back | finished_elsewhere | held_elsewhere | waiting | skipped | planned
+    outcome: str
 
     @property
     def finished(self) -> bool:
@@ -132,6 +133,11 @@ def _apply(
     commit = decision.action is Action.COMMIT
     try:
         done = store.finish(batch.gid, commit=commit)
+    except GidHeld:
+        # Another resolver (or the relay's own lost session) is finishing it right
+        # now; if that fails, the next pass finds the batch again.
+        emit(log, "resolver.held_elsewhere", logging.INFO, gid=batch.gid)
+        return "held_elsewhere"
     except OutcomeUnknown:
         emit(log, "resolver.outcome_unknown", logging.WARNING, gid=batch.gid)
         raise

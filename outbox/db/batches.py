@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from outbox.errors import (
     DatabaseRefused,
     DatabaseUnavailable,
     DeadLettersUnwritable,
+    GidHeld,
     MissingPrivileges,
     OutboxError,
     OutcomeUnknown,
@@ -94,6 +96,15 @@ class PreparedBatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class Backend:
+    """A server process of one of our sessions, told apart from a later process
+    that reused its pid by when it started."""
+
+    pid: int
+    started: datetime.datetime
+
+
+@dataclasses.dataclass(frozen=True)
 class RelayLiveness:
     relay_id: str
     lock_held: bool
@@ -140,6 +151,34 @@ class BatchStore(Session):
     ) -> None:
         super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
         self._claim: tuple[psycopg.Cursor[Row], bytes] | None = None
+        try:
+            with self._translated("connecting"):
+                row = self.conn.execute(self.queries["own_backend"]).fetchone()
+        except OutboxError:
+            self.close()
+            raise
+        # None only if the server hides our own row of pg_stat_activity.
+        self.backend = Backend(row["pid"], row["backend_start"]) if row else None
+
+    def end_predecessor(self, backend: Backend, wait: float) -> bool:
+        """End ``backend``, an earlier session of ours whose connection was lost, and
+        wait up to ``wait`` seconds until it is gone; False if it still runs.
+
+        A client that lost its connection does not end its backend: a PREPARE or
+        COMMIT PREPARED whose reply never came may still be running (waiting for a
+        synchronous standby, or for a disk), and it holds its gid.  Until that
+        backend is gone, looking the gid up says nothing: absent may become
+        prepared a moment later, present may be committed a moment later.  So the
+        relay settles its batches in doubt only after this returned True.
+        """
+        deadline = time.monotonic() + wait
+        params = {"pid": backend.pid, "started": backend.started}
+        with self._translated("ending the relay's previous database session"):
+            while self.conn.execute(self.queries["end_backend"], params).fetchone():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+        return True
 
     # -- preflight ---------------------------------------------------------
     def check_ready(self) -> None:
@@ -254,15 +293,20 @@ class BatchStore(Session):
     def finish(self, gid: str, *, commit: bool) -> bool:
         """COMMIT PREPARED or ROLLBACK PREPARED; False if the gid was finished elsewhere.
 
-        Two finishers may race on one gid: the loser sees 42704 (no such gid) or
-        55000 (busy), and both mean someone else is finishing it.  A dropped
-        connection raises ``OutcomeUnknown``.
+        Two finishers may race on one gid: the loser sees 42704 (no such gid: it
+        was finished) or 55000 (busy: another session is preparing or finishing it
+        right now).  Busy raises ``GidHeld`` (an ``OutcomeUnknown``): that session may yet fail, or
+        be our own cut-off session still running, so the gid is looked up again
+        later rather than taken as finished.  A dropped connection raises
+        ``OutcomeUnknown`` too.
         """
         verb = "COMMIT PREPARED" if commit else "ROLLBACK PREPARED"
         try:
             self.conn.execute(gid_statement(verb, gid), prepare=False)
-        except (pgerrors.UndefinedObject, pgerrors.ObjectNotInPrerequisiteState):
+        except pgerrors.UndefinedObject:
             return False
+        except pgerrors.ObjectNotInPrerequisiteState as exc:
+            raise GidHeld(f"{verb} of {gid}: another session holds it ({first_line(exc)})") from exc
         except psycopg.Error as exc:
             # A statement timeout (or an operator's pg_cancel_backend) may strike
             # before or after the server finished: look the gid up, like a cut.

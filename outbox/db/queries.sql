@@ -110,6 +110,19 @@ SELECT EXISTS (
     WHERE gid = %(gid)s AND database = current_database()
 ) AS present
 
+-- own_backend --
+-- This session's backend, named so that a later session can tell it from another
+-- process that reused its pid (``BatchStore.end_predecessor``).
+SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()
+
+-- end_backend --
+-- End a session of ours that lost its client and may still be running a statement
+-- (a PREPARE or COMMIT PREPARED whose reply never arrived).  Same role: no extra
+-- privilege.  Returns whether that backend still exists.
+SELECT pg_terminate_backend(pid) IS NOT NULL AS running
+FROM pg_stat_activity
+WHERE pid = %(pid)s AND backend_start = %(started)s
+
 -- prepared_batches --
 SELECT gid, prepared, owner, database = current_database() AS local,
        extract(epoch FROM now() - prepared)::float8 AS age_seconds

@@ -14,17 +14,20 @@ State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
                   ROLLBACK PREPARED on any failure                     COMMIT PREPARED
                   (rows claimable again)
 
-    any open state ──failure──▶ IN_DOUBT ──reconnected──▶ gid present: finish it by
-                                                          its evidence; gone: finished
-                                                          elsewhere
+    any open state ──failure──▶ IN_DOUBT ──reconnected, lost ──▶ gid present: finish it by
+                                           session ended          its evidence; gone:
+                                                                  finished elsewhere
 
 Every batch a relay has prepared and not finished is one entry of one table,
 ``Batches.in_flight``, with its ``State``.  ``IN_DOUBT`` is a batch whose
 PREPARE, COMMIT PREPARED or ROLLBACK PREPARED was cut off, or that a failure left
 unfinished: it is settled after reconnecting by looking its gid up (present →
 COMMIT if the ledger confirmed its record, else ROLLBACK; gone → someone finished
-it).  Nothing is published for a batch whose PREPARE is not known to have
-succeeded.
+it).  The lookup waits until the lost session's backend is gone: a client cut off
+does not stop its backend, which may still be running the PREPARE or COMMIT
+PREPARED whose reply was lost (``Relay._end_predecessors`` ends it first), and a gid
+another session holds (55000, busy) stays in doubt and is looked up again.
+Nothing is published for a batch whose PREPARE is not known to have succeeded.
 
 ``depth`` is how many batches may be in flight between PREPARE and COMMIT
 PREPARED: 1 (``--no-pipeline``) or 2 (``--pipeline``, the default).  One
@@ -696,8 +699,7 @@ class Batches:
         store = self._store()
         for batch in [b for b in self.in_flight.values() if b.state is State.IN_DOUBT]:
             with self._writing("commit_prepared" if batch.evidence else "rollback_prepared"):
-                if store.gid_exists(batch.gid):
-                    store.finish(batch.gid, commit=batch.evidence)
+                if store.gid_exists(batch.gid) and store.finish(batch.gid, commit=batch.evidence):
                     outcome = "committed" if batch.evidence else "rolled_back"
                 else:
                     outcome = "finished_elsewhere"

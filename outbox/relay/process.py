@@ -7,7 +7,9 @@ the process around it, in the spirit of dramatiq's ``Worker``:
 
 - ``start`` connects both servers and checks the database (a bad configuration
   fails fast, with a clear message and an exit code);
-- ``run`` goes round: reconnect what is broken, settle batches in doubt, resolve
+- ``run`` goes round: reconnect what is broken (ending a lost work session's
+  backend, which may still be running a cut-off PREPARE, before anything is
+  looked up: ``_end_predecessors``), settle batches in doubt, resolve
   dead relays' batches now and then, take one step of the batches, and when
   a step neither claimed nor committed anything wait for a NOTIFY (or the
   fallback poll);
@@ -43,7 +45,7 @@ from outbox.amqp import failover
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.db import replication
-from outbox.db.batches import BatchStore
+from outbox.db.batches import Backend, BatchStore
 from outbox.db.relays import WakeupListener
 from outbox.errors import (
     BrokerUnavailable,
@@ -58,6 +60,10 @@ from outbox.relay.stats import Stats
 from resolver.apply import resolve
 
 log = logging.getLogger("outbox.relay")
+
+# How long the relay waits, per try, for a lost work session's backend to end once
+# told to (a backend ends within milliseconds unless stuck in I/O).
+PREDECESSOR_WAIT_SECONDS = 5.0
 
 __all__ = ["Relay", "Stats", "StopFlag"]
 
@@ -109,6 +115,8 @@ class Relay:
         self.relay_id = ""
         self._next_resolve = 0.0
         self._failures = 0
+        # Work sessions lost but perhaps still running on the server (``_end_predecessors``).
+        self._predecessors: list[Backend] = []
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -138,9 +146,13 @@ class Relay:
         s = self.settings
         if self.store is None or self.store.broken:
             if self.store is not None:
+                if self.store.backend is not None:
+                    self._predecessors.append(self.store.backend)
                 self.store.close()
             self.store = self.batches.store = None
             self.store = self.batches.store = self._open_store()
+        if self._predecessors:
+            self._end_predecessors(self.store)
         if self.wakeups is None or self.wakeups.broken:
             if self.wakeups is not None:
                 self.wakeups.close()
@@ -167,6 +179,21 @@ class Relay:
             self.relay_id = self.batches.relay_id = self.liveness.relay_id
             self._next_resolve = 0.0  # resolve dead relays' batches right away
             emit(log, "relay.registered", relay=self.relay_id)
+
+    def _end_predecessors(self, store: BatchStore) -> None:
+        """End the work sessions this relay lost, before its batches in doubt are
+        looked up (``BatchStore.end_predecessor``): a lost connection's backend may
+        still be running the PREPARE or COMMIT PREPARED that was cut off."""
+        wait = min(self.settings.statement_timeout, PREDECESSOR_WAIT_SECONDS)
+        for backend in list(self._predecessors):
+            if not store.end_predecessor(backend, wait):
+                raise DatabaseUnavailable(
+                    f"the relay's previous database session (backend pid {backend.pid}) "
+                    f"is still running {wait:g} s after it was told to end",
+                    "its batches in doubt are settled once it is gone; the relay retries. "
+                    f"If this repeats, look at pid {backend.pid} in pg_stat_activity",
+                )
+            self._predecessors.remove(backend)
 
     def _connect_broker(self) -> None:
         if not self.publisher.connected:
