@@ -102,6 +102,7 @@ class Backend:
 
     pid: int
     started: datetime.datetime
+    application_name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,9 @@ class BatchStore(Session):
             self.close()
             raise
         # None only if the server hides our own row of pg_stat_activity.
-        self.backend = Backend(row["pid"], row["backend_start"]) if row else None
+        self.backend = (
+            Backend(row["pid"], row["backend_start"], row["application_name"]) if row else None
+        )
 
     def end_predecessor(self, backend: Backend, wait: float) -> bool:
         """End ``backend``, an earlier session of ours whose connection was lost, and
@@ -172,7 +175,11 @@ class BatchStore(Session):
         relay settles its batches in doubt only after this returned True.
         """
         deadline = time.monotonic() + wait
-        params = {"pid": backend.pid, "started": backend.started}
+        params = {
+            "pid": backend.pid,
+            "started": backend.started,
+            "application_name": backend.application_name,
+        }
         with self._translated("ending the relay's previous database session"):
             while self.conn.execute(self.queries["end_backend"], params).fetchone():
                 if time.monotonic() >= deadline:

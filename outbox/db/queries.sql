@@ -113,15 +113,19 @@ SELECT EXISTS (
 -- own_backend --
 -- This session's backend, named so that a later session can tell it from another
 -- process that reused its pid (``BatchStore.end_predecessor``).
-SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()
+SELECT pid, backend_start, application_name
+FROM pg_stat_activity WHERE pid = pg_backend_pid()
 
 -- end_backend --
 -- End a session of ours that lost its client and may still be running a statement
--- (a PREPARE or COMMIT PREPARED whose reply never arrived).  Same role: no extra
--- privilege.  Returns whether that backend still exists.
-SELECT pg_terminate_backend(pid) IS NOT NULL AS running
+-- (a PREPARE or COMMIT PREPARED whose reply never arrived, or not yet read), or
+-- holding a claim open.  Same role: no extra privilege.  A row comes back while it
+-- still exists.  Never this session: a pooler may hand it the same server process.
+SELECT pg_terminate_backend(pid) AS signalled
 FROM pg_stat_activity
 WHERE pid = %(pid)s AND backend_start = %(started)s
+  AND application_name = %(application_name)s
+  AND pid <> pg_backend_pid()
 
 -- prepared_batches --
 SELECT gid, prepared, owner, database = current_database() AS local,

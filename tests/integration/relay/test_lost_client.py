@@ -146,3 +146,36 @@ def test_finishing_a_gid_another_session_holds_leaves_it_in_doubt(
     finally:
         preparing.close()
         store.close()
+
+
+def test_end_predecessor_ends_only_the_lost_session_it_names(settings: Settings) -> None:
+    lost = BatchStore(settings.dsn, settings.table)
+    bystander = BatchStore(settings.dsn, settings.table)
+    store = BatchStore(settings.dsn, settings.table)
+    try:
+        assert lost.backend and bystander.backend and store.backend
+        lost.conn.execute("BEGIN")  # holds a claim open, as a cut-off relay would
+        lost.conn.execute("SELECT 1 FROM outbox FOR UPDATE")
+        # Another process that took the lost one's pid would have another start time.
+        impostor = dataclasses.replace(bystander.backend, started=lost.backend.started)
+        assert store.end_predecessor(impostor, wait=1.0)
+        # Behind a pooler the server process may be this very session's.
+        assert store.end_predecessor(store.backend, wait=1.0)
+
+        assert store.end_predecessor(lost.backend, wait=5.0)
+
+        assert _alive(store, bystander) and _alive(store, store)
+        assert not _alive(store, lost)
+        with pytest.raises(psycopg.OperationalError):
+            lost.conn.execute("SELECT 1")
+    finally:
+        for s in (lost, bystander, store):
+            s.close()
+
+
+def _alive(store: BatchStore, other: BatchStore) -> bool:
+    assert other.backend is not None
+    row = store.conn.execute(
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = %s", [other.backend.pid]
+    ).fetchone()
+    return bool(row and row["n"])
