@@ -207,6 +207,40 @@ def test_relay__wakes_on_notify_without_waiting_for_the_poll(
     assert not thread.is_alive()
 
 
+def test_relay__without_the_notify_trigger_finds_rows_by_its_poll(
+    settings: Settings, topology: Topology
+) -> None:
+    """README, "Known limitations": the wake-up trigger may be disabled; the relay
+    then finds every row by its fallback poll."""
+    import dataclasses
+    import time
+
+    with psycopg.connect(settings.dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify")
+    relay = Relay(dataclasses.replace(settings, poll_interval=0.1))
+    relay.start()
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        time.sleep(0.3)  # the relay is idle, waiting
+        with psycopg.connect(settings.dsn) as conn:
+            conn.execute("LISTEN outbox")
+            for i in range(5):
+                with conn.transaction():
+                    outbox.enqueue(
+                        conn, exchange=topology.exchange, routing_key="k", payload=b"%d" % i
+                    )
+            assert not list(conn.notifies(timeout=0.2)), "the trigger was not disabled"
+        deadline = time.monotonic() + 15
+        while relay.stats.messages_published < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert relay.stats.messages_published == 5
+    finally:
+        relay.stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_relay__registers_and_unregisters(settings: Settings) -> None:
     relay = Relay(settings)
     relay.start()
