@@ -25,6 +25,11 @@ PREFIX = "obx"
 # First key of the relay advisory locks ("obx" in ASCII); keeps them apart from an
 # application's own advisory locks.
 LOCK_CLASS = 0x6F6278
+# First key of the wake-up lock ``(WAKEUP_LOCK_CLASS, <the outbox table's oid>)``: an
+# idle relay holds it in shared mode, and the outbox trigger notifies only while
+# someone holds it (schema 0005, ``outbox.db.relays.WakeupListener``).  The migration
+# spells the number out; ``tests/unit/test_gid.py`` checks that they agree.
+WAKEUP_LOCK_CLASS = 0x6F6279
 
 _GID = re.compile(r"^obx:([a-z_][a-z0-9_]*):([0-9a-f]{32}):([0-9]+)$")
 

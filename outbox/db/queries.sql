@@ -160,6 +160,21 @@ UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
 -- an in-doubt batch count too: at worst one empty claim.
 SELECT EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
 
+-- want_wakeups --
+-- An idle relay asks for NOTIFYs, then looks for rows, in one round trip.  The
+-- outbox trigger notifies only while someone holds this lock (schema 0005): an
+-- application commit the look missed (its INSERT ran before the lock was taken)
+-- is found by the relay's next polls (``Relay._wait_for_work``).
+SELECT pg_try_advisory_lock_shared(%(lock_class)s, %(relid)s) AS listening,
+       EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
+
+-- stop_wanting_wakeups --
+-- A busy relay claims until the outbox is empty: commits meanwhile need not notify.
+SELECT pg_advisory_unlock_shared(%(lock_class)s, %(relid)s) AS released
+
+-- outbox_relid --
+SELECT %(name)s::regclass::oid::integer AS relid
+
 -- unregister_relay --
 DELETE FROM {relays} WHERE relay_id = %(relay_id)s
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import psycopg
@@ -80,12 +81,52 @@ class WakeupListener(Session):
 
     A session of its own: a transaction that ran LISTEN cannot be prepared, and the
     control session belongs to the heartbeat thread.
+
+    The trigger notifies only while someone holds the wake-up lock
+    ``(WAKEUP_LOCK_CLASS, the outbox's oid)`` (schema 0005): a NOTIFY makes its
+    transaction hold a database-wide lock from COMMIT until the commit is flushed, so
+    commits that notify cannot share a WAL flush.  ``want_wakeups`` takes the lock in
+    shared mode (any number of idle relays), ``stop_wanting_wakeups`` lets it go when
+    the relay is busy: it claims until the outbox is empty anyway.  The lock is the
+    session's, so it goes with the session too.
     """
 
     def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
         super().__init__(dsn, table, "outbox-relay-wakeup", connect_timeout)
+        self.wanting = False  # holds the wake-up lock
+        self.wanting_since = 0.0  # when it was taken (time.monotonic)
         with self._translated("subscribing to wake-ups"):
             self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.table)))
+            name = sql.Identifier(self.table).as_string(self.conn)
+            row = self.conn.execute(self.queries["outbox_relid"], {"name": name}).fetchone()
+        assert row is not None
+        self._lock = {"lock_class": gids.WAKEUP_LOCK_CLASS, "relid": row["relid"]}
+
+    def want_wakeups(self) -> bool:
+        """Ask for NOTIFYs (if not held already) and look for rows: True if rows are
+        waiting.
+
+        The lock cannot be taken while someone holds it exclusively: an
+        application's trigger for a moment (then the next call takes it), or a
+        session that kept it; applications notify all the while either way.
+        """
+        if self.wanting:
+            return self.rows_waiting()
+        with self._translated("asking for wake-ups"):
+            row = self.conn.execute(self.queries["want_wakeups"], self._lock).fetchone()
+        assert row is not None
+        self.wanting = bool(row["listening"])
+        self.wanting_since = time.monotonic()
+        return bool(row["rows_waiting"])
+
+    def stop_wanting_wakeups(self) -> None:
+        try:
+            with self._translated("declining wake-ups"):
+                self.conn.execute(self.queries["stop_wanting_wakeups"], self._lock)
+        finally:
+            # Not released on a live session (it refused?): applications notify a
+            # little more than needed, nothing worse; the session's end lets it go.
+            self.wanting = False
 
     def fileno(self) -> int:
         return self.conn.fileno()

@@ -65,6 +65,10 @@ log = logging.getLogger("outbox.relay")
 # told to (a backend ends within milliseconds unless stuck in I/O).
 PREDECESSOR_WAIT_SECONDS = 5.0
 
+# The first poll after the relay falls idle (then every pause doubles, up to
+# poll_interval): a commit whose INSERT ran while no relay waited notifies nobody.
+FIRST_POLL_SECONDS = 0.002
+
 __all__ = ["Relay", "Stats", "StopFlag"]
 
 
@@ -256,6 +260,7 @@ class Relay:
         """Relay until stopped (or, with ``drain``, until nothing is claimable)."""
         if self.store is None:
             self.start()
+        busy_steps = 0  # steps in a row that found work
         try:
             while not self.stop:
                 self.stats.last_progress = time.monotonic()
@@ -268,6 +273,9 @@ class Relay:
                     self._maintain()
                     committed = self.stats.batches_committed
                     progress = self.batches.step()
+                    busy_steps = busy_steps + 1 if progress else 0
+                    if busy_steps == 2:
+                        self._busy()
                     if not progress or self.stats.batches_committed > committed:
                         # Only a commit (or nothing to do) proves the writes work
                         # again: a step that published and committed nothing, between
@@ -311,17 +319,32 @@ class Relay:
         return finished
 
     def _wait_for_work(self) -> None:
-        """Sleep until a NOTIFY arrives or the fallback poll finds rows (serving AMQP).
+        """Sleep until a NOTIFY arrives or a poll finds rows (serving AMQP).
 
-        Idle cost: one poll per ``poll_interval`` on the wake-up session, one
-        heartbeat per ``heartbeat_interval`` (its own thread) and one resolve pass
-        per ``resolve_interval``; claims only when there is work.
+        Waiting, the relay holds the wake-up lock, so applications' commits notify
+        (``WakeupListener``, schema 0005); once busy it lets the lock go
+        (``_busy``), so that commits do not notify while it claims anyway.  A commit
+        whose INSERT ran while the lock was not held notifies nobody, however late
+        it commits: after taking the lock anew the relay therefore polls soon and
+        then less often, ``FIRST_POLL_SECONDS`` after taking it and then each time
+        twice as long after, up to ``poll_interval`` (a commit that ends ``t`` after
+        the lock was taken is found by about ``2 t``).  Once the lock has been held
+        for ``poll_interval``, every commit that can still come notifies.
+
+        Idle cost: a dozen polls when it falls idle after being busy, then one per
+        ``poll_interval`` on the wake-up session, one heartbeat per
+        ``heartbeat_interval`` (its own thread) and one resolve pass per
+        ``resolve_interval``; claims only when there is work.
         """
         wakeups = self.wakeups
         assert wakeups is not None
         if wakeups.take_notifications():
             return
-        deadline = time.monotonic() + self.settings.poll_interval
+        if not wakeups.wanting and wakeups.want_wakeups():
+            return
+        held = time.monotonic() - wakeups.wanting_since
+        pause = min(max(FIRST_POLL_SECONDS, held), self.settings.poll_interval)
+        deadline = time.monotonic() + pause
         while not self.stop:
             now = time.monotonic()
             self.stats.last_progress = now  # idle is progress too (liveness)
@@ -332,9 +355,11 @@ class Relay:
                 if self._resolve_dead_relays():
                     return  # rolled-back rows are claimable again, without a NOTIFY
             if now >= deadline:
-                if wakeups.rows_waiting():
+                # Also takes the lock if someone held it exclusively before.
+                if wakeups.want_wakeups():
                     return
-                deadline = now + self.settings.poll_interval
+                pause = min(pause * 2, self.settings.poll_interval)
+                deadline = now + pause
             remaining = min(deadline, self._next_resolve) - now
             if remaining <= 0:
                 continue
@@ -344,6 +369,14 @@ class Relay:
                 return
             if not self.publisher.connected:
                 raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    def _busy(self) -> None:
+        """A second step in a row found work: applications' commits need not notify
+        until the relay waits again (one step after a wake-up keeps the lock, so a
+        trickle of commits costs no round trip)."""
+        wakeups = self.wakeups
+        if wakeups is not None and wakeups.wanting and not wakeups.broken:
+            wakeups.stop_wanting_wakeups()
 
     def _may_commit(self) -> bool:
         """False once our heartbeat is so old a resolver may presume us dead.

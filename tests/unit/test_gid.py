@@ -34,3 +34,11 @@ def test_gid__foreign_prepared_transactions_do_not_parse() -> None:
 
 def test_gid__new_relay_ids_are_unique() -> None:
     assert len({gids.new_relay_id() for _ in range(1000)}) == 1000
+
+
+def test_gid__the_trigger_uses_the_wakeup_lock_class() -> None:
+    from importlib import resources
+
+    text = resources.files("outbox.db").joinpath("schema/0005_quiet_wakeups.sql").read_text()
+    assert f"pg_try_advisory_lock({gids.WAKEUP_LOCK_CLASS}, TG_RELID::integer)" in text
+    assert gids.WAKEUP_LOCK_CLASS != gids.LOCK_CLASS

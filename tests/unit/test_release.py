@@ -47,3 +47,9 @@ def test_release__deploy_files_run_this_version() -> None:
         for tag in re.findall(r"outbox-relay:([0-9][0-9.]*[0-9])", path.read_text(errors="ignore"))
     }
     assert tags and {tag for _, tag in tags} == {package_version()}, sorted(tags)
+
+
+def test_release__the_package_says_its_version() -> None:
+    import outbox
+
+    assert outbox.__version__ == package_version()

@@ -1,0 +1,159 @@
+"""Wake-ups: the outbox trigger notifies only while a relay waits (schema 0005).
+
+A NOTIFY makes its transaction hold a database-wide lock from COMMIT until the
+commit is flushed, so notifying commits cannot share a WAL flush.  An idle relay
+holds the wake-up lock in shared mode and is notified; a busy one lets it go, and
+the applications' commits then do not notify.  A commit whose INSERT ran while no
+relay waited is found by the relay's polls soon after it takes the lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import outbox
+from outbox import gid as gids
+from outbox.config import Settings
+from outbox.db.relays import WakeupListener
+from outbox.relay.process import Relay
+from tests.fixtures.faults import check_delivery, insert_rows, wait_for
+from tests.fixtures.servers import Topology
+
+
+def notified(listener: psycopg.Connection[tuple[object, ...]], timeout: float = 0.3) -> int:
+    return len(list(listener.notifies(timeout=timeout)))
+
+
+def wakeup_lock_holders(dsn: str) -> int:
+    """Sessions holding the wake-up lock of this database's outbox."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = %s AND objid = 'outbox'::regclass::oid::integer::oid",
+            [gids.WAKEUP_LOCK_CLASS],
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def listener(settings: Settings) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    conn = psycopg.connect(settings.dsn, autocommit=True)
+    conn.execute("LISTEN outbox")
+    yield conn
+    conn.close()
+
+
+def commit_one(dsn: str, exchange: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        outbox.enqueue(conn, exchange=exchange, routing_key="k", payload=b"x")
+
+
+def test_trigger__notifies_only_while_a_relay_waits(
+    settings: Settings,
+    topology: Topology,
+    listener: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    commit_one(settings.dsn, topology.exchange)
+    assert notified(listener) == 0, "nobody waits: the commit must not notify"
+
+    waiting = WakeupListener(settings.dsn, settings.table)
+    try:
+        assert waiting.want_wakeups()  # the row committed above
+        assert waiting.wanting
+        commit_one(settings.dsn, topology.exchange)
+        assert notified(listener) == 1
+
+        waiting.stop_wanting_wakeups()
+        commit_one(settings.dsn, topology.exchange)
+        assert notified(listener) == 0
+    finally:
+        waiting.close()
+
+
+def test_trigger__notifies_while_any_of_several_relays_waits(
+    settings: Settings,
+    topology: Topology,
+    listener: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    first = WakeupListener(settings.dsn, settings.table)
+    second = WakeupListener(settings.dsn, settings.table)
+    try:
+        first.want_wakeups()
+        second.want_wakeups()
+        assert wakeup_lock_holders(settings.dsn) == 2
+        first.stop_wanting_wakeups()
+        commit_one(settings.dsn, topology.exchange)
+        assert notified(listener) == 1, "the second relay still waits"
+        second.close()  # a relay that dies lets go with its session
+        wait_for(lambda: wakeup_lock_holders(settings.dsn) == 0, 10, "the lock to go")
+        commit_one(settings.dsn, topology.exchange)
+        assert notified(listener) == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_relay__busy_lets_commits_go_without_notify(
+    settings: Settings,
+    topology: Topology,
+    listener: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    backlog = insert_rows(settings.dsn, topology.exchange, 300)
+    relay = Relay(dataclasses.replace(settings, batch_size=1, pipeline=False))
+    relay.start()
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        wait_for(lambda: relay.stats.messages_published >= 5, 30, "the relay to be busy")
+        assert wakeup_lock_holders(settings.dsn) == 0, "a busy relay holds the wake-up lock"
+        late = insert_rows(settings.dsn, topology.exchange, 1)
+        busy = relay.stats.messages_published < len(backlog)
+        received = notified(listener, timeout=0.2)
+        if busy:  # the machine may be fast enough to drain 300 rows meanwhile
+            assert received == 0, "a commit notified while the relay was busy"
+        wait_for(
+            lambda: relay.stats.messages_published == len(backlog) + 1, 60, "the relay to drain"
+        )
+        # Idle again: it waits, holding the lock, and a commit wakes it.
+        wait_for(lambda: wakeup_lock_holders(settings.dsn) == 1, 10, "the relay to wait")
+    finally:
+        relay.stop.set()
+        thread.join(timeout=30)
+    check_delivery(settings.dsn, topology, backlog + late, max_duplicates=0)
+
+
+def test_relay__finds_a_commit_whose_insert_ran_before_it_waited(
+    settings: Settings, topology: Topology
+) -> None:
+    # The INSERT runs while no relay waits: its trigger does not notify, and its
+    # commit comes after the relay took the lock and looked.  The fallback poll is
+    # 30 s: only the relay's early polls can find the row in time.
+    relay = Relay(
+        dataclasses.replace(
+            settings, poll_interval=30.0, heartbeat_interval=10.0, relay_timeout=60.0
+        )
+    )
+    app = psycopg.connect(settings.dsn)
+    try:
+        outbox.enqueue(app, exchange=topology.exchange, routing_key="k", payload=b"late")
+        relay.start()
+        thread = threading.Thread(target=relay.run)
+        thread.start()
+        wait_for(lambda: wakeup_lock_holders(settings.dsn) == 1, 10, "the relay to wait")
+        time.sleep(0.5)
+        app.commit()
+        committed = time.monotonic()
+        wait_for(lambda: relay.stats.messages_published == 1, 15, "the late commit")
+        # Found by the poll about twice as long after the lock was taken (≈ 1 s).
+        assert time.monotonic() - committed < 10
+    finally:
+        app.close()
+        relay.stop.set()
+        thread.join(timeout=30)
