@@ -142,6 +142,12 @@ from outbox.errors import ExitCode
     help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
 )
 @click.option(
+    "--commits",
+    is_flag=True,
+    help="Instead: what the wake-up trigger costs the applications' commits "
+    "(pgbench, 16 clients, single-row INSERTs; --rows transactions per run).",
+)
+@click.option(
     "--prefetch",
     default=200,
     show_default=True,
@@ -157,16 +163,36 @@ def bench(
     batch_sizes: str,
     as_json: bool,
     consume: bool,
+    commits: bool,
     prefetch: int,
     memory_backlogs: str,
     **options: Any,
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
-    (with --consume: the consumer's inbox against a bare kombu consumer)."""
+    (with --consume: the consumer's inbox against a bare kombu consumer; with
+    --commits: the applications' commits under the wake-up trigger)."""
     from outbox.bench.harness import BenchOptions
     from outbox.bench.run import render, run_bench
 
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+    if commits:
+        from outbox.bench import commits as bench_commits
+
+        commits_report = bench_commits.run_commits_bench(
+            bench_commits.CommitsOptions(
+                dsn=dsn,
+                transactions=options["rows"],
+                payload=options["payload"],
+                repeats=options["repeats"],
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(commits_report, indent=2)
+            if as_json
+            else bench_commits.render(commits_report)
+        )
+        sys.exit(0)
     if consume:
         from outbox.bench import consume as bench_consume
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import psycopg
+
 from outbox.cli.consume import consume as consume_command
 from tests.fixtures.servers import run_cli
 
@@ -171,3 +173,30 @@ def test_bench_memory_only__prints_the_peak_rss_of_each_backlog(
     assert "every row arrived exactly once" in text.stdout
     usage = run_cli(*common, "--memory-backlogs", "3 rows of 8MiB")
     assert usage.returncode == 2 and "1000x8MiB+1x64MiB" in usage.stderr
+
+
+def test_bench_commits__every_trigger_and_the_trigger_put_back(
+    pg_server: str, amqp_url: str
+) -> None:
+    out = run_cli(
+        "bench",
+        "--commits",
+        "--dsn",
+        pg_server,
+        "--rows",
+        "160",
+        "--repeats",
+        "1",
+        "--json",
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    cells = {(c["flush_delay_us"], c["trigger"]) for c in report["cells"]}
+    triggers = {"none", "schema 4", "schema 5, relays busy", "schema 5, a relay waiting"}
+    assert {t for _, t in cells} == triggers
+    assert all(c["commits_per_s"] > 0 and c["latency_ms"] > 0 for c in report["cells"])
+    assert report["trigger_restored"] is True
+    with psycopg.connect(pg_server) as conn:  # the bench's tables are gone
+        left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'outbox_bench_%'")
+        assert left.fetchone() == (0,)
