@@ -190,7 +190,10 @@ def render_sql(table: str) -> str:
     Its version row is written only if that transaction committed in this session
     (it sets ``outbox.migrated``, which a rollback undoes) and its indexes are valid:
     a tool that goes on after an error (psql without ON_ERROR_STOP) cannot record
-    a migration that failed.
+    a migration that failed.  And a migration's transaction fails at once unless
+    the one before is recorded: one that takes no lock on the outbox (0005 only
+    replaces a function) would otherwise commit after an earlier one failed, and
+    its version row would say the schema is newer than it is.
     """
     millis = round(LOCK_TIMEOUT * 1000)
     parts = [
@@ -204,6 +207,8 @@ def render_sql(table: str) -> str:
     for migration in migrations():
         parts.append(f"-- {migration.name}")
         parts.append("BEGIN;")
+        if migration.version > 1:
+            parts.append(_script_requires_previous(table, migration).as_string(None) + ";")
         parts.append(_composed(table, migration.in_transaction).as_string(None).strip())
         parts.append(
             f"DO $$ BEGIN PERFORM set_config('{_SCRIPT_MIGRATED}', "
@@ -220,6 +225,22 @@ def render_sql(table: str) -> str:
 
 # The setting by which a script's migration says that its transaction committed.
 _SCRIPT_MIGRATED = "outbox.migrated"
+
+
+def _script_requires_previous(table: str, migration: Migration) -> sql.Composed:
+    """Fail the script's transaction of ``migration`` unless the one before is recorded."""
+    message = (
+        f"outbox schema: migration {migration.version - 1} is not applied, so "
+        f"{migration.name} is skipped; run the script again"
+    )
+    return sql.SQL(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM {} WHERE version = {}) THEN "
+        "RAISE EXCEPTION {}; END IF; END $$"
+    ).format(
+        table_identifiers(table)["schema_version"],
+        sql.Literal(migration.version - 1),
+        sql.Literal(message),
+    )
 
 
 def _script_version_row(table: str, migration: Migration) -> sql.Composed:
