@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
+import types
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 # The header that carries a message's ordering key (consistent-hash exchanges can
 # route on it; ``outbox.inbox.loop`` reads it).
@@ -47,9 +48,15 @@ class Unloadable:
     error: str
 
 
-@dataclasses.dataclass(frozen=True)
-class OutboxRow:
-    """One row of the outbox table, as claimed by the relay."""
+# ``OutboxRow.unloadable`` of a row whose every column loaded: shared, so read-only.
+ALL_LOADED: Mapping[str, Unloadable] = types.MappingProxyType({})
+
+
+class OutboxRow(NamedTuple):
+    """One row of the outbox table, as claimed by the relay.
+
+    A tuple: the relay makes one per claimed row, and a frozen dataclass cost
+    six times as much to build (a tenth of the relay's CPU per message)."""
 
     id: int
     message_id: uuid.UUID
@@ -63,7 +70,7 @@ class OutboxRow:
     created_at: datetime.datetime
     # Columns that could not be loaded (their field above holds a placeholder):
     # such a row is a dead letter naming the column.
-    unloadable: Mapping[str, Unloadable] = dataclasses.field(default_factory=dict)
+    unloadable: Mapping[str, Unloadable] = ALL_LOADED
     # Rows sharing a key are published in id order (``outbox.relay.ordering``).
     ordering_key: str | None = None
     # The id of an earlier dead letter of the same key, when dead letters hold their
