@@ -136,7 +136,8 @@ def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
         value = _clip(unloaded.text)
         detail = "" if value in unloaded.error else f" (value {value!r})"
         return f"{column} cannot be loaded: {unloaded.error}{detail}"
-    if row.created_at < EPOCH:
+    # (A year after 1970 is after it in any time zone: no aware comparison per row.)
+    if row.created_at.year <= 1970 and row.created_at < EPOCH:
         return (
             f"created_at {row.created_at.isoformat()} is before 1970: an AMQP timestamp "
             "counts seconds since 1970 and cannot be negative"
@@ -146,6 +147,8 @@ def problem_with(row: OutboxRow, max_message_bytes: int) -> str | None:
         ("routing_key", row.routing_key),
         ("content_type", row.content_type or ""),
     ):
+        if len(value) <= SHORTSTR_MAX // 4:
+            continue  # at most 4 bytes a character in UTF-8: no need to encode it
         size = len(value.encode("utf-8"))
         if size > SHORTSTR_MAX:
             return f"{field} is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}"

@@ -411,7 +411,7 @@ class Batches:
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
         held_keys = {r.ordering_key for r in held}
-        batch.follows = any(r.ordering_key in held_keys for r in rows)
+        batch.follows = bool(held_keys) and any(r.ordering_key in held_keys for r in rows)
         try:
             with self._writing("prepare"):
                 store.prepare(batch.gid)
