@@ -42,7 +42,6 @@ CLAIM_COLUMNS = (
 # The columns of the claim whose types ``claim_cursor`` loads tolerantly
 # (timestamptz, jsonb): the only ones that can hold a value Python could not load.
 TOLERANT_COLUMNS = ("created_at", "headers")
-_HEADERS, _CREATED_AT = CLAIM_COLUMNS.index("headers"), CLAIM_COLUMNS.index("created_at")
 
 
 def claimed_rows(conn: Conn, cur: psycopg.Cursor[Any]) -> list[OutboxRow]:
