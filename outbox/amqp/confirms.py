@@ -51,6 +51,7 @@ class Pending:
 
     deliveries: list[Delivery]
     outstanding: int = 0  # sent and neither confirmed nor given up
+    nacked: int = 0  # deliveries the broker nacked
 
     @property
     def settled(self) -> bool:
@@ -146,6 +147,7 @@ class Confirms:
             pending, delivery = entry.pending, entry.delivery
             pending.outstanding -= 1
             if not accepted:
+                pending.nacked += 1
                 delivery.outcome = Outcome.NACKED
                 delivery.reason = "nacked by the broker"
             elif delivery.outcome is not Outcome.RETURNED:

@@ -338,7 +338,7 @@ class Publisher:
                 continue
             chunk += data
             chunk_indexes.append(index)
-            size += sum(len(piece) for piece in data)
+            size += len(data[0]) if len(data) == 1 else sum(map(len, data))
             if size >= FLUSH_BYTES:
                 if not self._write(channel, pending, chunk, chunk_indexes, messages):
                     break
@@ -366,7 +366,7 @@ class Publisher:
             else:
                 self._confirms.give_up("no confirm before the publish timeout")
                 self._abandon_channel()
-        elif any(d.outcome is Outcome.NACKED for d in pending.deliveries):
+        elif pending.nacked:
             # RabbitMQ 3.10: a channel whose publish to a quorum queue was nacked
             # because the queue's leader had just died nacks every later publish to
             # that queue, long after a new leader took over; a new channel does not.

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from outbox.cli.common import (
+    collect_young_less_often,
     freeze_startup_heap,
     known_errors,
     metrics_address_option,
@@ -57,6 +58,7 @@ def relay(
     try:
         runner.start()
         freeze_startup_heap()
+        collect_young_less_often(settings.batch_size)
         stats = runner.run(drain=drain)
     finally:
         if endpoints is not None:

@@ -29,7 +29,7 @@ from psycopg.types.json import Jsonb
 from outbox import gid as gids
 from outbox.db import migrate, privileges
 from outbox.db.replication import Replication
-from outbox.db.rows import claim_cursor, outbox_row, with_texts
+from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
 from outbox.errors import (
     DatabaseRefused,
@@ -151,7 +151,7 @@ class BatchStore(Session):
         statement_timeout: float | None = None,
     ) -> None:
         super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
-        self._claim: tuple[psycopg.Cursor[Row], bytes] | None = None
+        self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], bytes] | None = None
         try:
             with self._translated("connecting"):
                 row = self.conn.execute(self.queries["own_backend"]).fetchone()
@@ -247,11 +247,9 @@ class BatchStore(Session):
             else:  # a libpq older than 14: two round trips
                 self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
                 cur.execute(statement, params)
-            records = cur.fetchall()
-            rows = [outbox_row(r) for r in with_texts(self.conn, records)]
-            return sorted(rows, key=lambda row: row.id)
+            return claimed_rows(self.conn, cur)
 
-    def _claim_statement(self) -> tuple[psycopg.Cursor[Row], bytes]:
+    def _claim_statement(self) -> tuple[psycopg.Cursor[tuple[Any, ...]], bytes]:
         """The claim's cursor and statement, built once per session: composing the
         statement and setting up a cursor's loaders for every claim was about 7% of
         the relay's CPU at a few rows per batch.  Reusing the cursor keeps the rows of

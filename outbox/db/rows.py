@@ -8,50 +8,103 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg.adapt import Dumper, Loader, PyFormat
 from psycopg.pq import Format
+from psycopg.rows import tuple_row
 
 from outbox.db.session import first_line
-from outbox.message import EPOCH, OutboxRow, Unloadable
+from outbox.message import ALL_LOADED, EPOCH, OutboxRow, Unloadable
 
 Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
 
 
+# The columns the claim returns (``queries.sql``, ``claim_batch``), in order: the
+# fields of ``OutboxRow`` but ``unloadable``.  ``claimed_rows`` builds a row from
+# them by position, without a dict per record.
+CLAIM_COLUMNS = (
+    "id",
+    "message_id",
+    "exchange",
+    "routing_key",
+    "payload",
+    "headers",
+    "content_type",
+    "created_at",
+    "ordering_key",
+    "held_by",
+)
 # The columns of the claim whose types ``claim_cursor`` loads tolerantly
 # (timestamptz, jsonb): the only ones that can hold a value Python could not load.
 TOLERANT_COLUMNS = ("created_at", "headers")
 
 
-def outbox_row(record: Row) -> OutboxRow:
-    """An OutboxRow from a claimed record; never raises (see ``claim_cursor``)."""
+def claimed_rows(conn: Conn, cur: psycopg.Cursor[Any]) -> list[OutboxRow]:
+    """The rows of a claim executed on ``cur`` (a ``claim_cursor``), in id order;
+    never raises for a row's content.
+
+    A value that could not be loaded becomes an ``Unloadable`` holding PostgreSQL's
+    own text of it (one round trip per such value; only bad rows have any) and the
+    row a dead letter naming the column; the field holds a placeholder.  Only the
+    claim's columns of the tolerant types can hold one (``TOLERANT_COLUMNS``):
+    looking at every column of every row was a tenth of the relay's CPU."""
+    if cur.description is None:
+        return []
+    names = tuple(column.name for column in cur.description)
+    if names != CLAIM_COLUMNS:
+        raise AssertionError(f"the claim returned {names}, not {CLAIM_COLUMNS}")
+    rows = []
+    for record in cur.fetchall():
+        (id_, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+         ordering_key, held_by) = record  # fmt: skip
+        if type(headers) is _Unloaded or type(created_at) is _Unloaded:
+            rows.append(_partly_loaded(conn, record))
+            continue
+        rows.append(
+            OutboxRow(
+                id_,
+                message_id,
+                exchange,
+                routing_key,
+                payload,  # a view of the driver's result: no copy
+                headers,
+                content_type,
+                created_at,
+                ALL_LOADED,
+                ordering_key,
+                held_by,
+            )
+        )
+    rows.sort(key=_by_id)
+    return rows
+
+
+_by_id = operator.attrgetter("id")
+
+
+def _partly_loaded(conn: Conn, record: Sequence[Any]) -> OutboxRow:
+    values = dict(zip(CLAIM_COLUMNS, record, strict=True))
     unloadable = {
-        column: value
+        column: _text_of(conn, value)
         for column in TOLERANT_COLUMNS
-        if isinstance(value := record[column], Unloadable)
+        if isinstance(value := values[column], _Unloaded)
     }
-    return OutboxRow(
-        id=record["id"],
-        message_id=record["message_id"],
-        exchange=record["exchange"],
-        routing_key=record["routing_key"],
-        payload=record["payload"],  # a view of the driver's result: no copy
-        headers=None if "headers" in unloadable else record["headers"],
-        content_type=record["content_type"],
-        created_at=EPOCH if "created_at" in unloadable else record["created_at"],
-        unloadable=unloadable,
-        ordering_key=record["ordering_key"],
-        held_by=record["held_by"],
-    )
+    if "headers" in unloadable:
+        values["headers"] = None
+    if "created_at" in unloadable:
+        values["created_at"] = EPOCH
+    return OutboxRow(**values, unloadable=unloadable)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Unloaded:
     """A binary value Python could not load, as PostgreSQL sent it (``raw``);
-    ``with_texts`` asks the server for its text, which the dead letter keeps."""
+    ``claimed_rows`` asks the server for its text, which the dead letter keeps."""
 
     oid: int
     raw: bytes
@@ -81,9 +134,26 @@ class _TolerantLoader(Loader):
             return _Unloaded(self.oid, bytes(data), first_line(exc))
 
 
+class _TolerantTimestampLoader(_TolerantLoader):
+    """timestamptz, tolerantly, and equal values as one object: the rows of one
+    transaction share their ``created_at`` (its ``now()``).  Loaded once, not once
+    per row, and the AMQP timestamp is then computed once (``outbox.amqp.frames``)."""
+
+    _last: tuple[bytes, Any] = (b"", None)
+
+    def load(self, data: Any) -> Any:
+        raw = bytes(data)  # 8 bytes
+        last = self._last
+        if raw == last[0]:
+            return last[1]
+        value = super().load(data)
+        self._last = (raw, value)
+        return value
+
+
 @functools.cache
-def _tolerant(inner: type[Loader]) -> type[Loader]:
-    return type(f"Tolerant{inner.__name__}", (_TolerantLoader,), {"inner": inner})
+def _tolerant(inner: type[Loader], base: type[_TolerantLoader] = _TolerantLoader) -> type[Loader]:
+    return type(f"Tolerant{inner.__name__}", (base,), {"inner": inner})
 
 
 class _PayloadLoader(Loader):
@@ -117,36 +187,29 @@ class _RawDumper(Dumper):
         return dumper
 
 
-def claim_cursor(conn: Conn) -> psycopg.Cursor[Row]:
+def claim_cursor(conn: Conn) -> psycopg.Cursor[tuple[Any, ...]]:
     """A binary cursor: a payload arrives as its bytes, not as hex text twice its
     size (plus a decoded copy), and stays in the driver's result (``_PayloadLoader``).
 
     timestamptz and jsonb values that cannot be loaded come back as ``_Unloaded``
-    instead of failing the whole fetch.
+    instead of failing the whole fetch.  Records are tuples (``claimed_rows``).
     """
-    cur = conn.cursor(binary=True)
-    for type_name in ("timestamptz", "jsonb"):
+    cur = conn.cursor(binary=True, row_factory=tuple_row)
+    for type_name, base in (
+        ("timestamptz", _TolerantTimestampLoader),
+        ("jsonb", _TolerantLoader),
+    ):
         info = cur.adapters.types[type_name]
         inner = cur.adapters.get_loader(info.oid, Format.BINARY)
         if inner is not None and not issubclass(inner, _TolerantLoader):
-            cur.adapters.register_loader(info.oid, _tolerant(inner))
+            cur.adapters.register_loader(info.oid, _tolerant(inner, base))
     cur.adapters.register_loader("bytea", _PayloadLoader)
     return cur
 
 
-def with_texts(conn: Conn, records: list[Row]) -> list[Row]:
-    """Replace each ``_Unloaded`` value by an ``Unloadable`` holding PostgreSQL's own
-    text of it (one round trip per such value; only bad rows have any).
-
-    Only the claim's columns of the tolerant types can hold one (``TOLERANT_COLUMNS``):
-    looking at every column of every row was a tenth of the relay's CPU."""
-    for record in records:
-        for column in TOLERANT_COLUMNS:
-            value = record.get(column)
-            if isinstance(value, _Unloaded):
-                cur = conn.cursor()
-                cur.adapters.register_dumper(_Unloaded, _RawDumper)
-                row = cur.execute("SELECT %b::text AS text", [value]).fetchone()
-                text = row["text"] if row else ""
-                record[column] = Unloadable(text, value.error)
-    return records
+def _text_of(conn: Conn, value: _Unloaded) -> Unloadable:
+    """PostgreSQL's own text of a value Python could not load (one round trip)."""
+    cur = conn.cursor()
+    cur.adapters.register_dumper(_Unloaded, _RawDumper)
+    row = cur.execute("SELECT %b::text AS text", [value]).fetchone()
+    return Unloadable(row["text"] if row else "", value.error)

@@ -272,14 +272,14 @@ def to_message(row: OutboxRow) -> Message:
     headers = row.headers
     if row.ordering_key is not None:
         headers = {**(headers or {}), ORDERING_KEY_HEADER: row.ordering_key}
-    return Message(
-        exchange=row.exchange,
-        routing_key=row.routing_key,
-        body=row.payload,
-        message_id=str(row.message_id),
-        content_type=row.content_type,
-        headers=headers,
-        timestamp=row.created_at,
+    return Message(  # by position: one per row, and keywords cost as much again
+        row.exchange,
+        row.routing_key,
+        row.payload,
+        str(row.message_id),
+        row.content_type,
+        headers,
+        row.created_at,
     )
 
 
@@ -414,7 +414,7 @@ class Batches:
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
         held_keys = {r.ordering_key for r in held}
-        batch.follows = any(r.ordering_key in held_keys for r in rows)
+        batch.follows = bool(held_keys) and any(r.ordering_key in held_keys for r in rows)
         try:
             with self._writing("prepare"):
                 store.prepare(batch.gid)

@@ -77,6 +77,12 @@ class Suspects:
         self._expire()
         return len(self._entries)
 
+    @property
+    def empty(self) -> bool:
+        """No row is under suspicion or has a verdict: the usual case, answered
+        without a look per row (entries past their ``ttl`` still count here)."""
+        return not self._entries
+
     def _live(self, row_id: int) -> _Entry | None:
         entry = self._entries.get(row_id)
         if entry is not None and entry.until <= self._clock():

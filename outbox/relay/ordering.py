@@ -27,6 +27,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 from outbox.message import DeadLetter, OutboxRow
@@ -35,18 +36,23 @@ from outbox.message import DeadLetter, OutboxRow
 def waves(rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
     """The rows in publishing waves: wave *i* is the *i*-th row (by id) of each key;
     rows without a key all go in wave 0.  Each wave is in id order."""
-    result: list[list[OutboxRow]] = []
-    seen: dict[str, int] = {}
-    for row in sorted(rows, key=lambda r: r.id):
-        if row.ordering_key is None:
-            wave = 0
-        else:
-            wave = seen.get(row.ordering_key, 0)
-            seen[row.ordering_key] = wave + 1
-        while len(result) <= wave:
+    first: list[OutboxRow] = []
+    result = [first]
+    seen: dict[str, int] = {}  # key → its rows so far
+    for row in sorted(rows, key=_by_id):
+        key = row.ordering_key
+        if key is None:
+            first.append(row)
+            continue
+        wave = seen.get(key, 0)
+        seen[key] = wave + 1
+        if wave == len(result):  # a key's rows go one wave further at a time
             result.append([])
         result[wave].append(row)
-    return result
+    return result if first else []  # a row or more: wave 0 has one
+
+
+_by_id = operator.attrgetter("id")
 
 
 def blockers(dead: Iterable[DeadLetter]) -> dict[str, int]:

@@ -35,6 +35,7 @@ relay never disagree about a batch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -261,9 +262,17 @@ class Relay:
         if self.store is None:
             self.start()
         busy_steps = 0  # steps in a row that found work
+        failed = False
         try:
             while not self.stop:
                 self.stats.last_progress = time.monotonic()
+                if failed:
+                    # The failed step's traceback held its frames, and they its
+                    # batches' rows: reference cycles.  Free them now, not whenever
+                    # the collector next runs (``cli.common.collect_young_less_often``):
+                    # a failure repeated must not hold a batch of large rows each.
+                    gc.collect(1)
+                    failed = False
                 try:
                     # A reconnect that failed earlier leaves a session missing.
                     self._connect_database()
@@ -292,6 +301,7 @@ class Relay:
                     if isinstance(exc, PreparedSlotsExhausted):
                         emit(log, "relay.prepared_slots_exhausted", logging.WARNING, hint=exc.hint)
                     self._reconnect(exc)
+                    failed, busy_steps = True, 0
             with contextlib.suppress(*RETRYABLE):
                 self.batches.finish_in_flight()  # stopping: finish what is in flight
         finally:

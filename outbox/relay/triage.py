@@ -73,15 +73,18 @@ class Triage:
         dead: list[DeadLetter] = []
         good: list[OutboxRow] = []
         now = self._clock()
+        # Usually nothing was refused and nobody is suspect: no look-up per row then.
+        refusals = self._exchanges_refused
+        suspects = None if self.suspects.empty else self.suspects
         for row in rows:
             reason = problem_with(row, self.max_message_bytes)
             if reason is None and row.exchange in missing:
                 reason = f"exchange {row.exchange!r} does not exist"
-            refused = self._exchanges_refused.get(row.exchange)
+            refused = refusals.get(row.exchange) if refusals else None
             if reason is None and refused is not None and refused[1] > now:
                 reason = refused[0]
-            if reason is None:
-                reason = self.suspects.verdict(row.id)
+            if reason is None and suspects is not None:
+                reason = suspects.verdict(row.id)
             if reason is None:
                 good.append(row)
             else:
@@ -90,6 +93,8 @@ class Triage:
 
     def isolate(self, rows: Sequence[OutboxRow]) -> tuple[list[OutboxRow], list[OutboxRow]]:
         """Split publishable rows into suspects (to publish one at a time) and the rest."""
+        if self.suspects.empty:
+            return [], list(rows)
         suspects = [r for r in rows if self.suspects.is_suspect(r.id)]
         if not suspects:
             return [], list(rows)

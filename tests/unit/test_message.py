@@ -112,3 +112,27 @@ def test_problem_with__any_nesting_depth_is_a_reason_never_a_crash(
         nested = {"k": nested} if objects else [nested]
     problem = problem_with(row(headers={"d": nested}), MAX)
     assert problem == f"headers nest deeper than {MAX_HEADER_DEPTH} levels"
+
+
+@given(
+    created_at=st.datetimes(
+        min_value=datetime.datetime(1969, 12, 29),
+        max_value=datetime.datetime(1971, 1, 3),
+        timezones=st.timezones(),
+    ),
+    routing_key=st.text(max_size=300),
+)
+def test_problem_with__the_shortcuts_agree_with_the_rules(
+    created_at: datetime.datetime, routing_key: str
+) -> None:
+    """A year after 1970 and a short string skip the exact checks: near the edges
+    (time zones around 1970, characters of up to 4 bytes) the verdict is the same."""
+    try:
+        size = len(routing_key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return  # a lone surrogate: PostgreSQL text never holds one
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+    problem = problem_with(row(created_at=created_at, routing_key=routing_key), MAX) or ""
+    assert ("before 1970" in problem) == (created_at < epoch)
+    if created_at >= epoch:
+        assert ("routing_key is" in problem) == (size > 255)

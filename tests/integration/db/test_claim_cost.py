@@ -143,3 +143,44 @@ def test_gid_statements__a_gid_that_needs_quoting_is_quoted(dsn: str) -> None:
         store.abandon_claim()
     finally:
         store.close()
+
+
+def test_claim__equal_timestamps_load_once_as_one_object(dsn: str) -> None:
+    """The rows of one transaction share their ``created_at``: the claim loads it
+    once and hands every such row the same object (so the relay converts it to an
+    AMQP timestamp once), while each row still gets its own value, whatever runs
+    between equal ones (another value, one Python cannot load)."""
+    stamps = [
+        "2024-05-01 10:00:00+00",
+        "2024-05-01 10:00:00+00",
+        "2024-05-01 10:00:01+00",
+        "2024-05-01 10:00:00+00",
+        "infinity",
+        "2024-05-01 10:00:00+00",
+        "2024-05-01 10:00:00+00",
+    ]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for stamp in stamps:
+            conn.execute(
+                "INSERT INTO outbox (exchange, routing_key, payload, created_at) "
+                "VALUES ('x', 'k', 'p', %s)",
+                [stamp],
+            )
+    store = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        rows = store.claim_batch(100)
+        store.abandon_claim()
+    finally:
+        store.close()
+    assert [r.created_at.isoformat() if not r.unloadable else "unloadable" for r in rows] == [
+        "2024-05-01T10:00:00+00:00",
+        "2024-05-01T10:00:00+00:00",
+        "2024-05-01T10:00:01+00:00",
+        "2024-05-01T10:00:00+00:00",
+        "unloadable",
+        "2024-05-01T10:00:00+00:00",
+        "2024-05-01T10:00:00+00:00",
+    ]
+    assert rows[4].unloadable["created_at"].text == "infinity"
+    assert rows[0].created_at is rows[1].created_at
+    assert rows[5].created_at is rows[6].created_at

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.amqp.confirms import Delivery, Outcome, Pending, Unconfirmed, match_return
+from outbox.amqp.confirms import Confirms, Delivery, Outcome, Pending, Unconfirmed, match_return
 from outbox.amqp.frames import FrameTooLarge, Message, Piece, amqp_timestamp, encode_publish
 
 SHARED = "33333333-3333-3333-3333-333333333331"
@@ -122,3 +122,18 @@ def test_amqp_timestamp__range_ends(moment: datetime.datetime, seconds: int) -> 
 def test_amqp_timestamp__before_1970_is_refused_not_crashed() -> None:
     with pytest.raises(ValueError, match="before 1970"):
         amqp_timestamp(datetime.datetime(1, 1, 1, tzinfo=datetime.timezone.utc))
+
+
+def test_confirms__a_pending_send_counts_its_nacks() -> None:
+    """``Publisher.confirmed`` replaces a nacking channel by that count alone."""
+    messages = [Message("x", "k", b"%d" % i, "m") for i in range(5)]
+    pending = Pending([Delivery() for _ in messages])
+    confirms = Confirms()
+    confirms.track(pending, range(5), messages)
+    confirms.confirm(2, multiple=True, accepted=True)
+    confirms.confirm(4, multiple=True, accepted=False)
+    confirms.confirm(5, multiple=False, accepted=True)
+    assert pending.settled and pending.nacked == 2
+    assert [d.outcome for d in pending.deliveries] == [Outcome.ACCEPTED] * 2 + [
+        Outcome.NACKED
+    ] * 2 + [Outcome.ACCEPTED]

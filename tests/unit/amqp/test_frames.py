@@ -106,3 +106,17 @@ def test_encode_publish__rejects_a_routing_key_longer_than_255_bytes() -> None:
     message = Message("ex", "k" * 256, b"", "id")
     with pytest.raises(ValueError, match="255"):
         encode_publish(1, message, mandatory=True, body_max=100)
+
+
+def test_encode_publish__each_message_carries_its_own_timestamp() -> None:
+    """The last AMQP timestamp is remembered by identity (rows of one transaction
+    share one ``created_at`` object): an equal moment as another object, a later
+    one, and the first again each encode their own seconds."""
+    utc = datetime.timezone.utc
+    first = datetime.datetime(2024, 5, 1, 10, 0, tzinfo=utc)
+    moments = [first, first, datetime.datetime(2024, 5, 1, 10, 0, tzinfo=utc)]
+    moments += [first + datetime.timedelta(seconds=1), first]
+    for moment in moments:
+        message = Message("ex", "k", b"body", "id", timestamp=moment)
+        pieces = encode_publish(1, message, mandatory=True, body_max=100)
+        assert b"".join(pieces) == pika_bytes(1, message, 100)

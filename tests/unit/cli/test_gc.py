@@ -49,7 +49,29 @@ def test_relay_command__freezes_after_connecting_and_before_relaying(
 
     monkeypatch.setattr(process, "Relay", FakeRelay)
     monkeypatch.setattr("outbox.cli.relay.freeze_startup_heap", lambda: calls.append("freeze"))
+    monkeypatch.setattr(
+        "outbox.cli.relay.collect_young_less_often", lambda size: calls.append(f"young {size}")
+    )
     with pytest.raises(SystemExit) as exited:
-        cli.main(["relay", "--drain", "--dsn", "postgresql://127.0.0.1:1/none"])
+        cli.main(
+            ["relay", "--drain", "--dsn", "postgresql://127.0.0.1:1/none", "--batch-size", "7"]
+        )
     assert exited.value.code in (0, None)
-    assert calls == ["start", "freeze", "run"]
+    assert calls == ["start", "freeze", "young 7", "run"]
+
+
+@pytest.fixture
+def thresholds() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+
+
+def test_collect_young_less_often__scales_with_the_batch_and_never_lowers(
+    thresholds: None,
+) -> None:
+    gc.set_threshold(700, 10, 10)
+    common.collect_young_less_often(1000)
+    assert gc.get_threshold() == (common.OBJECTS_PER_ROW * 1000, 10, 10)
+    common.collect_young_less_often(1)
+    assert gc.get_threshold() == (common.OBJECTS_PER_ROW * 1000, 10, 10)

@@ -481,7 +481,7 @@ def test_ordering__a_returned_row_holds_its_keys_later_rows_back_or_not(
 ) -> None:
     rows = make_rows(1, ordering_keys=["a"]) + make_rows(1, start=2, key="nowhere")
     rows += make_rows(3, start=3, ordering_keys=["b", "b", "a"])
-    rows[1] = dataclasses.replace(rows[1], ordering_key="b")  # row 2: b, unroutable
+    rows[1] = rows[1]._replace(ordering_key="b")  # row 2: b, unroutable
     store = FakeStore(rows)
     broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
     batches = make_batches(store, broker, depth=depth)
@@ -572,7 +572,7 @@ def test_ordering__a_following_batch_is_rolled_back_unpublished_when_the_first_f
 
 def test_ordering__a_following_batch_holds_rows_behind_the_first_ones_dead_letters() -> None:
     rows = make_rows(20, ordering_keys=["a", "b"])
-    rows[2] = dataclasses.replace(rows[2], routing_key="nowhere")  # row 3, key a
+    rows[2] = rows[2]._replace(routing_key="nowhere")  # row 3, key a
     store = FakeStore(rows)
     broker = FakeBroker(routing=Routing(unroutable_keys={"nowhere"}))
     batches = make_batches(store, broker, depth=2)

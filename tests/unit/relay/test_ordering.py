@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,7 +51,7 @@ def test_hold__rows_behind_a_dead_letter_of_their_key_follow_it() -> None:
 
 def test_hold__the_claim_says_a_row_is_behind_an_older_dead_letter() -> None:
     [row, free_row] = make_rows(2, ordering_keys=["a", None])
-    row = dataclasses.replace(row, held_by=0)
+    row = row._replace(held_by=0)
     held, free = ordering.hold([row, free_row], {})
     assert [d.row.id for d in held] == [1] and "(row 0)" in held[0].reason
     assert free == [free_row]
