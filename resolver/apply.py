@@ -1,7 +1,8 @@
 """One resolver pass: scan, gather evidence, decide, apply.
 
 Races are harmless by construction: COMMIT/ROLLBACK PREPARED on a gid that another
-finisher already took returns "finished elsewhere" (SQLSTATE 42704 or 55000), and
+finisher already took returns "finished elsewhere" (SQLSTATE 42704), or "held
+elsewhere" while that finisher is still at it (55000: looked at again next pass), and
 both finishers decide from the same evidence rule, so they never disagree about a
 batch whose owner is dead.
 """
