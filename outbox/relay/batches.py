@@ -365,7 +365,24 @@ class Batches:
             raise
 
     def finish_in_flight(self) -> None:
-        """Stopping: finish the batch published last, claim no more, settle the rest."""
+        """Stopping: finish the batch published last, claim no more, settle the rest.
+
+        Without a database session (it was lost and could not be opened again) none
+        can be finished or looked up: they are left in doubt to the resolvers, whose
+        relay id ends with this process, and the log says how many."""
+        if self.store is None:
+            self.fail(None)
+            if self.in_flight:
+                emit(
+                    log,
+                    "relay.stopped_with_batches_in_doubt",
+                    logging.WARNING,
+                    batches=len(self.in_flight),
+                    gids=",".join(self.in_flight),
+                    hint="no database session: a resolver (any relay, or outbox resolve) "
+                    "finishes them",
+                )
+            return
         try:
             waiting = self._waiting()
             if waiting is not None:

@@ -278,6 +278,21 @@ def test_failure__published_batch_outlives_a_database_failure_of_the_next_prepar
     assert duplicates(broker, 20) == 0
 
 
+def test_stop__without_a_database_session_leaves_batches_in_doubt_to_resolvers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stopping while the database is down (the store lost, not reopened): no
+    AssertionError, the batch is left prepared for a resolver, and the log says so."""
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    batches.store = None
+    batches.finish_in_flight()
+    assert [b.state for b in batches.in_flight.values()] == [State.IN_DOUBT]
+    assert len(store.prepared) == 1
+    assert "relay.stopped_with_batches_in_doubt" in caplog.text
+
+
 def test_failure__broker_loss_puts_the_published_batch_in_doubt() -> None:
     store, broker = FakeStore(make_rows(20)), FakeBroker()
     batches = make_batches(store, broker, depth=2)
