@@ -8,7 +8,9 @@ the relay's publisher so that the difference is exactly what the guarantee costs
     publish (persistent, mandatory, confirms pipelined)
     COMMIT                           -- ROLLBACK if a message was not confirmed
 
-It is woken by the outbox trigger's NOTIFY, as the relay is.  It has no PREPARE,
+It is woken by the outbox trigger's NOTIFY as the relay is: it holds the wake-up
+lock while it waits and lets it go once busy (``WakeupListener``, schema 5), and
+polls soon after taking it, then less often, as ``Relay._wait_for_work`` does.  It has no PREPARE,
 no ledger record and no COMMIT PREPARED, so a crash between the confirms and the
 COMMIT publishes the batch again with nothing to say so, and the batch's row locks
 end with the session: it is a yardstick for ``outbox bench``, never a way to
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import types
 
 from psycopg import sql
@@ -28,6 +31,7 @@ from outbox.amqp.confirms import Outcome
 from outbox.amqp.frames import Message
 from outbox.amqp.publisher import Publisher
 from outbox.db import session
+from outbox.db.relays import WakeupListener
 
 BATCH_SIZE = 1000
 CONFIRM_TIMEOUT = 30.0
@@ -51,23 +55,29 @@ def claim(table: str, limit: int) -> sql.Composed:
 def run(dsn: str, table: str, amqp_url: str) -> int:
     """Move rows until SIGTERM; returns how many were published and committed."""
     work = session.connect(dsn, application_name="outbox-bench-poller")
-    wakeups = session.connect(dsn, application_name="outbox-bench-poller")
-    wakeups.execute(sql.SQL("LISTEN {}").format(sql.Identifier(table)))
+    wakeups = WakeupListener(dsn, table)
     publisher = Publisher(amqp_url)
     publisher.connect()
     statement = claim(table, BATCH_SIZE)
-    moved = 0
+    moved = busy = 0
     print("ready", flush=True)
     while not _stop:
         work.execute("BEGIN")
         rows = work.execute(statement).fetchall()
         if not rows:
             work.execute("ROLLBACK")
-            # Serve the broker connection while waiting for a NOTIFY.
-            if publisher.wait(1.0, wake_fd=wakeups.fileno()):
-                for _ in wakeups.notifies(timeout=0):
-                    pass
+            busy = 0
+            if not wakeups.wanting and wakeups.want_wakeups():
+                continue
+            held = time.monotonic() - wakeups.wanting_since
+            # Serve the broker connection while waiting for a NOTIFY or the next poll
+            # (the claim).
+            if publisher.wait(min(max(0.002, held), 1.0), wake_fd=wakeups.fileno()):
+                wakeups.take_notifications()
             continue
+        busy += 1
+        if busy == 2 and wakeups.wanting:
+            wakeups.stop_wanting_wakeups()
         messages = [
             Message(r["exchange"], r["routing_key"], r["payload"], str(r["message_id"]))
             for r in rows
