@@ -38,7 +38,7 @@ import psycopg
 from psycopg import sql
 
 from outbox.bench.harness import Database, Echo, bench_database
-from outbox.db import session
+from outbox.db import migrate, session
 from outbox.db.devcluster import postgres_bindir
 from outbox.db.relays import WakeupListener
 from outbox.errors import OutboxError
@@ -48,15 +48,15 @@ CLIENTS = 16
 FLUSH_DELAYS_US = (0, 1000)
 TRIGGERS = ("none", "schema 4", "schema 5, relays busy", "schema 5, a relay waiting")
 
-# The outbox trigger's function as schema 4 left it (0001_outbox.sql).
-SCHEMA_4_BODY = """
-CREATE OR REPLACE FUNCTION {function}() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify(TG_TABLE_NAME, '');
-    RETURN NULL;
-END
-$$"""
+
+def schema_4_function() -> str:
+    """The outbox trigger's function as schemas 1 to 4 had it (``0001_outbox.sql``)."""
+    [first] = [m for m in migrate.migrations() if m.version == 1]
+    match = re.search(
+        r"^CREATE OR REPLACE FUNCTION \{notify_function\}\(\).*?^\$\$;", first.text, re.M | re.S
+    )
+    assert match, "0001_outbox.sql defines the trigger's function"
+    return match.group(0).rstrip(";")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ def _trigger(
             )
         )
     elif trigger == "schema 4":
-        conn.execute(sql.SQL(SCHEMA_4_BODY).format(function=ids["notify_function"]))
+        conn.execute(sql.SQL(schema_4_function()).format(**ids))
     elif trigger == "schema 5, a relay waiting":
         waiting = WakeupListener(db.dsn, db.table)
         waiting.want_wakeups()

@@ -286,6 +286,20 @@ def joined(relay: Relay, thread: threading.Thread, dsn: str, timeout: float = 60
         pytest.fail(f"the relay did not drain the outbox: {prepared_left(dsn)}")
 
 
+@contextlib.contextmanager
+def orphaned(relay: Relay, orphan: Orphan, proxy: TcpProxy) -> Iterator[None]:
+    """Arm the cut, start ``relay`` (``start``) and, whatever happens, disarm, resume
+    the lost backend, stop the relay and bring the standby back."""
+    try:
+        relay.start()
+        yield
+    finally:
+        proxy.disarm()
+        orphan.resume()
+        relay.stop.set()
+        set_standby(orphan.server_dsn, None)
+
+
 def test_pipelined_prepare_cut_while_the_batch_before_is_published(
     pg_server: str, settings: Settings, topology: Topology, pg_proxy: TcpProxy
 ) -> None:
@@ -299,8 +313,7 @@ def test_pipelined_prepare_cut_while_the_batch_before_is_published(
         )
     )
     orphan = Orphan(pg_server, b"PREPARE TRANSACTION")
-    try:
-        relay.start()
+    with orphaned(relay, orphan, pg_proxy):
         orphan.arm(pg_proxy, skip=1)
         thread = start(relay)
         assert pg_proxy.triggered.wait(20), "the relay never sent a second PREPARE"
@@ -309,10 +322,6 @@ def test_pipelined_prepare_cut_while_the_batch_before_is_published(
         wait_for(lambda: not orphan.running(), 20, "the relay to end its lost backend")
         set_standby(pg_server, None)
         joined(relay, thread, settings.dsn)
-    finally:
-        pg_proxy.disarm()
-        relay.stop.set()
-        set_standby(pg_server, None)
 
     assert relay.stats.batches_rolled_back == 1
     assert relay.stats.messages_published == ROWS
@@ -331,8 +340,7 @@ def test_commit_prepared_still_running_after_the_cut_is_ended_committed(
         dataclasses.replace(settings, dsn=proxied_dsn(settings.dsn, pg_proxy), batch_size=BATCH)
     )
     orphan = Orphan(pg_server, b"COMMIT PREPARED")
-    try:
-        relay.start()
+    with orphaned(relay, orphan, pg_proxy):
         orphan.arm(pg_proxy)
         thread = start(relay)
         assert pg_proxy.triggered.wait(20), "the relay never sent a COMMIT PREPARED"
@@ -340,10 +348,6 @@ def test_commit_prepared_still_running_after_the_cut_is_ended_committed(
         assert orphan.gid not in prepared_left(settings.dsn)  # committed, while stalled
         set_standby(pg_server, None)
         joined(relay, thread, settings.dsn)
-    finally:
-        pg_proxy.disarm()
-        relay.stop.set()
-        set_standby(pg_server, None)
 
     assert relay.stats.batches_rolled_back == 0
     assert relay.stats.messages_published == ROWS
@@ -366,8 +370,7 @@ def test_a_lost_backend_that_does_not_end_keeps_its_batch_in_doubt(
         )
     )
     orphan = Orphan(pg_server, b"PREPARE TRANSACTION", stop=True)
-    try:
-        relay.start()
+    with orphaned(relay, orphan, pg_proxy):
         orphan.arm(pg_proxy)
         thread = start(relay)
         assert pg_proxy.triggered.wait(20), "the relay never sent a PREPARE"
@@ -377,11 +380,6 @@ def test_a_lost_backend_that_does_not_end_keeps_its_batch_in_doubt(
         set_standby(pg_server, None)
         orphan.resume()  # it ends now: it was told to
         joined(relay, thread, settings.dsn)
-    finally:
-        pg_proxy.disarm()
-        orphan.resume()
-        relay.stop.set()
-        set_standby(pg_server, None)
 
     assert relay.stats.batches_rolled_back == 1
     assert relay.stats.messages_published == ROWS
