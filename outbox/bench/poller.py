@@ -10,8 +10,8 @@ the relay's publisher so that the difference is exactly what the guarantee costs
 
 It is woken by the outbox trigger's NOTIFY as the relay is: it holds the wake-up
 lock while it waits and lets it go once busy (``WakeupListener``, schema 5), and
-polls soon after taking it, then less often, as ``Relay._wait_for_work`` does.  It has no PREPARE,
-no ledger record and no COMMIT PREPARED, so a crash between the confirms and the
+polls soon after taking it, then less often (``WakeupListener.poll_pause``).  It
+has no PREPARE, no ledger record and no COMMIT PREPARED, so a crash between the confirms and the
 COMMIT publishes the batch again with nothing to say so, and the batch's row locks
 end with the session: it is a yardstick for ``outbox bench``, never a way to
 deploy.  It prints ``ready`` once connected and listening, and stops on SIGTERM.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 import types
 
 from psycopg import sql
@@ -69,10 +68,9 @@ def run(dsn: str, table: str, amqp_url: str) -> int:
             busy = 0
             if not wakeups.wanting and wakeups.want_wakeups():
                 continue
-            held = time.monotonic() - wakeups.wanting_since
             # Serve the broker connection while waiting for a NOTIFY or the next poll
             # (the claim).
-            if publisher.wait(min(max(0.002, held), 1.0), wake_fd=wakeups.fileno()):
+            if publisher.wait(wakeups.poll_pause(1.0), wake_fd=wakeups.fileno()):
                 wakeups.take_notifications()
             continue
         busy += 1

@@ -76,6 +76,10 @@ class ControlSession(Session):
             self.conn.execute(self.queries["unregister_relay"], {"relay_id": self.relay_id})
 
 
+# The first poll after a relay takes the wake-up lock anew (``WakeupListener.poll_pause``).
+FIRST_POLL_SECONDS = 0.002
+
+
 class WakeupListener(Session):
     """LISTENs for the outbox trigger's NOTIFY; the idle relay waits on its socket.
 
@@ -118,6 +122,14 @@ class WakeupListener(Session):
         self.wanting = bool(row["listening"])
         self.wanting_since = time.monotonic()
         return bool(row["rows_waiting"])
+
+    def poll_pause(self, longest: float) -> float:
+        """How long to wait before the next poll: as long as the lock has been held
+        (``FIRST_POLL_SECONDS`` at least, ``longest`` at most).  A commit whose
+        INSERT ran before the lock was taken notifies nobody; a commit that ends
+        ``t`` after the lock was taken is found by about ``2 t``."""
+        held = time.monotonic() - self.wanting_since
+        return min(max(FIRST_POLL_SECONDS, held), longest)
 
     def stop_wanting_wakeups(self) -> None:
         try:

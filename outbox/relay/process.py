@@ -66,10 +66,6 @@ log = logging.getLogger("outbox.relay")
 # told to (a backend ends within milliseconds unless stuck in I/O).
 PREDECESSOR_WAIT_SECONDS = 5.0
 
-# The first poll after the relay falls idle (then every pause doubles, up to
-# poll_interval): a commit whose INSERT ran while no relay waited notifies nobody.
-FIRST_POLL_SECONDS = 0.002
-
 __all__ = ["Relay", "Stats", "StopFlag"]
 
 
@@ -336,10 +332,9 @@ class Relay:
         (``_busy``), so that commits do not notify while it claims anyway.  A commit
         whose INSERT ran while the lock was not held notifies nobody, however late
         it commits: after taking the lock anew the relay therefore polls soon and
-        then less often, ``FIRST_POLL_SECONDS`` after taking it and then each time
-        twice as long after, up to ``poll_interval`` (a commit that ends ``t`` after
-        the lock was taken is found by about ``2 t``).  Once the lock has been held
-        for ``poll_interval``, every commit that can still come notifies.
+        then less often (``WakeupListener.poll_pause``), each pause twice the one
+        before, up to ``poll_interval``, at which a longer transaction's commit is
+        found, as any commit was before schema 5 without a NOTIFY.
 
         Idle cost: a dozen polls when it falls idle after being busy, then one per
         ``poll_interval`` on the wake-up session, one heartbeat per
@@ -352,8 +347,7 @@ class Relay:
             return
         if not wakeups.wanting and wakeups.want_wakeups():
             return
-        held = time.monotonic() - wakeups.wanting_since
-        pause = min(max(FIRST_POLL_SECONDS, held), self.settings.poll_interval)
+        pause = wakeups.poll_pause(self.settings.poll_interval)
         deadline = time.monotonic() + pause
         while not self.stop:
             now = time.monotonic()
