@@ -63,6 +63,13 @@ def reached(point: str) -> None:
         crash()
 
 
+def active() -> bool:
+    """True while a crash point is armed: the relay then lets the broker confirm what
+    is in flight before it picks the step's order (``Batches._confirms_in``), so that
+    the outcome of each crash does not depend on how fast the broker was."""
+    return bool(_point) and _remaining > 0
+
+
 def armed(point: str) -> bool:
     """True if the next ``reached(point)`` will crash (lets the relay split a publish)."""
     return point == _point and _remaining == 1

@@ -19,8 +19,10 @@ leaves every unconfirmed message in doubt (``Outcome.UNKNOWN``); the next batch
 opens a fresh channel.
 
 The pure parts live elsewhere: the frames' bytes in ``outbox.amqp.frames``, which
-message a confirm or a return is about in ``outbox.amqp.confirms``.  pika's two private
-members that the fast path needs are used only through ``_Wire`` below.
+message a confirm or a return is about in ``outbox.amqp.confirms``.  pika's private
+members that the fast paths need (writing our own frames, reading confirm frames
+ourselves, telling an idle socket from a pass of the I/O loop) are used only
+through ``_Wire`` below, and ``tests/unit/amqp/test_pika_private.py`` pins them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import select
 import ssl
 import struct
 import uuid
@@ -38,11 +41,21 @@ import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.adapters.utils import connection_workflow
+from pika.adapters.utils.io_services_utils import _AsyncPlaintextTransport
 
 from outbox import urls
 from outbox.amqp import failover
 from outbox.amqp.confirms import Confirms, Delivery, Outcome, Pending
-from outbox.amqp.frames import FLUSH_BYTES, FrameTooLarge, Message, Piece, coalesce, encode_publish
+from outbox.amqp.frames import (
+    FLUSH_BYTES,
+    Confirm,
+    FrameTooLarge,
+    Message,
+    Piece,
+    coalesce,
+    encode_publish,
+    leading_confirms,
+)
 from outbox.errors import BrokerUnavailable, InvalidSetting, OutboxError
 from outbox.events import emit
 
@@ -50,7 +63,7 @@ log = logging.getLogger("outbox.publisher")
 
 
 class _Wire:
-    """pika's private members that the publisher's fast path needs, in one place.
+    """pika's private members that the publisher's fast paths need, in one place.
 
     pika sends a message as three frame objects, one ``send()`` each; we hand it
     whole runs of frames we encoded ourselves (``outbox.amqp.frames``).  That takes the
@@ -68,6 +81,65 @@ class _Wire:
     def write(conn: SelectConnection, pieces: list[Piece]) -> None:
         # pika queues each piece as it is (a view too) until the socket takes it.
         conn._output_marshaled_frames(pieces)
+
+    @staticmethod
+    def flush(conn: SelectConnection) -> bool:
+        """Write what pika holds for the socket, as much as it takes now, as a pass of
+        the I/O loop would when the socket is writable, without setting a poller up
+        and tearing it down.  False for a TLS connection: its writes go through the
+        SSL object's state machine, and only a pass of the loop drives that."""
+        transport = conn._transport
+        if type(transport) is not _AsyncPlaintextTransport:
+            return False
+        if transport.get_write_buffer_size():
+            transport._on_socket_writable()  # stops watching for writable once all is out
+        return True
+
+    @staticmethod
+    def quiet(conn: SelectConnection) -> bool:
+        """Nothing to read on the connection's socket and nothing buffered to write:
+        a pass of the I/O loop would do nothing (one ``select`` instead of a pass,
+        which sets a poller up and tears it down)."""
+        transport = conn._transport
+        if transport is None or transport.get_write_buffer_size():
+            return False
+        sock = transport._sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return False  # decrypted bytes waiting that select cannot see
+        readable, _, _ = select.select([sock], [], [], 0)
+        return not readable
+
+    @staticmethod
+    def take_confirms(
+        conn: SelectConnection,
+        channel: Callable[[], int | None],
+        on_confirms: Callable[[list[Confirm]], None],
+    ) -> None:
+        """Decode the confirm frames that start each read from the socket ourselves
+        (``frames.leading_confirms``) and hand them to ``on_confirms``; pika gets
+        the rest of the read, and every read while it holds part of a frame
+        (``_frame_buffer``).  ``channel``: the confirm-mode channel's number now,
+        None while there is none (then pika dispatches every frame, as before).
+
+        What pika does for each frame it reads is done here too: count its bytes
+        (``bytes_received``, which pika's heartbeat checker watches) and the frame
+        (``frames_received``)."""
+        receive = conn._on_data_available
+
+        def on_data_available(data: bytes) -> None:
+            number = channel()
+            if number is not None and not conn._frame_buffer:
+                used, confirms = leading_confirms(data, number)
+                if used:
+                    conn.bytes_received += used
+                    conn.frames_received += len(confirms)
+                    on_confirms(confirms)
+                    if used == len(data):
+                        return
+                    data = data[used:]
+            receive(data)
+
+        conn._on_data_available = on_data_available
 
 
 def connection_parameters(
@@ -201,6 +273,7 @@ class Publisher:
             on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_connection_closed,
         )
+        _Wire.take_confirms(self._conn, self._confirm_channel, self._on_confirms)
         self._run_until(lambda: self._opened or self._failure is not None, self._connect_timeout)
         if self._opened:
             return None
@@ -349,7 +422,8 @@ class Publisher:
             if chunk:
                 self._write(channel, pending, chunk, chunk_indexes, messages)
         # Start the transfer now: the broker works while the caller does other things.
-        self._run_until(lambda: False, 0.0)
+        if not _Wire.flush(conn):
+            self._run_until(lambda: False, 0.0)
         return pending
 
     def confirmed(self, pending: Pending, timeout: float) -> list[Delivery]:
@@ -375,6 +449,11 @@ class Publisher:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.reason = "not sent: the channel closed"
         return pending.deliveries
+
+    def collect_confirms(self) -> None:
+        """Take the confirms that have arrived so far, without waiting."""
+        if self.connected and not _Wire.quiet(self._conn):
+            self._run_until(lambda: False, 0.0)
 
     def wait_for_confirms(self, timeout: float) -> bool:
         """Serve the connection until nothing sent is unconfirmed (or ``timeout``)."""
@@ -407,6 +486,17 @@ class Publisher:
                 channel.close()
             except Exception:
                 log.debug("broker.channel_close_failed", exc_info=True)
+
+    def _confirm_channel(self) -> int | None:
+        channel = self._channel
+        return None if channel is None else int(channel.channel_number)
+
+    def _on_confirms(self, confirms: list[Confirm]) -> None:
+        """Confirms decoded by ``_Wire.take_confirms`` (pika's dispatch bypassed)."""
+        confirm = self._confirms.confirm
+        for delivery_tag, multiple, accepted in confirms:
+            confirm(delivery_tag, multiple=multiple, accepted=accepted)
+        self._poke()
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method

@@ -151,7 +151,9 @@ class BatchStore(Session):
         statement_timeout: float | None = None,
     ) -> None:
         super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
-        self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], bytes] | None = None
+        self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes] | None = (
+            None
+        )
         try:
             with self._translated("connecting"):
                 row = self.conn.execute(self.queries["own_backend"]).fetchone()
@@ -237,25 +239,34 @@ class BatchStore(Session):
             "own": list(own),
         }
         with self._translated("claiming a batch"):
-            cur, statement = self._claim_statement()
+            cur, plain, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
                 # BEGIN, the planner settings and the claim in one round trip.
                 with self.conn.pipeline():
-                    self.conn.execute(b"BEGIN", prepare=False)
-                    self.conn.execute(PINNED_CLAIM_PLAN)
+                    plain.execute(b"BEGIN", prepare=False)
+                    plain.execute(PINNED_CLAIM_PLAN)
                     cur.execute(statement, params)
             else:  # a libpq older than 14: two round trips
-                self.conn.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
+                plain.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
                 cur.execute(statement, params)
             return claimed_rows(self.conn, cur)
 
-    def _claim_statement(self) -> tuple[psycopg.Cursor[tuple[Any, ...]], bytes]:
-        """The claim's cursor and statement, built once per session: composing the
-        statement and setting up a cursor's loaders for every claim was about 7% of
-        the relay's CPU at a few rows per batch.  Reusing the cursor keeps the rows of
-        the batch before valid: each payload's view holds its own result."""
+    def _claim_statement(
+        self,
+    ) -> tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes]:
+        """The claim's cursor, a cursor for the statements before it (BEGIN, the
+        planner settings), and the claim's statement, built once per session:
+        composing the statement and setting up a cursor's loaders for every claim was
+        about 7% of the relay's CPU at a few rows per batch, and a cursor per
+        statement (``Connection.execute``) a few more.  Reusing the claim's cursor
+        keeps the rows of the batch before valid: each payload's view holds its own
+        result."""
         if self._claim is None:
-            self._claim = (claim_cursor(self.conn), self.queries["claim_batch"].as_bytes(self.conn))
+            self._claim = (
+                claim_cursor(self.conn),
+                self.conn.cursor(),
+                self.queries["claim_batch"].as_bytes(self.conn),
+            )
         return self._claim
 
     def abandon_claim(self) -> None:

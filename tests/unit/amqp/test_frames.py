@@ -11,7 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pika import frame, spec
 
-from outbox.amqp.frames import VIEW_BYTES, Message, coalesce, encode_publish
+from outbox.amqp.frames import (
+    CONFIRM_FRAME_SIZE,
+    VIEW_BYTES,
+    Confirm,
+    Message,
+    coalesce,
+    encode_publish,
+    leading_confirms,
+)
 
 short = st.text(max_size=60)
 header_values = st.recursive(
@@ -120,3 +128,49 @@ def test_encode_publish__each_message_carries_its_own_timestamp() -> None:
         message = Message("ex", "k", b"body", "id", timestamp=moment)
         pieces = encode_publish(1, message, mandatory=True, body_max=100)
         assert b"".join(pieces) == pika_bytes(1, message, 100)
+
+
+# -- confirms decoded by hand ----------------------------------------------------------
+def confirm_frame(channel: int, tag: int, multiple: bool, accepted: bool) -> bytes:
+    method = (
+        spec.Basic.Ack(delivery_tag=tag, multiple=multiple)
+        if accepted
+        else spec.Basic.Nack(delivery_tag=tag, multiple=multiple, requeue=not multiple)
+    )
+    return bytes(frame.Method(channel, method).marshal())
+
+
+tags = st.integers(0, 2**64 - 1)
+# Frames that must stop the run: a confirm of another channel, a heartbeat, a
+# basic.return, a channel.close.
+others = st.sampled_from(
+    [
+        confirm_frame(2, 7, False, True),
+        bytes(frame.Heartbeat().marshal()),
+        bytes(frame.Method(1, spec.Basic.Return(312, "NO_ROUTE", "x", "k")).marshal()),
+        bytes(frame.Method(1, spec.Channel.Close(406, "PRECONDITION_FAILED", 0, 0)).marshal()),
+        bytes(frame.Method(1, spec.Basic.Deliver("c", 5, False, "x", "k")).marshal()),
+    ]
+)
+
+
+@given(
+    confirms=st.lists(st.tuples(tags, st.booleans(), st.booleans()), max_size=8),
+    after=st.lists(others, max_size=3),
+    cut=st.integers(0, 25),
+)
+def test_leading_confirms__reads_exactly_pikas_frames_and_stops_at_anything_else(
+    confirms: list[tuple[int, bool, bool]], after: list[bytes], cut: int
+) -> None:
+    data = b"".join(confirm_frame(1, *c) for c in confirms) + b"".join(after)
+    data = data[: max(0, len(data) - cut)]  # a read may end inside a frame
+    used, read = leading_confirms(data, 1)
+    whole = min(len(confirms), len(data) // CONFIRM_FRAME_SIZE)
+    assert used == whole * CONFIRM_FRAME_SIZE
+    assert [tuple(c) for c in read] == confirms[:whole]
+
+
+def test_leading_confirms__a_confirm_of_another_channel_stops_the_run() -> None:
+    data = confirm_frame(1, 1, False, True) + confirm_frame(3, 2, False, True)
+    assert leading_confirms(data, 1) == (CONFIRM_FRAME_SIZE, [Confirm(1, False, True)])
+    assert leading_confirms(data, 3) == (0, [])

@@ -105,14 +105,27 @@ def test_step__pipelined_overlaps_two_batches_in_the_documented_order() -> None:
     assert [b.state for b in batches.in_flight.values()] == [State.SENT]
     journal.clear()
     assert batches.step() == 10
-    # claim+PREPARE N+1 while N persists; N's evidence; publish N+1; commit N
+    # N's confirms are in: N's evidence; claim+PREPARE N+1; publish N+1; commit N
     assert journal == [
-        "claim 10",
-        "prepare obx:outbox:r1:2",
         "confirmed 10",
         "ledger 1",
+        "claim 10",
+        "prepare obx:outbox:r1:2",
         "send 10",
         "commit obx:outbox:r1:1",
+    ]
+    journal.clear()
+    broker.confirms_late = True
+    assert batches.step() == 5
+    # N's confirms not in yet: claim+PREPARE N+1 while N persists; N's evidence;
+    # publish N+1; commit N
+    assert journal == [
+        "claim 5",
+        "prepare obx:outbox:r1:3",
+        "confirmed 10",
+        "ledger 1",
+        "send 5",
+        "commit obx:outbox:r1:2",
     ]
     drain(batches)
     assert store.rows == {} and store.prepared == {}
@@ -162,17 +175,31 @@ CRASH_TABLE = [
     ("after_publish", 1, 2, 10),
     ("after_ledger", 1, 2, 10),  # batch 1 committed from evidence, batch 2 rolled back
     ("before_commit_prepared", 1, 2, 10),
-    ("after_claim", 2, 2, 10),  # batch 1 published, no evidence yet
-    ("after_prepare", 2, 2, 10),
+    # batch 1 published; its confirms came before the claim of batch 2, so its
+    # ledger record went out first: committed from that evidence
+    ("after_claim", 2, 2, 0),
+    ("after_prepare", 2, 2, 0),
     ("mid_publish", 2, 2, 5),  # batch 1 committed, half of batch 2 out
+]
+# The same crashes when batch 1's confirms had not come by the claim of batch 2: its
+# record is sent after that PREPARE, so the crash finds batch 1 without evidence.
+CRASH_TABLE_LATE_CONFIRMS = [
+    ("after_claim", 2, 2, 10),
+    ("after_prepare", 2, 2, 10),
+    ("mid_publish", 2, 2, 5),
 ]
 
 
-@pytest.mark.parametrize(("point", "nth", "depth", "expected"), CRASH_TABLE)
+@pytest.mark.parametrize(
+    ("point", "nth", "depth", "expected", "late"),
+    [(*case, False) for case in CRASH_TABLE]
+    + [(*case, True) for case in CRASH_TABLE_LATE_CONFIRMS],
+)
 def test_crash_table__resolved_and_drained_with_the_documented_duplicates(
-    point: str, nth: int, depth: int, expected: int
+    point: str, nth: int, depth: int, expected: int, late: bool
 ) -> None:
     store, broker = FakeStore(make_rows(30)), FakeBroker()
+    broker.confirms_late = late
     dead = make_batches(store, broker, depth=depth, relay_id="dead")
     faults.arm(point, nth)
     with pytest.raises(Crashed):
@@ -262,16 +289,22 @@ def test_failure__stale_heartbeat_rolls_back_instead_of_writing_evidence(depth: 
     assert broker.ledger_gids() == set() and store.prepared == {}
 
 
-def test_failure__published_batch_outlives_a_database_failure_of_the_next_prepare() -> None:
-    """Pipelined: N is published, N+1's PREPARE finds no slot.  N stays in flight, is
-    finished on the next step, and costs no duplicate."""
+@pytest.mark.parametrize("late", [False, True], ids=["recorded", "confirms_late"])
+def test_failure__published_batch_outlives_a_database_failure_of_the_next_prepare(
+    late: bool,
+) -> None:
+    """Pipelined: N is published, N+1's PREPARE finds no slot.  N stays in flight
+    (its ledger record sent before the claim, or not yet if its confirms were late),
+    is finished on the next step, and costs no duplicate."""
     store, broker = FakeStore(make_rows(20)), FakeBroker()
+    broker.confirms_late = late
     batches = make_batches(store, broker, depth=2)
     batches.step()
     store.fail_next["prepare"] = PreparedSlotsExhausted("every slot is in use")
     with pytest.raises(PreparedSlotsExhausted):
         batches.step()
-    [kept] = [b for b in batches.in_flight.values() if b.state is State.SENT]
+    [kept] = batches.in_flight.values()
+    assert kept.state is (State.SENT if late else State.RECORDED)
     assert kept.kept
     store.claim = None  # the failed PREPARE rolled its claim back
     drain(batches)
