@@ -149,11 +149,18 @@ class BatchStore(Session):
         application_name: str = "outbox-relay",
         connect_timeout: float = 10.0,
         statement_timeout: float | None = None,
+        note_backend: bool = False,
     ) -> None:
+        """``note_backend``: look up and keep this session's backend (``backend``), for
+        ending it should the connection be lost (the relay's work session); one round
+        trip, which ``outbox resolve``, ``status`` and the console do not need."""
         super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
         self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes] | None = (
             None
         )
+        self.backend: Backend | None = None
+        if not note_backend:
+            return
         try:
             with self._translated("connecting"):
                 row = self.conn.execute(self.queries["own_backend"]).fetchone()
@@ -161,9 +168,8 @@ class BatchStore(Session):
             self.close()
             raise
         # None only if the server hides our own row of pg_stat_activity.
-        self.backend = (
-            Backend(row["pid"], row["backend_start"], row["application_name"]) if row else None
-        )
+        if row:
+            self.backend = Backend(row["pid"], row["backend_start"], row["application_name"])
 
     def end_predecessor(self, backend: Backend, wait: float) -> bool:
         """End ``backend``, an earlier session of ours whose connection was lost, and

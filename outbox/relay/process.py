@@ -141,6 +141,7 @@ class Relay:
             s.table,
             connect_timeout=s.connect_timeout,
             statement_timeout=s.statement_timeout,
+            note_backend=True,
         )
 
     def _connect_database(self) -> None:

@@ -183,9 +183,9 @@ def test_finishing_a_gid_another_session_holds_leaves_it_in_doubt(
 
 
 def test_end_predecessor_ends_only_the_lost_session_it_names(settings: Settings) -> None:
-    lost = BatchStore(settings.dsn, settings.table)
-    bystander = BatchStore(settings.dsn, settings.table)
-    store = BatchStore(settings.dsn, settings.table)
+    lost = BatchStore(settings.dsn, settings.table, note_backend=True)
+    bystander = BatchStore(settings.dsn, settings.table, note_backend=True)
+    store = BatchStore(settings.dsn, settings.table, note_backend=True)
     try:
         assert lost.backend and bystander.backend and store.backend
         lost.conn.execute("BEGIN")  # holds a claim open, as a cut-off relay would

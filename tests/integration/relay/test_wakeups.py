@@ -10,6 +10,8 @@ relay waited is found by the relay's polls soon after it takes the lock.
 from __future__ import annotations
 
 import dataclasses
+import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from outbox import gid as gids
 from outbox.config import Settings
 from outbox.db.relays import WakeupListener
 from outbox.relay.process import Relay
-from tests.fixtures.faults import check_delivery, insert_rows, wait_for
+from tests.fixtures.faults import RelayProcess, check_delivery, insert_rows, rows_left, wait_for
 from tests.fixtures.servers import Topology
 
 
@@ -157,3 +159,81 @@ def test_relay__finds_a_commit_whose_insert_ran_before_it_waited(
         app.close()
         relay.stop.set()
         thread.join(timeout=30)
+
+
+def test_relays__several_going_idle_and_busy_under_bursts_miss_no_wake_up(
+    settings: Settings, topology: Topology
+) -> None:
+    """Three relays, writers committing in bursts with pauses long and short, each
+    transaction holding its INSERT a while before COMMIT: relays go busy (the lock let
+    go, commits do not notify) and idle (the lock taken, early polls) in every order.
+    Half-way, 12 s with no commit: the relays' polls are then about 8 s apart, so a
+    commit that neither notified nor was found by the early polls sits for seconds
+    (the fallback poll is 30 s; with the trigger's NOTIFY removed, rows waited 1.9 to
+    3.7 s in 4 runs of 4, and 0.05 s with it): no row may stay 1 s, nothing is lost,
+    nothing is sent twice."""
+    relaxed = dataclasses.replace(settings, poll_interval=30.0)
+    relays = [RelayProcess(relaxed) for _ in range(3)]
+    committed: list[str] = []
+    lock = threading.Lock()
+    oldest = [0.0]
+    done = threading.Event()
+
+    def write(seed: int) -> None:
+        rng = random.Random(seed)
+        with psycopg.connect(settings.dsn) as conn:
+            for _ in range(6):
+                for _ in range(rng.randint(1, 15)):
+                    ids = [
+                        outbox.enqueue(
+                            conn, exchange=topology.exchange, routing_key="k", payload=b"b"
+                        )
+                        for _ in range(rng.randint(1, 3))
+                    ]
+                    time.sleep(
+                        rng.choice([0.0, 0.0, 0.005, 0.03])
+                    )  # INSERT done, not yet committed
+                    conn.commit()
+                    with lock:
+                        committed.extend(str(i) for i in ids)
+                time.sleep(rng.choice([0.0, 0.01, 0.1, 0.4, 0.8]))
+
+    def watch() -> None:
+        with psycopg.connect(settings.dsn, autocommit=True) as conn:
+            while not done.is_set():
+                row = conn.execute(
+                    "SELECT extract(epoch FROM clock_timestamp() - min(created_at)) FROM outbox"
+                ).fetchone()
+                if row and row[0] is not None:
+                    oldest[0] = max(oldest[0], float(row[0]))
+                time.sleep(0.05)
+
+    try:
+        wait_for(lambda: wakeup_lock_holders(settings.dsn) == 3, 30, "three relays to wait")
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        for round_ in range(2):
+            if round_:
+                time.sleep(12.0)  # every relay idle, its polls seconds apart
+            writers = [
+                threading.Thread(target=write, args=(4 * round_ + seed,)) for seed in range(4)
+            ]
+            for writer in writers:
+                writer.start()
+            for writer in writers:
+                writer.join()
+        wait_for(lambda: rows_left(settings.dsn) == 0, 20, "the relays to drain")
+        done.set()
+        watcher.join()
+        for relay in relays:
+            relay.process.send_signal(signal.SIGTERM)
+        for relay in relays:
+            assert relay.wait(30) == 0, relay.output()
+    finally:
+        done.set()
+        for relay in relays:
+            relay.close()
+    # Oldest row's age counts from its transaction's start (created_at = now()).
+    assert oldest[0] < 1, f"a row waited {oldest[0]:.1f} s: a wake-up was missed"
+    report = check_delivery(settings.dsn, topology, committed, max_duplicates=0)
+    assert report.duplicates == 0
