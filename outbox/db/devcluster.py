@@ -29,6 +29,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Starts tried, each on another port, when the server could not bind its port.
+PORT_ATTEMPTS = 3
+
+
+def _tail(path: str, lines: int = 8) -> str:
+    """The last lines of the server's log, for an error message."""
+    try:
+        with open(path, errors="replace") as log:
+            return " | ".join(log.read().strip().splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
 def postgres_bindir() -> str:
     candidates = []
     if shutil.which("pg_config"):
@@ -117,19 +130,19 @@ class PostgresCluster:
             with open(os.path.join(self.data_dir, "postgresql.auto.conf"), "a") as conf:
                 for key, value in self.settings.items():
                     conf.write(f"{key} = '{value}'\n")
-        self._run(
-            [
-                "pg_ctl",
-                "-D",
-                self.data_dir,
-                "-l",
-                os.path.join(self.base_dir, "log"),
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ]
-        )
+        log = os.path.join(self.base_dir, "log")
+        for attempt in range(PORT_ATTEMPTS):
+            start = ["pg_ctl", "-D", self.data_dir, "-l", log, "-w", "-t", "60", "start"]
+            if self._run(start, check=False).returncode == 0:
+                break
+            tail = _tail(log)
+            if "could not bind" not in tail or attempt == PORT_ATTEMPTS - 1:
+                raise OutboxError(f"pg_ctl could not start the server: {tail}")
+            # ``free_port`` found the port free, and another process took it before
+            # the server bound it (suites running side by side): take another one.
+            self.port = free_port()
+            with open(os.path.join(self.data_dir, "postgresql.auto.conf"), "a") as conf:
+                conf.write(f"port = '{self.port}'\n")
         self._wait_ready()
         return self.dsn
 
