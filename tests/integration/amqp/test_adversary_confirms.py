@@ -5,6 +5,10 @@ connection cut right after a send."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,8 +19,10 @@ import pytest
 from outbox.amqp.confirms import Outcome
 from outbox.amqp.frames import Confirm, Message
 from outbox.amqp.publisher import Publisher
-from tests.fixtures.faults import TcpProxy, proxied_amqp_url
+from outbox.db.devcluster import free_port
+from tests.fixtures.faults import RabbitNode, TcpProxy, proxied_amqp_url
 from tests.fixtures.servers import Topology
+from tests.fixtures.tls import CertificateAuthority
 
 
 def _fast_path_count(publisher: Publisher) -> list[int]:
@@ -175,3 +181,69 @@ def test_connection_cut_right_after_a_send(topology: Topology, amqp_proxy: TcpPr
             publisher.close()
         arrived = {p.message_id for _, p, _ in topology.messages()}
         assert accepted <= arrived
+
+
+# -- TLS: flush falls back to a pass of the loop; quiet must see SSL's own buffer ---------
+@dataclasses.dataclass(frozen=True)
+class TlsBroker:
+    url: str  # amqps, verified against ``ca``
+    ca: str
+    topology: Topology  # the same node through its plain listener
+
+
+@pytest.fixture(scope="module")
+def tls_broker() -> Iterator[TlsBroker]:
+    folder = tempfile.mkdtemp(prefix="outbox-adv-tls-")
+    os.chmod(folder, 0o755)
+    ca = CertificateAuthority(folder, "adv-ca")
+    server = ca.server_certificate("server", dns=["localhost"], ips=["127.0.0.1"])
+    port = free_port()
+    node = RabbitNode(
+        f"listeners.ssl.default = 127.0.0.1:{port}\n"
+        f"ssl_options.cacertfile = {ca.cert}\n"
+        f"ssl_options.certfile = {server.cert}\n"
+        f"ssl_options.keyfile = {server.key}\n"
+        "ssl_options.verify = verify_none\n"
+        "ssl_options.fail_if_no_peer_cert = false\n"
+    )
+    try:
+        node.start()
+        suffix = uuid.uuid4().hex[:8]
+        topology = Topology(node.url, f"a.ex.{suffix}", f"a.q.{suffix}", f"a.l.{suffix}")
+        topology.declare()
+        yield TlsBroker(f"amqps://guest:guest@localhost:{port}/%2F", ca.cert, topology)
+    finally:
+        node.destroy()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("size, count", [(16384, 600), (10, 2000)])
+def test_tls__collect_confirms_alone_finishes_sends(
+    tls_broker: TlsBroker, size: int, count: int
+) -> None:
+    """Over TLS ``_Wire.flush`` declines and ``collect_confirms`` runs a loop pass only
+    when ``quiet`` says something waits.  Confirms decrypted into the SSL object's
+    buffer are invisible to ``select``; writes may wait on an SSL renegotiation read.
+    Catches a ``quiet`` that reports idle then: the sends would never settle here
+    (nothing else drives the loop).  Large messages (a partial SSL write) and many
+    small ones (many ack records in one read)."""
+    topology = tls_broker.topology
+    publisher = Publisher(tls_broker.url, ca_file=tls_broker.ca)
+    decoded = _fast_path_count(publisher)
+    publisher.connect()
+    try:
+        for round_ in range(3):
+            messages = [
+                Message(topology.exchange, "k", b"t" * size, f"t{round_}-{i}") for i in range(count)
+            ]
+            pending = publisher.send(messages)
+            deadline = time.monotonic() + 15
+            while not pending.settled and time.monotonic() < deadline:
+                publisher.collect_confirms()
+                time.sleep(0.0005)
+            assert pending.settled, "collect_confirms alone never finished the send"
+            assert {d.outcome for d in publisher.confirmed(pending, 1)} == {Outcome.ACCEPTED}
+        assert sum(decoded) > 0
+    finally:
+        publisher.close()
+    assert len(topology.messages(idle=1.0)) == 3 * count
