@@ -499,6 +499,10 @@ class Publisher:
         self._poke()
 
     def _on_confirm(self, frame: Any) -> None:
+        if frame.channel_number != self._confirm_channel():
+            # A channel abandoned after a confirm timeout, still closing: its messages
+            # are in doubt already, and its tags are not the new channel's.
+            return
         method = frame.method
         self._confirms.confirm(
             method.delivery_tag,
