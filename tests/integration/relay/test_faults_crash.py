@@ -3,10 +3,11 @@
 Each case crashes the relay deterministically with ``OUTBOX_CRASH_AT`` (25 rows,
 batches of 10) and ends with ``check_delivery``; the outcome of every batch left
 prepared and the duplicates asserted are exactly those of the crash table in
-``outbox/relay/process.py``.  Pipelined, batch 2 is claimed and prepared while batch 1
-awaits its confirms, so a crash can leave two batches: the second table lists
-what each crash point leaves then (``point:2`` is its second occurrence, i.e. in
-batch 2 while batch 1 is in flight).
+``outbox/relay/batches.py``.  Pipelined, batch 2 is claimed and prepared while batch 1
+is in flight, so a crash can leave two batches: the second table lists what each
+crash point leaves then (``point:2`` is its second occurrence, i.e. in batch 2 while
+batch 1 is in flight).  With a crash point armed, batch 1's confirms are awaited and
+its ledger record sent before batch 2 is claimed (``fault_injection.active``).
 """
 
 from __future__ import annotations
