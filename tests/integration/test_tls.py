@@ -31,7 +31,7 @@ from outbox.inbox.settings import ConsumerSettings
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.fixtures.faults import RabbitNode, RelayProcess, prepared_left, relay_sessions, wait_for
 from tests.fixtures.servers import Topology, run_cli, settings_env
-from tests.fixtures.tls import CertificateAuthority
+from tests.fixtures.tls import CertificateAuthority, rabbitmq_tls_listener
 
 UNREACHABLE = 3
 
@@ -83,14 +83,7 @@ def tls_servers() -> Iterator[TlsServers]:
         },
     )
     amqps_port = free_port()
-    node = RabbitNode(
-        f"listeners.ssl.default = 127.0.0.1:{amqps_port}\n"
-        f"ssl_options.cacertfile = {ca.cert}\n"
-        f"ssl_options.certfile = {server.cert}\n"
-        f"ssl_options.keyfile = {server.key}\n"
-        "ssl_options.verify = verify_none\n"
-        "ssl_options.fail_if_no_peer_cert = false\n"
-    )
+    node = RabbitNode(rabbitmq_tls_listener(amqps_port, ca, server))
     try:
         cluster.start()
         node.start()

@@ -17,25 +17,13 @@ import pika
 import pytest
 
 from outbox.amqp.confirms import Outcome
-from outbox.amqp.frames import Confirm, Message
+from outbox.amqp.frames import Message
 from outbox.amqp.publisher import Publisher
 from outbox.db.devcluster import free_port
 from tests.fixtures.faults import RabbitNode, TcpProxy, proxied_amqp_url
 from tests.fixtures.servers import Topology
-from tests.fixtures.tls import CertificateAuthority
-
-
-def _fast_path_count(publisher: Publisher) -> list[int]:
-    """Count the confirms that took ``_Wire.take_confirms``'s path."""
-    decoded: list[int] = []
-    on_confirms = publisher._on_confirms
-
-    def counting(confirms: list[Confirm]) -> None:
-        decoded.append(len(confirms))
-        on_confirms(confirms)
-
-    publisher._on_confirms = counting  # type: ignore[method-assign]
-    return decoded
+from tests.fixtures.tls import CertificateAuthority, rabbitmq_tls_listener
+from tests.fixtures.wire import count_decoded_confirms
 
 
 @pytest.fixture
@@ -57,7 +45,7 @@ def test_nacks_decoded_by_hand_are_nacks_not_acks(topology: Topology, capped_que
     """Catches a decoder that takes basic.nack (method 120) for an ack, or drops the
     nack's multiple bit: the refused messages would count as accepted (lost)."""
     publisher = Publisher(topology.amqp_url)
-    decoded = _fast_path_count(publisher)
+    decoded = count_decoded_confirms(publisher)
     publisher.connect()
     try:
         outcomes = []
@@ -77,7 +65,7 @@ def test_channel_closed_by_the_broker_mid_batch_then_reopened(topology: Topology
     taken for the new one's (same number, tags from 1 again) and a decoder still
     matching a channel that is gone."""
     publisher = Publisher(topology.amqp_url)
-    decoded = _fast_path_count(publisher)
+    decoded = count_decoded_confirms(publisher)
     publisher.connect()
     try:
         first_number = publisher._channel.channel_number
@@ -114,7 +102,7 @@ def test_confirm_only_traffic_past_the_heartbeat_timeout_keeps_the_connection(
     connection is torn down at the first check (timeout + 5 s)."""
     url = topology.amqp_url + ("&" if "?" in topology.amqp_url else "?") + "heartbeat=1"
     publisher = Publisher(url)
-    decoded = _fast_path_count(publisher)
+    decoded = count_decoded_confirms(publisher)
     publisher.connect()
     try:
         deadline = time.monotonic() + 13.0  # checks at 6 s (handshake bytes) and 12 s
@@ -198,14 +186,7 @@ def tls_broker() -> Iterator[TlsBroker]:
     ca = CertificateAuthority(folder, "adv-ca")
     server = ca.server_certificate("server", dns=["localhost"], ips=["127.0.0.1"])
     port = free_port()
-    node = RabbitNode(
-        f"listeners.ssl.default = 127.0.0.1:{port}\n"
-        f"ssl_options.cacertfile = {ca.cert}\n"
-        f"ssl_options.certfile = {server.cert}\n"
-        f"ssl_options.keyfile = {server.key}\n"
-        "ssl_options.verify = verify_none\n"
-        "ssl_options.fail_if_no_peer_cert = false\n"
-    )
+    node = RabbitNode(rabbitmq_tls_listener(port, ca, server))
     try:
         node.start()
         suffix = uuid.uuid4().hex[:8]
@@ -229,7 +210,7 @@ def test_tls__collect_confirms_alone_finishes_sends(
     small ones (many ack records in one read)."""
     topology = tls_broker.topology
     publisher = Publisher(tls_broker.url, ca_file=tls_broker.ca)
-    decoded = _fast_path_count(publisher)
+    decoded = count_decoded_confirms(publisher)
     publisher.connect()
     try:
         for round_ in range(3):

@@ -6,9 +6,10 @@ import time
 import uuid
 
 from outbox.amqp.confirms import Outcome
-from outbox.amqp.frames import CONFIRM_FRAME_SIZE, Confirm, Message, encode_publish
+from outbox.amqp.frames import CONFIRM_FRAME_SIZE, Message, encode_publish
 from outbox.amqp.publisher import Publisher, _Wire
 from tests.fixtures.servers import Topology
+from tests.fixtures.wire import count_decoded_confirms
 
 
 def test_wire__body_larger_than_a_frame_arrives_whole(topology: Topology) -> None:
@@ -37,14 +38,7 @@ def test_wire__confirms_decoded_by_hand_settle_every_message_and_count_as_traffi
     message is still settled with its own outcome, and the bytes read are counted for
     pika's heartbeat checker."""
     publisher = Publisher(topology.amqp_url)
-    decoded: list[int] = []
-    on_confirms = publisher._on_confirms
-
-    def counting(confirms: list[Confirm]) -> None:
-        decoded.append(len(confirms))
-        on_confirms(confirms)
-
-    publisher._on_confirms = counting  # type: ignore[method-assign]
+    decoded = count_decoded_confirms(publisher)
     publisher.connect()
     try:
         conn = publisher._conn
