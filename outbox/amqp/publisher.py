@@ -499,17 +499,14 @@ class Publisher:
         self._poke()
 
     def _on_confirm(self, frame: Any) -> None:
+        """A confirm pika dispatched (one not at the head of a read)."""
         if frame.channel_number != self._confirm_channel():
             # A channel abandoned after a confirm timeout, still closing: its messages
             # are in doubt already, and its tags are not the new channel's.
             return
         method = frame.method
-        self._confirms.confirm(
-            method.delivery_tag,
-            multiple=method.multiple,
-            accepted=isinstance(method, pika.spec.Basic.Ack),
-        )
-        self._poke()
+        accepted = isinstance(method, pika.spec.Basic.Ack)
+        self._on_confirms([Confirm(method.delivery_tag, method.multiple, accepted)])
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
         self._confirms.returned(

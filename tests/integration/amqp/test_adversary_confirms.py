@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from outbox.amqp.confirms import Outcome
+from outbox.amqp.confirms import Outcome, Pending
 from outbox.amqp.frames import Message
 from outbox.amqp.publisher import Publisher
 from outbox.db.devcluster import free_port
@@ -39,6 +39,17 @@ def capped_queue(topology: Topology) -> Iterator[str]:
     channel.queue_delete(name)
     channel.exchange_delete(name)
     conn.close()
+
+
+def settle_by_collecting(publisher: Publisher, pending: Pending) -> None:
+    """Only ``collect_confirms`` runs the connection (as between the relay's steps):
+    it must finish writing ``pending`` and take every confirm, all accepted."""
+    deadline = time.monotonic() + 15
+    while not pending.settled and time.monotonic() < deadline:
+        publisher.collect_confirms()
+        time.sleep(0.0005)
+    assert pending.settled, "collect_confirms alone never finished the send"
+    assert {d.outcome for d in publisher.confirmed(pending, 1)} == {Outcome.ACCEPTED}
 
 
 def test_nacks_decoded_by_hand_are_nacks_not_acks(topology: Topology, capped_queue: str) -> None:
@@ -130,13 +141,8 @@ def test_a_batch_larger_than_the_socket_buffer_goes_out_whole(topology: Topology
     try:
         body = b"z" * 16384
         messages = [Message(topology.exchange, "k", body, f"big{i}") for i in range(600)]
-        pending = publisher.send(messages)  # ~10 MB: far more than a socket buffer
-        deadline = time.monotonic() + 15
-        while not pending.settled and time.monotonic() < deadline:
-            publisher.collect_confirms()
-            time.sleep(0.001)
-        assert pending.settled, "collect_confirms alone never finished the send"
-        assert {d.outcome for d in publisher.confirmed(pending, 1)} == {Outcome.ACCEPTED}
+        # ~10 MB: far more than a socket buffer
+        settle_by_collecting(publisher, publisher.send(messages))
     finally:
         publisher.close()
     assert len(topology.messages(idle=1.0)) == 600
@@ -217,13 +223,7 @@ def test_tls__collect_confirms_alone_finishes_sends(
             messages = [
                 Message(topology.exchange, "k", b"t" * size, f"t{round_}-{i}") for i in range(count)
             ]
-            pending = publisher.send(messages)
-            deadline = time.monotonic() + 15
-            while not pending.settled and time.monotonic() < deadline:
-                publisher.collect_confirms()
-                time.sleep(0.0005)
-            assert pending.settled, "collect_confirms alone never finished the send"
-            assert {d.outcome for d in publisher.confirmed(pending, 1)} == {Outcome.ACCEPTED}
+            settle_by_collecting(publisher, publisher.send(messages))
         assert sum(decoded) > 0
     finally:
         publisher.close()
