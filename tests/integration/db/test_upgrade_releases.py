@@ -78,7 +78,10 @@ def test_upgrade__from_release_while_its_relays_run_every_row_once(
                 assert "newer than this outbox-relay knows" in late.output(), late.output()
         time.sleep(0.5)  # the old relays go on publishing on the new schema
         with relays(None, settings, 2) as new_relays:
-            time.sleep(0.5)  # both versions side by side
+            # Both versions side by side.  Started, not just spawned: on a loaded machine
+            # a relay still importing when SIGTERM comes dies of it (-15, no output).
+            for relay in new_relays:
+                wait_for(lambda r=relay: "relay.registered" in r.output(), 60, "a new relay")
             for relay in old_relays:
                 assert relay.stop() == 0, relay.output()
             replaced = time.monotonic()
