@@ -58,6 +58,10 @@ class BrokerUnavailable(OutboxError):
     exit_code = ExitCode.UNREACHABLE
 
 
+class BrokerBlocked(BrokerUnavailable):
+    """RabbitMQ is blocking publishers (a resource alarm): the connection lives."""
+
+
 class PreparedTransactionsDisabled(OutboxError):
     """``max_prepared_transactions`` is 0 on the server."""
 

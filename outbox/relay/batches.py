@@ -60,8 +60,9 @@ succeeded and after N's messages were all confirmed.
 
 One failure path (``fail``): a failure (database or broker lost, no confirm, a
 nack, a refusal, no prepared-transaction slot) makes every open batch
-``IN_DOUBT``, except a batch already published (``SENT``) when the failure
-cannot have touched its confirms (a database failure: ``survives_failure``); that
+``IN_DOUBT``, except a batch already published (``SENT`` or ``RECORDED``) when the
+failure cannot have touched its confirms (a database failure, a resource alarm:
+``survives_failure``); that
 one stays in flight, ``kept``, and is finished first on the next step.  A step
 that must give a batch up rolls it back at once (``_give_up``) and raises.
 
@@ -156,6 +157,7 @@ from outbox.amqp.confirms import Delivery, Outcome, Pending
 from outbox.amqp.frames import Message
 from outbox.config import Settings
 from outbox.errors import (
+    BrokerBlocked,
     BrokerUnavailable,
     DatabaseRefused,
     DatabaseUnavailable,
@@ -272,9 +274,14 @@ def survives_failure(error: OutboxError) -> bool:
     refused for want of slots) therefore need not cost a batch of duplicates: the
     batch is finished after reconnecting, provided the control session (and with
     it the relay id that keeps resolvers away) survived.  A broker failure puts
-    its confirms in doubt: it is rolled back.
+    its confirms in doubt: it is rolled back.  Except a resource alarm
+    (``BrokerBlocked``, raised before the next claim): the connection lives, and
+    what the broker read before it blocked is still confirmed, the batch's ledger
+    record too if it went out (``Batches.step``: early).  The batch is kept and
+    finished first once the relay retries; if its confirms do not come within
+    ``publish_timeout``, it is rolled back then, as before.
     """
-    return not isinstance(error, BrokerUnavailable)
+    return isinstance(error, BrokerBlocked) or not isinstance(error, BrokerUnavailable)
 
 
 def _sent(batch: Batch) -> int:
@@ -441,7 +448,7 @@ class Batches:
         if self.broker.blocked:
             # Publishing into a blocked connection only queues messages that a
             # timeout would then put in doubt: claim nothing until the alarm clears.
-            raise BrokerUnavailable("RabbitMQ is blocking publishers (resource alarm)")
+            raise BrokerBlocked("RabbitMQ is blocking publishers (resource alarm)")
         if self.ledger_doubtful:
             self._probe_ledger()
         claim_started = time.monotonic()

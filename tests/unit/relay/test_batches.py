@@ -17,6 +17,7 @@ import pytest
 from outbox import fault_injection as faults
 from outbox.config import Settings
 from outbox.errors import (
+    BrokerBlocked,
     BrokerUnavailable,
     DatabaseRefused,
     DatabaseUnavailable,
@@ -627,3 +628,47 @@ def test_ordering__a_following_batch_holds_rows_behind_the_first_ones_dead_lette
     drain(batches)
     assert key_order(broker, rows) == {"a": [1], "b": list(range(2, 21, 2))}
     assert sorted(d.row.id for d in store.dead_letters) == list(range(3, 21, 2))
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["recorded", "confirms_late"])
+def test_failure__a_resource_alarm_before_the_next_claim_keeps_the_published_batch(
+    late: bool,
+) -> None:
+    """Pipelined: N is published (its ledger record sent early, or not yet), then the
+    broker blocks publishers.  The connection lives and still confirms what it read:
+    N is kept, finished first once the alarm clears, and costs no duplicate."""
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    broker.confirms_late = late
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.blocked = True
+    with pytest.raises(BrokerBlocked):
+        batches.step()
+    [kept] = batches.in_flight.values()
+    assert kept.state is (State.SENT if late else State.RECORDED)
+    assert kept.kept
+    broker.blocked = False
+    drain(batches)
+    assert duplicates(broker, 20) == 0
+    assert batches.stats.batches_rolled_back == 0
+
+
+def test_failure__a_resource_alarm_outlasting_the_ledger_confirm_rolls_the_kept_batch_back() -> (
+    None
+):
+    """The alarm outlasts ``publish_timeout``: the kept batch's ledger confirm never
+    comes, and it is rolled back then (its messages sent again: one batch)."""
+    store, broker = FakeStore(make_rows(20)), FakeBroker()
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    broker.blocked = True
+    with pytest.raises(BrokerBlocked):
+        batches.step()
+    broker.lose_connection_on_ledger_confirm = True  # pika's blocked_timeout closed it
+    with pytest.raises(BrokerUnavailable):
+        batches.step()
+    assert batches.stats.batches_rolled_back == 1
+    broker.blocked, broker.connected = False, True
+    batches.settle()
+    drain(batches)
+    assert duplicates(broker, 20) == 10
