@@ -26,7 +26,11 @@
 -- and a key's next rows are claimable only once its batch is committed, except
 -- behind the relay's own batch in flight: `own` lists its keyed rows, which count as
 -- taken, and the relay publishes the new batch only after committing that one
--- (``batches.py``, "the schedule").
+-- (``batches.py``, "the schedule").  `own` is looked up through a hashed SubPlan
+-- (`NOT IN (SELECT unnest(…))`): `id <> ALL (%(own)s)` compares each row of the window
+-- with every element of the array in the generic plan (PostgreSQL hashes such an
+-- array only when it is a constant), 5 x 1,000 x 1,000 comparisons per claim: 65 of
+-- the 85 ms of a claim of 1,000 keys behind the relay's own batch.
 --
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
 -- of the row's key with a lower id (through the index on md5(ordering_key), id:
@@ -41,7 +45,8 @@ DELETE FROM {outbox}
 WHERE id = ANY (ARRAY (
     WITH keyed AS MATERIALIZED (
         SELECT id, ordering_key FROM {outbox}
-        WHERE ordering_key IS NOT NULL AND id <> ALL (%(own)s::bigint[])
+        WHERE ordering_key IS NOT NULL
+          AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
         ORDER BY id
         LIMIT %(window)s
     ), firsts AS MATERIALIZED (
