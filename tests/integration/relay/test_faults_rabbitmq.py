@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -49,6 +50,42 @@ def running_relay(node_settings: Settings) -> Iterator[Relay]:
     assert thread.is_alive(), "the relay must never exit on a broker outage"
     relay.stop.set()
     thread.join(timeout=60)
+
+
+@pytest.fixture
+def patient_relay(node_settings: Settings) -> Iterator[Relay]:
+    """A relay that waits up to 30 s for confirms (a short alarm outlives nothing)."""
+    relay = Relay(dataclasses.replace(node_settings, publish_timeout=30.0))
+    relay.start()
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    yield relay
+    relay.stop.set()
+    thread.join(timeout=60)
+
+
+def test_resource_alarm__shorter_than_the_publish_timeout_costs_no_duplicate(
+    rabbit_node: RabbitNode,
+    node_settings: Settings,
+    node_topology: Topology,
+    patient_relay: Relay,
+) -> None:
+    """An alarm that clears within ``publish_timeout`` costs nothing: the batch
+    published into the blocked connection is confirmed once it clears, whether the
+    relay was waiting for its confirms or had noticed the alarm before its next claim
+    (``BrokerBlocked``: the batch is kept, not rolled back; that order is pinned by
+    ``tests/unit/relay/test_batches.py``, ``…a_resource_alarm_before_the_next_claim…``)."""
+    rabbit_node.ctl("set_vm_memory_high_watermark", "0")
+    try:
+        committed = insert_rows(node_settings.dsn, node_topology.exchange, 250)
+        wait_for(lambda: patient_relay.publisher.blocked, 30, "the connection to be blocked")
+        time.sleep(3)  # several retries while blocked, far within the publish timeout
+        assert patient_relay.stats.batches_committed == 0
+    finally:
+        rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")
+    wait_for(lambda: patient_relay.stats.messages_published == 250, 60, "delivery after the alarm")
+    assert patient_relay.stats.batches_rolled_back == 0
+    check_delivery(node_settings.dsn, node_topology, committed, max_duplicates=0)
 
 
 @both_modes
