@@ -267,6 +267,11 @@ class Publisher:
         """Open a connection to one node; None, or why it failed."""
         self._opened = False
         self._failure = None
+        # A new connection starts unblocked: the broker says connection.blocked again
+        # if an alarm still holds when it publishes.  Left set by a connection that
+        # pika's blocked_connection_timeout closed, no connection.unblocked would ever
+        # clear it, and the relay would claim nothing until restarted.
+        self.blocked = False
         self._conn = SelectConnection(
             params,
             on_open_callback=self._on_open,
