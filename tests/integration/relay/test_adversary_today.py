@@ -7,6 +7,7 @@ duplicates within the documented bound, each ordering key in ``id`` order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -53,20 +54,6 @@ def check_ordered(
 
 
 # -- 1. the keyed window: NOT IN (SELECT unnest(own)) --------------------------------------
-@pytest.fixture
-def stores(dsn: str) -> Iterator[tuple[BatchStore, BatchStore]]:
-    first = BatchStore(dsn, "outbox", statement_timeout=30)
-    second = BatchStore(dsn, "outbox", statement_timeout=30)
-    yield first, second
-    for store in (first, second):
-        if not store.conn.closed:
-            store.conn.rollback()
-        store.close()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for (gid,) in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall():
-            conn.execute(f"ROLLBACK PREPARED '{gid}'")
-
-
 def test_claim__own_empty_large_or_foreign_under_the_generic_plan(
     dsn: str, stores: tuple[BatchStore, BatchStore]
 ) -> None:
@@ -201,8 +188,10 @@ def node_settings(settings: Settings, node_topology: Topology) -> Settings:
 
 
 class Running:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, blocked_timeout: float | None = None) -> None:
         self.relay = Relay(settings)
+        if blocked_timeout is not None:  # pika's: max(2 x publish_timeout, 60 s)
+            self.relay.publisher._nodes[0][0].blocked_connection_timeout = blocked_timeout
         self.relay.start()
         self.thread = threading.Thread(target=self.relay.run)
         self.thread.start()
@@ -211,6 +200,13 @@ class Running:
         self.relay.stop.set()
         self.thread.join(timeout=timeout)
         assert not self.thread.is_alive(), "the relay did not stop"
+
+    def drain_and_stop(self, seconds: float = 90) -> None:
+        try:
+            dsn = self.relay.settings.dsn
+            wait_for(lambda: rows_left(dsn) == 0 and not prepared_left(dsn), seconds, "drain")
+        finally:
+            self.stop()
 
 
 def alarm(node: RabbitNode, on: bool) -> None:
@@ -221,6 +217,21 @@ def keyed_load(settings: Settings, topology: Topology, counters: dict[str, int])
     return write_sequence(
         settings.dsn, topology.exchange, [[f"k{n}" for n in range(25)]] * 6, counters
     )
+
+
+@contextlib.contextmanager
+def blocked_with_keyed_rows(
+    node: RabbitNode, running: Running, topology: Topology, counters: dict[str, int]
+) -> Iterator[list[str]]:
+    """Alarm on, keyed rows written, the relay's connection blocked; the alarm is
+    cleared on leaving.  Yields the committed message ids, in commit order."""
+    alarm(node, True)
+    try:
+        committed = keyed_load(running.relay.settings, topology, counters)
+        wait_for(lambda: running.relay.publisher.blocked, 30, "blocked")
+        yield committed
+    finally:
+        alarm(node, False)
 
 
 @both_modes
@@ -253,17 +264,9 @@ def test_alarm__outlasting_the_publish_timeout_with_keyed_rows(
     s = dataclasses.replace(node_settings, publish_timeout=2.0)
     running = Running(s)
     counters: dict[str, int] = {}
-    try:
-        alarm(rabbit_node, True)
-        committed = keyed_load(s, node_topology, counters)
-        wait_for(lambda: running.relay.publisher.blocked, 30, "blocked")
+    with blocked_with_keyed_rows(rabbit_node, running, node_topology, counters) as committed:
         time.sleep(7)  # several publish timeouts
-    finally:
-        alarm(rabbit_node, False)
-    try:
-        wait_for(lambda: rows_left(s.dsn) == 0 and not prepared_left(s.dsn), 90, "drain")
-    finally:
-        running.stop()
+    running.drain_and_stop()
     check_ordered(s.dsn, node_topology, committed, counters, bound=in_flight(s) * BATCH)
 
 
@@ -274,23 +277,14 @@ def test_alarm__stopping_while_blocked_with_a_kept_batch_leaves_nothing_prepared
     s = dataclasses.replace(node_settings, publish_timeout=3.0)
     running = Running(s)
     counters: dict[str, int] = {}
-    try:
-        alarm(rabbit_node, True)
-        committed = keyed_load(s, node_topology, counters)
-        wait_for(lambda: running.relay.publisher.blocked, 30, "blocked")
+    with blocked_with_keyed_rows(rabbit_node, running, node_topology, counters) as committed:
         time.sleep(1)
         started = time.monotonic()
         running.stop()
         stopped_in = time.monotonic() - started
         assert prepared_left(s.dsn) == [], "stopping left a prepared transaction"
         assert stopped_in < 4 * s.publish_timeout + 5, stopped_in
-    finally:
-        alarm(rabbit_node, False)
-    after = Running(s)
-    try:
-        wait_for(lambda: rows_left(s.dsn) == 0 and not prepared_left(s.dsn), 90, "drain")
-    finally:
-        after.stop()
+    Running(s).drain_and_stop()
     check_ordered(s.dsn, node_topology, committed, counters, bound=in_flight(s) * BATCH)
 
 
@@ -301,10 +295,7 @@ def test_alarm__plus_a_lost_database_session_while_a_batch_is_kept(
     s = dataclasses.replace(node_settings, publish_timeout=20.0)
     running = Running(s)
     counters: dict[str, int] = {}
-    try:
-        alarm(rabbit_node, True)
-        committed = keyed_load(s, node_topology, counters)
-        wait_for(lambda: running.relay.publisher.blocked, 30, "blocked")
+    with blocked_with_keyed_rows(rabbit_node, running, node_topology, counters) as committed:
         time.sleep(1)
         with psycopg.connect(s.dsn, autocommit=True) as conn:
             conn.execute(
@@ -313,12 +304,7 @@ def test_alarm__plus_a_lost_database_session_while_a_batch_is_kept(
                 "AND application_name LIKE 'outbox-relay%%'"
             )
         time.sleep(2)
-    finally:
-        alarm(rabbit_node, False)
-    try:
-        wait_for(lambda: rows_left(s.dsn) == 0 and not prepared_left(s.dsn), 90, "drain")
-    finally:
-        running.stop()
+    running.drain_and_stop()
     check_ordered(s.dsn, node_topology, committed, counters, bound=in_flight(s) * BATCH)
 
 
@@ -326,24 +312,13 @@ def test_alarm__plus_a_lost_database_session_while_a_batch_is_kept(
 def test_alarm__outlasting_pikas_blocked_timeout_closes_the_connection_with_a_kept_batch(
     rabbit_node: RabbitNode, node_settings: Settings, node_topology: Topology
 ) -> None:
-    """blocked_timeout is max(2 x publish_timeout, 60 s): shorten it to 3 s."""
+    """pika closes a connection blocked for longer than its blocked_connection_timeout
+    (shortened to 3 s here); the relay reconnects and relays again once the alarm
+    clears (it used to keep the old connection's "blocked" flag for good)."""
     s = dataclasses.replace(node_settings, publish_timeout=30.0)
-    relay = Relay(s)
-    relay.publisher._nodes[0][0].blocked_connection_timeout = 3.0
-    relay.start()
-    thread = threading.Thread(target=relay.run)
-    thread.start()
+    running = Running(s, blocked_timeout=3.0)
     counters: dict[str, int] = {}
-    try:
-        alarm(rabbit_node, True)
-        committed = keyed_load(s, node_topology, counters)
-        wait_for(lambda: relay.publisher.blocked, 30, "blocked")
+    with blocked_with_keyed_rows(rabbit_node, running, node_topology, counters) as committed:
         time.sleep(8)
-    finally:
-        alarm(rabbit_node, False)
-    try:
-        wait_for(lambda: rows_left(s.dsn) == 0 and not prepared_left(s.dsn), 120, "drain")
-    finally:
-        relay.stop.set()
-        thread.join(90)
+    running.drain_and_stop(120)
     check_ordered(s.dsn, node_topology, committed, counters, bound=in_flight(s) * BATCH)

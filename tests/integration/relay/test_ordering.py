@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -75,20 +75,6 @@ def keyed_rows(dsn: str, specs: Sequence[str | None], exchange: str = "x") -> li
             ).fetchone()[0]  # type: ignore[index]
             for key in specs
         ]
-
-
-@pytest.fixture
-def stores(dsn: str) -> Iterator[tuple[BatchStore, BatchStore]]:
-    first = BatchStore(dsn, "outbox", statement_timeout=30)
-    second = BatchStore(dsn, "outbox", statement_timeout=30)
-    yield first, second
-    for store in (first, second):
-        if not store.conn.closed:
-            store.conn.rollback()
-        store.close()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for (gid,) in conn.execute("SELECT gid FROM pg_prepared_xacts").fetchall():
-            conn.execute(f"ROLLBACK PREPARED '{gid}'")
 
 
 def claimed(store: BatchStore, limit: int = 100, *, hold_keys: bool = True) -> list[int]:
