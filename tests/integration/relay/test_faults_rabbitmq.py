@@ -40,9 +40,8 @@ def node_settings(settings: Settings, node_topology: Topology) -> Settings:
     )
 
 
-@pytest.fixture
-def running_relay(node_settings: Settings) -> Iterator[Relay]:
-    relay = Relay(node_settings)
+def _relay_thread(settings: Settings) -> Iterator[Relay]:
+    relay = Relay(settings)
     relay.start()
     thread = threading.Thread(target=relay.run)
     thread.start()
@@ -53,15 +52,14 @@ def running_relay(node_settings: Settings) -> Iterator[Relay]:
 
 
 @pytest.fixture
+def running_relay(node_settings: Settings) -> Iterator[Relay]:
+    yield from _relay_thread(node_settings)
+
+
+@pytest.fixture
 def patient_relay(node_settings: Settings) -> Iterator[Relay]:
     """A relay that waits up to 30 s for confirms (a short alarm outlives nothing)."""
-    relay = Relay(dataclasses.replace(node_settings, publish_timeout=30.0))
-    relay.start()
-    thread = threading.Thread(target=relay.run)
-    thread.start()
-    yield relay
-    relay.stop.set()
-    thread.join(timeout=60)
+    yield from _relay_thread(dataclasses.replace(node_settings, publish_timeout=30.0))
 
 
 def test_resource_alarm__shorter_than_the_publish_timeout_costs_no_duplicate(
