@@ -161,12 +161,15 @@ class BatchStore(Session):
         application_name: str = "outbox-relay",
         connect_timeout: float = 10.0,
         statement_timeout: float | None = None,
+        lock_timeout: float | None = None,
         note_backend: bool = False,
     ) -> None:
         """``note_backend``: look up and keep this session's backend (``backend``), for
         ending it should the connection be lost (the relay's work session); one round
         trip, which ``outbox resolve``, ``status`` and the console do not need."""
-        super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
+        super().__init__(
+            dsn, table, application_name, connect_timeout, statement_timeout, lock_timeout
+        )
         self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes] | None = (
             None
         )

@@ -41,7 +41,14 @@ class Observation:
 
 def read(settings: Settings) -> Observation:
     """Every query ``status`` needs, on one short session; no judgement here."""
-    store = BatchStore(settings.dsn, settings.table, application_name="outbox-status")
+    store = BatchStore(
+        settings.dsn,
+        settings.table,
+        application_name="outbox-status",
+        connect_timeout=settings.connect_timeout,
+        statement_timeout=settings.statement_timeout,
+        lock_timeout=settings.lock_timeout,
+    )
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
         version = migrate.current_version(store.conn, settings.table)
