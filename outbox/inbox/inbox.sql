@@ -256,7 +256,9 @@ LIMIT %(limit)s
 -- bodies; their inbox ids and attempt counters go, so the copy about to be sent is
 -- applied, not skipped.  The parked rows stay until step 3 (retried_parked), after
 -- the broker confirmed the copy: a crash in between leaves them listed, and a second
--- retry sends a copy the inbox skips if the first one was applied meanwhile.
+-- retry sends a copy the inbox skips if the first one was applied meanwhile.  So an
+-- id goes only if the parking recorded it (in the parking's transaction: the same
+-- now()), never one a copy's effect recorded since.
 WITH chosen AS (
     SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers,
            properties, raw_properties, parked_at
@@ -265,6 +267,7 @@ WITH chosen AS (
 ), unrecorded AS (
     DELETE FROM {inbox} i USING chosen c
     WHERE i.consumer = c.consumer AND i.message_id = c.message_id
+      AND i.received_at = c.parked_at
 ), reset AS (
     DELETE FROM {attempts} a USING chosen c
     WHERE a.consumer = c.consumer AND a.message_id = c.message_id

@@ -33,7 +33,7 @@ def test_retry__sends_each_parked_message_once_while_the_handler_still_fails(
     1,200 parked: rows parked again during the run were taken again."""
     bodies = [f"raise:{i}".encode() for i in range(40)]
     publish(topology, [(f"p-{i}", b) for i, b in enumerate(bodies)])
-    monkeypatch.setattr(parked, "RETRY_BATCH", 4)
+    monkeypatch.setattr(parked, "RETRY_PAGE_ROWS", 4)
     with consumer(tmp_path, consumer_dsn, topology, max_attempts=1, prefetch=1):
         wait_settled(consumer_dsn, topology, bodies, 30)
         store = ParkedStore(consumer_dsn, INBOX)
