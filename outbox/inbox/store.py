@@ -231,16 +231,18 @@ class InboxStore:
         *,
         application_name: str = "outbox-consume",
         connect_timeout: float = 10.0,
-        lock_timeout: float = INBOX_LOCK_TIMEOUT,
+        lock_timeout: float | None = None,
         statement_timeout: float | None = None,
     ) -> None:
+        """``lock_timeout`` None: ``INBOX_LOCK_TIMEOUT``; ``statement_timeout`` None:
+        none (a handler's statements may take as long as they need)."""
         self.table = table
         self.consumer = consumer
         self.queries = _statements(table)
         self._dsn = dsn
         self._application_name = application_name
         self._connect_timeout = connect_timeout
-        self.lock_timeout = lock_timeout
+        self.lock_timeout = INBOX_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
         self.statement_timeout = statement_timeout
         # The session's idle_in_transaction_session_timeout in seconds (None: off).
         # PostgreSQL applies it only between synced statements, so a handler that
