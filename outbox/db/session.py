@@ -148,7 +148,8 @@ def holders(conn: Conn, tables: Sequence[str], seconds: float) -> list[str]:
     """What holds a lock on ``tables`` (for ``seconds`` or more), one phrase each,
     oldest first, with what settles it; [] if it cannot be told."""
     try:
-        rows = conn.execute(_HOLDERS, {"tables": list(tables), "seconds": seconds}).fetchall()
+        cur = conn.cursor(row_factory=dict_row)  # whatever rows the connection gives
+        rows = cur.execute(_HOLDERS, {"tables": list(tables), "seconds": seconds}).fetchall()
     except psycopg.Error:
         if not (conn.broken or conn.closed):
             with contextlib.suppress(psycopg.Error):
@@ -213,7 +214,7 @@ def timed_out(
         held += f"; and {len(found) - NAMED_HOLDERS} more"
     return StatementTimedOut(
         f"PostgreSQL gave up waiting for a lock while {what} after {seconds:g} s: held by {held}",
-        "settle that, then try again (or raise --lock-timeout)",
+        "settle that, then try again, or raise --lock-timeout",
     )
 
 

@@ -497,6 +497,7 @@ class QueuePublisher:
         self, amqp_url: str, *, connect_timeout: float = 10.0, confirm_timeout: float = 30.0
     ) -> None:
         self.confirm_timeout = confirm_timeout
+        self._stalled = False  # a publish timed out: the broker may never answer
         self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
         try:
             self.conn.ensure_connection(
@@ -552,6 +553,7 @@ class QueuePublisher:
             # py-amqp: a write that timed out is RecoverableConnectionError("... timed out").
             if not isinstance(exc, TimeoutError) and "timed out" not in str(exc):
                 raise
+            self._stalled = True
             raise ConfirmTimedOut(
                 f"RabbitMQ did not confirm a message to queue {queue!r} within "
                 f"{self.confirm_timeout:g} s",
@@ -575,4 +577,9 @@ class QueuePublisher:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.conn.release()
+            if self._stalled:
+                # No closing handshake (connection.close waits for close-ok, forever
+                # from a broker that stopped answering): the socket just goes.
+                self.conn.collect(socket_timeout=self.confirm_timeout)
+            else:
+                self.conn.release()
