@@ -1,12 +1,17 @@
-"""docs/benchmarks.md: every table of figures names the command that produced it and
-the machine it ran on (issue 32: no figure in the manual without its command)."""
+"""Pages of docs/ that must follow the code or the rules of issue 32.
+
+docs/benchmarks.md: every table of figures names the command that produced it and the
+machine it ran on (no figure in the manual without its command).
+docs/reference/schema.md: it includes every migration file, so a new one appears.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "benchmarks.md"
 
 
 def sections_without_their_command(markdown: str) -> list[str]:
@@ -36,3 +41,10 @@ def test_benchmarks__a_table_without_a_command_is_found() -> None:
         "## Run\n\n`outbox bench` on the quiet machine\n\n| b |\n"
     )
     assert sections_without_their_command(page) == ["Measured"]
+
+
+def test_schema_page__includes_every_migration() -> None:
+    page = (ROOT / "docs" / "reference" / "schema.md").read_text()
+    included = set(re.findall(r'^--8<-- "outbox/db/schema/([^"]+)"$', page, re.M))
+    migrations = {path.name for path in (ROOT / "outbox" / "db" / "schema").glob("*.sql")}
+    assert migrations and included == migrations
