@@ -151,7 +151,7 @@ class PipelinedCursor(psycopg.Cursor[Row]):
 class InboxRowHeld(OutboxError):
     """A message's inbox row or attempt lock stayed held longer than the session's
     ``lock_timeout`` (by a transaction that removes the id and waits on something
-    else: ``outbox parked retry`` of releases before 0.x held it across its publish;
+    else: ``outbox parked retry`` of releases before 0.5.0 held it across its publish;
     or another consumer applying a copy).  Nothing was written: the message goes
     back to the queue for later, without an attempt counted, and the others go on."""
 
