@@ -82,7 +82,7 @@ def parked_list(
     default=Settings.publish_timeout,
     type=limited("publish_timeout"),
     help="Seconds to wait for each message's confirm; then exit 6 (the message stays "
-    "parked; a copy the broker took anyway is skipped by the inbox).",
+    "listed: retrying again is safe, the inbox skips a copy already applied).",
 )
 @env_option(
     "--batch-max-bytes",
