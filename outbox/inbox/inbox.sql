@@ -258,7 +258,8 @@ LIMIT %(limit)s
 -- the broker confirmed the copy: a crash in between leaves them listed, and a second
 -- retry sends a copy the inbox skips if the first one was applied meanwhile.  So an
 -- id goes only if the parking recorded it (in the parking's transaction: the same
--- now()), never one a copy's effect recorded since.
+-- now()), never one a copy's effect recorded since (in a transaction that started
+-- after an earlier release committed: later).
 WITH chosen AS (
     SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers,
            properties, raw_properties, parked_at
@@ -267,7 +268,7 @@ WITH chosen AS (
 ), unrecorded AS (
     DELETE FROM {inbox} i USING chosen c
     WHERE i.consumer = c.consumer AND i.message_id = c.message_id
-      AND i.received_at = c.parked_at
+      AND i.received_at <= c.parked_at
 ), reset AS (
     DELETE FROM {attempts} a USING chosen c
     WHERE a.consumer = c.consumer AND a.message_id = c.message_id
