@@ -160,13 +160,15 @@ def test_consumer__a_row_held_by_a_stopped_old_release_retry_stalls_only_its_mes
         assert conn.execute(f"SELECT count(*) FROM {INBOX}_attempts").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("stopped", [False, True], ids=["waiting", "stopped"])
 def test_parked_retry__a_confirm_that_never_comes_stalls_neither_it_nor_the_consumer(
-    topology: Topology, consumer_dsn: str, short_lock_timeout: None
+    topology: Topology, consumer_dsn: str, short_lock_timeout: None, stopped: bool
 ) -> None:
-    """`outbox parked retry` through a proxy that drops basic.ack: it gives up after
-    --publish-timeout (exit 6, one line), holding nothing meanwhile; the consumer
-    applies the copy and the 5 messages behind it; the message stays listed, and
-    a second retry sends a copy the inbox skips."""
+    """`outbox parked retry` through a proxy that drops basic.ack (and, ``stopped``,
+    then stopped with SIGSTOP as by Ctrl-Z): it gives up after --publish-timeout
+    (exit 6, one line), holding nothing meanwhile; the consumer applies the copy and
+    the 5 messages behind it; the message stays listed, and a second retry sends a
+    copy the inbox skips."""
     inbox, parked, refused = parked_inbox(topology, consumer_dsn)
     publish(topology, [(parked, b"broken")])
     host, port = "127.0.0.1", int(topology.amqp_url.rsplit(":", 1)[1].split("/")[0])
@@ -185,6 +187,8 @@ def test_parked_retry__a_confirm_that_never_comes_stalls_neither_it_nor_the_cons
             refused.clear()
             with subprocess_of(retry, env) as stalled:
                 wait_for(lambda: proxy.dropped, 20, "the broker's basic.ack (dropped)")
+                if stopped:
+                    stalled.send_signal(signal.SIGSTOP)
                 later = new_ids(5)
                 publish(topology, [(i, b"later") for i in later])
                 wait_for(
@@ -192,6 +196,8 @@ def test_parked_retry__a_confirm_that_never_comes_stalls_neither_it_nor_the_cons
                     20,
                     "the copy and the 5 messages behind it to be applied",
                 )
+                if stopped:
+                    stalled.send_signal(signal.SIGCONT)
                 _out, err = stalled.communicate(timeout=20)
             assert stalled.returncode == 6, err
             assert "Traceback" not in err
