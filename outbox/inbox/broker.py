@@ -558,8 +558,8 @@ class QueuePublisher:
                 f"RabbitMQ did not confirm a message to queue {queue!r} within "
                 f"{self.confirm_timeout:g} s",
                 "whether it has the message is unknown: it stays listed; check the broker "
-                "(alarms, a stalled connection), then retry again (a copy already "
-                "delivered is skipped by the inbox), or raise --publish-timeout",
+                "(alarms, a stalled connection), then retry again (the inbox skips a copy "
+                "whose message was applied), or raise --publish-timeout",
             ) from exc
 
     def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:

@@ -28,9 +28,9 @@ A consumer that receives a copy applies it at once: nothing of the retry's holds
 its inbox row.  If the retry dies or times out between steps 1 and 3, the messages
 of that page stay listed as parked, and their copies may be on the queue: retry
 again, and the inbox skips a copy whose message was applied.  A duplicate the inbox
-drops, never a loss.  (Before, steps 1 to 3 were one transaction, held across the
-broker's confirms: a confirm that never came held the message's inbox row, and a
-consumer receiving the copy waited on it, and every message behind it.)
+drops, never a loss.  (One transaction across the three steps held the message's
+inbox row while waiting for the broker, and the consumer that received the copy
+waited on it, and every message behind it.)
 """
 
 from __future__ import annotations
