@@ -28,6 +28,7 @@ from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
+from outbox.db.front import ClaimFront
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -171,6 +172,10 @@ class BatchStore(Session):
             None
         )
         self.backend: Backend | None = None
+        # Where this session's claims start (``outbox.db.front``): from the bottom at
+        # first, then past what the claims before saw gone.  Never carried over to
+        # another session (after a failover ids and xids may be handed out again).
+        self.front = ClaimFront()
         if not note_backend:
             return
         try:
@@ -246,16 +251,16 @@ class BatchStore(Session):
         Binary results (``claim_cursor``): each payload is a view of the driver's
         result, held once; the result is freed when the batch's rows are dropped.
 
+        The claim starts at ``front`` and returns the next one (``outbox.db.front``:
+        the low-water mark, the late rows, the snapshot), which replaces it, so a
+        claim reads the rows deleted since the claim before it, not every dead row
+        the held horizon keeps.  A claim that fails leaves the front as it was
+        (an older front is always a valid one: it only costs a longer walk).
+
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
-        params = {
-            "limit": limit,
-            "window": limit * KEYED_WINDOW,
-            "max_bytes": max_bytes,
-            "hold": hold_keys,
-            "own": list(own),
-        }
+        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
@@ -267,7 +272,28 @@ class BatchStore(Session):
             else:  # a libpq older than 14: two round trips
                 plain.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
                 cur.execute(statement, params)
-            return claimed_rows(self.conn, cur)
+            rows, front = claimed_rows(self.conn, cur)
+        if front is not None:
+            self.front = self.front.after(*front)
+        return rows
+
+    def claim_params(
+        self,
+        limit: int,
+        max_bytes: int = 2**62,
+        *,
+        hold_keys: bool = True,
+        own: Sequence[int] = (),
+    ) -> dict[str, Any]:
+        """The parameters of the next claim (``claim_batch``), from this session's front."""
+        return {
+            "limit": limit,
+            "window": limit * KEYED_WINDOW,
+            "max_bytes": max_bytes,
+            "hold": hold_keys,
+            "own": list(own),
+            **self.front.params(),
+        }
 
     def _claim_statement(
         self,
@@ -389,8 +415,11 @@ class BatchStore(Session):
             ) from exc
 
     def has_claimable_rows(self) -> bool:
+        """Whether any row nobody holds is where the claim looks (``front``)."""
         with self._translated("looking for claimable rows"), self.conn.transaction():
-            row = self.conn.execute(self.queries["has_claimable_rows"]).fetchone()
+            row = self.conn.execute(
+                self.queries["has_claimable_rows"], self.front.params()
+            ).fetchone()
             return bool(row and row["claimable"])
 
     def replication(self) -> Replication:
