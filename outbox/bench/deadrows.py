@@ -9,8 +9,10 @@ and claimed in batches of ``--batch``, each batch committed (its rows join the
 dead ones).  Each claim is first run under ``EXPLAIN (ANALYZE, BUFFERS)`` and
 rolled back (the figures), then for real.  Three ways of claiming, side by side:
 
-- ``bottom``: every claim walks from the lowest id (the claim before 0.6, whose
-  cost this reproduces: same statement with no front);
+- ``0.5``: the claim of 0.5 (``CLAIM_0_5``, kept here as the baseline): every
+  claim walks from the lowest id;
+- ``bottom``: the claim of 0.6 with no front (every claim from the bottom: what
+  a relay's first claim of a session costs);
 - ``front``: the claim front of 0.6 (``outbox.db.front``): a low-water mark and
   the rows committed behind it found by their txid;
 - ``rescan``: the low-water mark without the txid sweep (design B): its claims,
@@ -38,8 +40,62 @@ from outbox.db import migrate
 from outbox.db.batches import PINNED_CLAIM_PLAN, BatchStore
 from outbox.db.devcluster import PostgresCluster
 from outbox.db.front import ClaimFront
+from outbox.tables import table_identifiers
 
-WAYS = ("bottom", "front", "rescan")
+WAYS = ("0.5", "front", "rescan", "bottom")
+
+# The claim statement of outbox-relay 0.5 (``queries.sql``, ``claim_batch``, before
+# schema 0006), the baseline these figures compare with.
+CLAIM_0_5 = """
+DELETE FROM {outbox}
+WHERE id = ANY (ARRAY (
+    WITH keyed AS MATERIALIZED (
+        SELECT id, ordering_key FROM {outbox}
+        WHERE ordering_key IS NOT NULL
+          AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
+        ORDER BY id
+        LIMIT %(window)s
+    ), firsts AS MATERIALIZED (
+        SELECT DISTINCT ON (ordering_key) id FROM keyed ORDER BY ordering_key, id
+    ), heads AS MATERIALIZED (
+        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+        WHERE ordering_key IS NULL OR id IN (SELECT id FROM firsts)
+        ORDER BY id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ), tails AS MATERIALIZED (
+        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+        WHERE id IN (
+            SELECT k.id FROM keyed k JOIN heads h ON h.ordering_key = k.ordering_key
+            WHERE k.id > h.id)
+        ORDER BY id
+        LIMIT (SELECT %(limit)s - count(*) FROM heads)
+        FOR UPDATE SKIP LOCKED
+    ), locked AS (
+        SELECT id, ordering_key, size FROM heads
+        UNION ALL
+        SELECT id, ordering_key, size FROM tails
+    ), gaps AS (
+        SELECT ordering_key, min(id) AS gap FROM keyed
+        WHERE id NOT IN (SELECT id FROM locked)
+        GROUP BY ordering_key
+    ), taken AS (
+        SELECT l.id, l.size FROM locked l LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
+        WHERE g.gap IS NULL OR l.id < g.gap
+    )
+    SELECT id FROM (
+        SELECT id, sum(size) OVER (ORDER BY id) - size AS before FROM taken
+    ) AS sized
+    WHERE before < %(max_bytes)s
+))
+RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+    ordering_key,
+    CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
+        SELECT min(d.id) FROM {dead_letters} d
+        WHERE md5(d.ordering_key) = md5({outbox}.ordering_key)
+          AND d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
+    END AS held_by
+"""
 
 
 def _database(admin: str, name: str) -> str:
@@ -61,11 +117,16 @@ def _insert(conn: psycopg.Connection[Any], rows: int, payload: int) -> None:
         )
 
 
-def explain_claim(store: BatchStore, limit: int) -> tuple[float, int]:
-    """(ms, shared buffers hit + read) of the claim the store would run next, run
-    under EXPLAIN (ANALYZE, BUFFERS) and rolled back."""
+def explain_claim(store: BatchStore, limit: int, *, old: bool = False) -> tuple[float, int]:
+    """(ms, shared buffers hit + read) of the claim the store would run next (``old``:
+    the claim of 0.5), run under EXPLAIN (ANALYZE, BUFFERS) and rolled back."""
     conn = store.conn
-    statement = store.queries["claim_batch"]
+    if old:
+        statement: sql.Composable = sql.SQL(CLAIM_0_5.strip()).format(
+            **table_identifiers(store.table)
+        )
+    else:
+        statement = store.queries["claim_batch"]
     with conn.transaction(force_rollback=True):
         conn.execute(PINNED_CLAIM_PLAN)
         row = conn.execute(
@@ -94,11 +155,11 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
             costs = []
             claims = 0
             while True:
-                if way == "bottom":
+                if way in ("bottom", "0.5"):
                     store.front = ClaimFront()
                 elif way == "rescan" and claims:
                     store.front = ClaimFront(store.front.low_water)  # no late rows, no sweep
-                costs.append(explain_claim(store, batch))
+                costs.append(explain_claim(store, batch, old=way == "0.5"))
                 rows = store.claim_batch(batch)
                 store.conn.execute("COMMIT")
                 claims += 1

@@ -11,8 +11,12 @@
 -- the ids it already knows (%(late)s) that still exist, and the rows whose inserting
 -- transaction (txid, schema 0006) the previous claim's snapshot %(seen)s did not
 -- see, found through the txid index (a range from its xmax, point lookups for the
--- transactions it saw in progress).  So the claim never walks the rows deleted
+-- transactions it saw in progress: `committed_since`, the rows committed since
+-- that claim, whatever their id).  So the claim never walks the rows deleted
 -- before W, however many dead ones vacuum cannot remove while the horizon is held.
+-- `committed_since` has no condition on id, and is MATERIALIZED so that none is
+-- pushed into it: with `id < W` there, the generic plan walked the primary key
+-- from the bottom to W and filtered on txid (the very walk this avoids).
 -- The last row of the result is not a row but the next front (`id` NULL): the
 -- smallest id visible now at or after W (NULL: none), the late ids that still
 -- exist (claimed now included: a batch rolled back puts them back) and this
@@ -38,7 +42,8 @@
 -- skipped, and with it its whole key.  `late_heads` and `front_heads` lock unkeyed
 -- rows and free heads (the late ones first, by id; the front by an index scan
 -- from W); `tails` then locks the rows behind our heads (no other relay can hold
--- those: it would need the head).  `gaps` is the first row of each key that we did
+-- those: it would need the head), looked up by id (as `id IN (…)`, a semi-join,
+-- the generic plan read the whole primary key, dead entries and all, to merge it).  `gaps` is the first row of each key that we did
 -- not lock: nothing of that key at or after it is taken.  A claim therefore holds
 -- at most a prefix of each key, and a key's next rows are claimable only once its
 -- batch is committed, except behind the relay's own batch in flight: `own` lists
@@ -59,15 +64,15 @@
 -- large), so the relay's memory does not grow with the payloads; octet_length()
 -- reads a TOASTed value's size without fetching it.  Rows locked beyond the budget
 -- stay locked until this batch is finished, then the next claim takes them.
-WITH late AS MATERIALIZED (
-    SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
-    UNION
-    SELECT id FROM {outbox}
-    WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot) AND id < %(low_water)s
-    UNION
+WITH committed_since AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+    UNION ALL
     SELECT id FROM {outbox}
     WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
-      AND id < %(low_water)s
+), late AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
+    UNION
+    SELECT id FROM committed_since WHERE id < %(low_water)s
 ), claimed AS (
     DELETE FROM {outbox}
     WHERE id = ANY (ARRAY (
@@ -107,9 +112,9 @@ WITH late AS MATERIALIZED (
             SELECT id, ordering_key, size FROM front_heads
         ), tails AS MATERIALIZED (
             SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
-            WHERE id IN (
+            WHERE id = ANY (ARRAY (
                 SELECT k.id FROM keyed k JOIN heads h ON h.ordering_key = k.ordering_key
-                WHERE k.id > h.id)
+                WHERE k.id > h.id))
             ORDER BY id
             LIMIT (SELECT %(limit)s - count(*) FROM heads)
             FOR UPDATE SKIP LOCKED
@@ -151,14 +156,18 @@ SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::bytea, NULL::json
 
 -- has_claimable_rows --
 -- Any row nobody holds, where the claim looks (``claim_batch``): from W, the late
--- ids, and the rows committed since the claim's snapshot, whatever their id.
-SELECT EXISTS (SELECT 1 FROM {outbox} WHERE id >= %(low_water)s FOR UPDATE SKIP LOCKED)
-    OR EXISTS (SELECT 1 FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) FOR UPDATE SKIP LOCKED)
-    OR EXISTS (SELECT 1 FROM {outbox}
-               WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot) FOR UPDATE SKIP LOCKED)
-    OR EXISTS (SELECT 1 FROM {outbox}
-               WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
-               FOR UPDATE SKIP LOCKED)
+-- ids, and the rows committed since the claim's snapshot, whatever their id.  Each
+-- look is an ORDER BY … LIMIT 1 on its index: as EXISTS the planner may choose a
+-- sequential scan, which reads every dead row from the start of the table.
+SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
+        FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) ORDER BY id LIMIT 1
+        FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox}
+        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
     AS claimable
 
 -- record_dead_letters --
@@ -233,12 +242,14 @@ UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
 -- an in-doubt batch count too: at worst one empty claim.
 -- Where the claim looks (``claim_batch``; %(low_water)s etc.: the relay's claim
 -- front, ``outbox/db/front.py``), so the poll does not walk the dead rows behind
--- it either.
-SELECT EXISTS (SELECT 1 FROM {outbox} WHERE id >= %(low_water)s)
-    OR EXISTS (SELECT 1 FROM {outbox} WHERE id = ANY (%(late)s::bigint[]))
-    OR EXISTS (SELECT 1 FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot))
-    OR EXISTS (SELECT 1 FROM {outbox}
-               WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot))))
+-- it either (each look an ORDER BY … LIMIT 1 on its index: ``has_claimable_rows``).
+SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox}
+        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        ORDER BY txid LIMIT 1) IS NOT NULL
     AS rows_waiting
 
 -- want_wakeups --
@@ -247,11 +258,13 @@ SELECT EXISTS (SELECT 1 FROM {outbox} WHERE id >= %(low_water)s)
 -- application commit the look missed (its INSERT ran before the lock was taken)
 -- is found by the relay's next polls (``Relay._wait_for_work``).
 SELECT pg_try_advisory_lock_shared(%(lock_class)s, %(relid)s) AS listening,
-       EXISTS (SELECT 1 FROM {outbox} WHERE id >= %(low_water)s)
-    OR EXISTS (SELECT 1 FROM {outbox} WHERE id = ANY (%(late)s::bigint[]))
-    OR EXISTS (SELECT 1 FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot))
-    OR EXISTS (SELECT 1 FROM {outbox}
-               WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot))))
+       (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox}
+        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        ORDER BY txid LIMIT 1) IS NOT NULL
        AS rows_waiting
 
 -- stop_wanting_wakeups --
