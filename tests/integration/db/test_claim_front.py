@@ -115,8 +115,10 @@ def test_claim__reads_the_same_blocks_with_dead_rows_behind_a_held_horizon(
             costs[dead], _ = claim_cost(dsn, store, f"third_{dead}")
         finally:
             store.close()
-    # 100,000 rows of 200 bytes fill about 3,000 heap pages and 270 index pages.
-    assert costs[DEAD] <= costs[0] * 1.2 + 30, costs
+    # 100,000 rows of 200 bytes fill about 3,000 heap pages and 270 index pages,
+    # which a walk from the bottom reads.  What may grow: the primary key is a level
+    # deeper, one page more per row looked up by id (twice per keyed row).
+    assert costs[DEAD] <= costs[0] * 1.2 + 2 * BATCH, costs
 
 
 def test_claim__a_row_committed_late_behind_the_front_is_claimed_next(
