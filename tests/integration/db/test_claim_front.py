@@ -24,6 +24,7 @@ import psycopg
 import pytest
 
 from outbox.db.batches import BatchStore
+from tests.fixtures.faults import wait_for
 
 BATCH = 100
 DEAD = 100_000
@@ -210,8 +211,11 @@ def test_claim__rows_rolled_back_or_held_elsewhere_are_claimed_again(dsn: str) -
         assert relay.claim_batch(BATCH) == []
         relay.abandon_claim()
         # The killed claim's session ends: its rows are free again.
+        pid = killed.conn.info.backend_pid
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_terminate_backend(%s)", [killed.conn.info.backend_pid])
+            conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+            gone = "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)"
+            wait_for(lambda: conn.execute(gone, [pid]).fetchone() == (True,), 10, "backend gone")
             # A resolver rolls the other relay's batch back.
             conn.execute("ROLLBACK PREPARED 'other'")
         back = [r.id for r in relay.claim_batch(3 * BATCH)]
@@ -229,7 +233,11 @@ def test_claim__a_row_put_back_under_an_old_id_is_claimed(dsn: str) -> None:
     with _stores(dsn, 1) as (store,):
         assert [r.id for r in store.claim_batch(2 * BATCH)] == ids
         _commit(store, "all")
-        assert store.claim_batch(BATCH) == []
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            later = _insert(conn, 5)
+        assert [r.id for r in store.claim_batch(BATCH)] == later
+        _commit(store, "later")
+        assert store.claim_batch(BATCH) == []  # the front is past every id above
         store.abandon_claim()
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
