@@ -17,8 +17,11 @@
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
 -- from the bottom to W and filtered on txid (the very walk this avoids).
+-- `start` is the smallest id visible now at or after W (locked or not): the one
+-- walk over the rows deleted since the claim before; the other scans of the
+-- front start there (none when it is NULL: no row at or after W is visible).
 -- The last row of the result is not a row but the next front (`id` NULL): the
--- smallest id visible now at or after W (NULL: none), the late ids that still
+-- smallest id visible now at or after W (`start`), the late ids that still
 -- exist (claimed now included: a batch rolled back puts them back) and this
 -- statement's snapshot.  Every part of the statement sees the one snapshot it
 -- was started with, from before its own delete.
@@ -73,6 +76,8 @@ WITH committed_since AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
     UNION
     SELECT id FROM committed_since WHERE id < %(low_water)s
+), start AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
 ), claimed AS (
     DELETE FROM {outbox}
     WHERE id = ANY (ARRAY (
@@ -83,7 +88,7 @@ WITH committed_since AS MATERIALIZED (
                   AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
                 UNION ALL
                 (SELECT id, ordering_key FROM {outbox}
-                 WHERE ordering_key IS NOT NULL AND id >= %(low_water)s
+                 WHERE ordering_key IS NOT NULL AND id >= (SELECT id FROM start)
                    AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
                  ORDER BY id
                  LIMIT %(window)s)
@@ -101,7 +106,7 @@ WITH committed_since AS MATERIALIZED (
             FOR UPDATE SKIP LOCKED
         ), front_heads AS MATERIALIZED (
             SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
-            WHERE id >= %(low_water)s
+            WHERE id >= (SELECT id FROM start)
               AND (ordering_key IS NULL OR id IN (SELECT id FROM firsts))
             ORDER BY id
             LIMIT (SELECT %(limit)s - count(*) FROM late_heads)
@@ -150,7 +155,7 @@ FROM claimed
 UNION ALL
 SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::bytea, NULL::jsonb, NULL::text,
        NULL::timestamptz, NULL::text, NULL::bigint,
-       (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1),
+       (SELECT id FROM start),
        ARRAY (SELECT id FROM late ORDER BY id),
        pg_current_snapshot()::text
 
