@@ -103,7 +103,7 @@ def _database(admin: str, name: str) -> str:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     dsn = psycopg.conninfo.make_conninfo(admin, dbname=name)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        migrate.migrate(conn, "outbox")  # type: ignore[arg-type]
+        migrate.migrate(conn, "outbox")
     return dsn
 
 
