@@ -118,3 +118,52 @@ def test_claim__a_backlog_behind_the_front_drains_at_the_cost_of_one_in_front(
         assert not store.front.late
     print(f"blocks: {late_cost} late, {normal_cost} in front")
     assert late_cost <= 2 * normal_cost, (late_cost, normal_cost)
+
+
+def _copied_back(dsn: str, store: BatchStore, ids: list[int]) -> None:
+    """An operator's re-drive from a copy: ``CREATE TABLE … AS SELECT * FROM outbox``
+    (which now copies ``txid``), the rows relayed, then one copied back under its
+    id, which the front has passed."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _insert(conn, 2)
+        assert len(_drain(store)) == 2
+        conn.execute(
+            "INSERT INTO outbox OVERRIDING SYSTEM VALUE SELECT * FROM outbox_copy WHERE id = %s",
+            [ids[0]],
+        )
+
+
+def _explicit_null(dsn: str, store: BatchStore, ids: list[int]) -> None:
+    """An application (an ORM whose model was generated from the table) that sends
+    every column, ``txid`` NULL, in a transaction that commits after the front
+    passed its id."""
+    with psycopg.connect(dsn) as late, psycopg.connect(dsn, autocommit=True) as other:
+        late.execute("INSERT INTO outbox (exchange, routing_key, txid) VALUES ('x', 'k', NULL)")
+        _insert(other, 2)
+        assert len(_drain(store)) == 2
+        late.commit()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="txid is trusted as written: a copied or NULL txid below W is never looked up "
+    "again in the session (proposal: a BEFORE INSERT trigger that sets txid, or a "
+    "periodic walk from the bottom as a safety net)",
+)
+@pytest.mark.parametrize("shape", [_copied_back, _explicit_null], ids=["copied", "null"])
+def test_claim__a_row_whose_txid_is_not_its_transactions_is_not_left_behind(
+    dsn: str, shape: Callable[[str, BatchStore, list[int]], None]
+) -> None:
+    """A row whose txid was written by the application, not by the default, still
+    reaches a relay whose session has passed its id."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ids = _insert(conn, 3)
+        conn.execute("CREATE TABLE outbox_copy AS SELECT * FROM outbox")
+    with _store(dsn) as store:
+        assert _drain(store) == ids
+        shape(dsn, store, ids)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            [(left,)] = conn.execute("SELECT count(*) FROM outbox").fetchall()
+        assert left == 1
+        assert store.has_claimable_rows()
+        assert len(_drain(store)) == 1
