@@ -167,3 +167,99 @@ def test_claim__a_row_whose_txid_is_not_its_transactions_is_not_left_behind(
         assert left == 1
         assert store.has_claimable_rows()
         assert len(_drain(store)) == 1
+
+
+def test_claim__late_transactions_of_every_kind_are_claimed_once_in_key_order(
+    dsn: str, pg_server: str
+) -> None:
+    """Two relays' sessions claim (committing, or rolling back a batch now and then)
+    between the steps of applications that commit late in every way PostgreSQL
+    allows: a row inserted in a released savepoint; 70 rows in 70 nested
+    savepoints (the snapshot's subtransaction list overflows: the top-level xid is
+    what txid holds); a transaction the application prepares itself (2PC) and
+    commits later; one that inserts in several statements over time; one that rolls
+    back; three sessions sharing an identity sequence with CACHE 20 (ids far out of
+    commit order), committing in reverse.  Every committed row is claimed exactly
+    once, each transaction's rows (one ordering key each) in id order, nothing of
+    the rolled-back one, and both fronts end with nothing left."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox ALTER COLUMN id SET CACHE 20")
+    claimed: list[tuple[int, str | None]] = []
+    gids = iter(range(10_000))
+
+    def claims(store: BatchStore, times: int = 3) -> None:
+        for _ in range(times):
+            rows = store.claim_batch(rng.choice([1, 7, BATCH]))
+            gid = f"adv_{next(gids)}"
+            store.prepare(gid)
+            commit = rng.random() > 0.2
+            assert store.finish(gid, commit=commit)
+            if commit:
+                claimed.extend((r.id, r.ordering_key) for r in rows)
+
+    committed: dict[str | None, list[int]] = {}
+    with contextlib.ExitStack() as stack:
+        stores = [stack.enter_context(_store(dsn)) for _ in range(2)]
+        conns = {
+            name: stack.enter_context(psycopg.connect(dsn))
+            for name in ("savepoint", "nested", "app_2pc", "multi", "rolled_back", "filler")
+        }
+        caches = [stack.enter_context(psycopg.connect(dsn)) for _ in range(3)]
+        conns["filler"].autocommit = True
+
+        def flow() -> None:
+            committed.setdefault(None, []).extend(_insert(conns["filler"], rng.randint(1, 30)))
+            for store in stores:
+                claims(store, rng.randint(1, 3))
+
+        sp = conns["savepoint"]
+        sp.execute("SAVEPOINT s")
+        committed["savepoint"] = _insert(sp, 1, key="savepoint")
+        sp.execute("RELEASE SAVEPOINT s")
+        flow()
+        nested = conns["nested"]
+        committed["nested"] = []
+        for i in range(70):
+            nested.execute(f"SAVEPOINT s{i}")
+            committed["nested"] += _insert(nested, 1, key="nested")
+        flow()
+        committed["app_2pc"] = _insert(conns["app_2pc"], 3, key="app_2pc")
+        committed["multi"] = _insert(conns["multi"], 2, key="multi")
+        _insert(conns["rolled_back"], 5, key="rolled_back")
+        for n, cache in enumerate(caches):
+            committed[f"cache{n}"] = _insert(cache, 3, key=f"cache{n}")
+        flow()
+        conns["app_2pc"].execute("PREPARE TRANSACTION 'app_2pc'")
+        flow()
+        for n, cache in enumerate(caches):
+            committed[f"cache{n}"] += _insert(cache, 2, key=f"cache{n}")
+        committed["multi"] += _insert(conns["multi"], 2, key="multi")
+        flow()
+        conns["rolled_back"].rollback()
+        sp.commit()
+        flow()
+        nested.commit()
+        flow()
+        conns["filler"].execute("COMMIT PREPARED 'app_2pc'")
+        flow()
+        conns["multi"].commit()
+        for cache in reversed(caches):
+            cache.commit()
+            flow()
+        for store in stores:  # each relay drains what it can see, then sees nothing
+            while rows := store.claim_batch(BATCH):
+                claimed.extend((r.id, r.ordering_key) for r in rows)
+                store.prepare("adv_last")
+                assert store.finish("adv_last", commit=True)
+            store.abandon_claim()
+            assert not store.has_claimable_rows()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+    ids = [i for i, _ in claimed]
+    assert sorted(ids) == sorted(i for rows in committed.values() for i in rows)
+    for key, rows in committed.items():
+        if key is not None:
+            assert [i for i, k in claimed if k == key] == sorted(rows), key
