@@ -17,7 +17,9 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
   The claim's scans start at W.  ``None``: from the bottom (a new session).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
-  batch); the claim takes them by id.
+  batch); the claim takes them by id.  More of them than a claim takes (a
+  transaction that took thousands of ids early, a backlog behind an id from
+  elsewhere) rejoin the front instead: W drops to the first (``after``).
 - ``seen``: the previous claim's snapshot (``pg_current_snapshot()`` as text).
 
 Invariant, after each claim with snapshot S: every row with id < W that still
@@ -94,9 +96,7 @@ class ClaimFront:
             "seen": self.seen,
         }
 
-    def after(
-        self, low_water: int | None, late: list[int], seen: str, *, most: int
-    ) -> ClaimFront:
+    def after(self, low_water: int | None, late: list[int], seen: str, *, most: int) -> ClaimFront:
         """The front after a claim that returned these (``low_water`` None: the claim
         saw no row at or after W, which then stays).
 
