@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
+from outbox.db import migrate
 from outbox.db.batches import BatchStore
+from tests.fixtures.faults import wait_for
 from tests.integration.db.test_claim_front import blocks_read
 
 BATCH = 100
@@ -263,3 +266,52 @@ def test_claim__late_transactions_of_every_kind_are_claimed_once_in_key_order(
     for key, rows in committed.items():
         if key is not None:
             assert [i for i, k in claimed if k == key] == sorted(rows), key
+
+
+def test_upgrade__rows_of_transactions_open_across_the_migration_are_claimed(
+    empty_dsn: str,
+) -> None:
+    """Schema 5 to 6 under applications' transactions: one that inserted before the
+    migration and is still open, one the application prepared itself (2PC), and one
+    that took its xid before the migration but inserts after it and commits after
+    the relay's front passed its rows.  The migration waits for the first two (its
+    lock waits for their ROW EXCLUSIVE), so their rows (txid NULL) are committed
+    before any claim of the new schema, which walks from the bottom; the third is
+    found by its txid.  Every row is claimed exactly once."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", target=5)  # type: ignore[arg-type]
+    with contextlib.ExitStack() as stack:
+        before = stack.enter_context(psycopg.connect(empty_dsn))
+        prepared = stack.enter_context(psycopg.connect(empty_dsn))
+        early = stack.enter_context(psycopg.connect(empty_dsn))
+        app = stack.enter_context(psycopg.connect(empty_dsn, autocommit=True))
+        old_rows = _insert(before, 3) + _insert(prepared, 2)
+        prepared.execute("PREPARE TRANSACTION 'app_upgrade'")
+        early.execute("SELECT pg_current_xact_id()")  # an xid older than the migration
+        blocked: list[migrate.Blocked] = []
+        errors: list[BaseException] = []
+
+        def upgrade() -> None:
+            try:
+                with psycopg.connect(empty_dsn, autocommit=True) as conn:
+                    migrate.migrate(conn, "outbox", on_blocked=blocked.append)  # type: ignore[arg-type]
+            except BaseException as exc:  # handed to the test's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=upgrade)
+        thread.start()
+        wait_for(lambda: bool(blocked), 30, "the migration waits for the open transactions")
+        before.commit()
+        app.execute("COMMIT PREPARED 'app_upgrade'")
+        thread.join(timeout=60)
+        assert not thread.is_alive() and not errors, errors
+        assert migrate.current_version(app, "outbox") == migrate.LATEST_VERSION  # type: ignore[arg-type]
+        [(nulls,)] = app.execute("SELECT count(*) FROM outbox WHERE txid IS NULL").fetchall()
+        assert nulls == len(old_rows)
+        late_rows = _insert(early, 2)
+        with _store(empty_dsn) as store:
+            later = _insert(app, 3)
+            assert _drain(store) == old_rows + later
+            early.commit()
+            assert _drain(store) == late_rows
+        assert app.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
