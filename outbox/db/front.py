@@ -17,7 +17,9 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
   The claim's scans start at W.  ``None``: from the bottom (a new session).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
-  batch); the claim takes them by id.
+  batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
+  committed late moves W back to its first row instead (lowering W is always
+  safe), and the claims then take that stretch in id order, walking it once.
 - ``seen``: the previous claim's snapshot (``pg_current_snapshot()`` as text).
 
 Invariant, after each claim with snapshot S: every row with id < W that still
@@ -75,6 +77,11 @@ from psycopg.types.numeric import Int8
 # Below every id: "from the bottom" (a bigint).
 BOTTOM = -(2**63)
 
+# Most late ids kept: the claim looks each one up.  Beyond this (a bulk load that
+# took its ids early and committed late), W moves back to the first late row
+# instead, and the claims walk that stretch once, in id order, as they take it.
+LATE_MOST = 1_000
+
 
 @dataclasses.dataclass(frozen=True)
 class ClaimFront:
@@ -96,5 +103,12 @@ class ClaimFront:
 
     def after(self, low_water: int | None, late: list[int], seen: str) -> ClaimFront:
         """The front after a claim that returned these (``low_water`` None: the claim
-        saw no row at or after W, which then stays)."""
-        return ClaimFront(self.low_water if low_water is None else low_water, tuple(late), seen)
+        saw no row at or after W, which then stays).
+
+        More than ``LATE_MOST`` late ids: W moves back to the first of them and none
+        is kept (lowering W is always safe: fewer rows are then below it)."""
+        mark = self.low_water if low_water is None else low_water
+        if len(late) > LATE_MOST:
+            first = min(late)
+            return ClaimFront(first if mark is None else min(mark, first), (), seen)
+        return ClaimFront(mark, tuple(late), seen)
