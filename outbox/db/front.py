@@ -58,6 +58,16 @@ transaction ids seen on the old primary may be handed out again.  And a batch
 prepared by a dead relay, until a resolver finishes it, holds every W at or below
 its first row (its rows are visible), as it holds the horizon.
 
+Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
+selects a batch's events between two tick snapshots: a range of txids from the
+earlier snapshot's xmax, and the transactions it saw in progress that committed
+since as an IN list, so a long transaction does not widen the range.  Here the
+"batch" is everything committed since the relay's previous claim, and the
+low-water mark replaces PgQ's rotating tables: no tick, so no tick's latency.
+Que and River select from a job table by an index and rely on (auto)vacuum
+(River issue #59, "Autovacuum Starvation"; Que's docs advise a manual VACUUM every
+few minutes), which a held horizon defeats.
+
 Design B, measured beside it (``outbox bench deadrows``): the same W without a
 txid, and a full walk from the bottom every N seconds to catch late rows: each
 such walk costs what every claim costs today, and a late row waits up to N
