@@ -282,7 +282,7 @@ class BatchStore(Session):
                 cur.execute(statement, params)
             rows, front = claimed_rows(self.conn, cur)
         if front is not None:
-            self.front = self.front.after(*front, most=limit)
+            self.front = self.front.after(*front)
         return rows
 
     def claim_params(

@@ -17,9 +17,9 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
   The claim's scans start at W.  ``None``: from the bottom (a new session).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
-  batch); the claim takes them by id.  More of them than a claim takes (a
-  transaction that took thousands of ids early, a backlog behind an id from
-  elsewhere) rejoin the front instead: W drops to the first (``after``).
+  batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
+  committed late moves W back to its first row instead (lowering W is always
+  safe), and the claims then take that stretch in id order, walking it once.
 - ``seen``: the previous claim's snapshot (``pg_current_snapshot()`` as text).
 
 Invariant, after each claim with snapshot S: every row with id < W that still
@@ -58,6 +58,16 @@ transaction ids seen on the old primary may be handed out again.  And a batch
 prepared by a dead relay, until a resolver finishes it, holds every W at or below
 its first row (its rows are visible), as it holds the horizon.
 
+Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
+selects a batch's events between two tick snapshots: a range of txids from the
+earlier snapshot's xmax, and the transactions it saw in progress that committed
+since as an IN list, so a long transaction does not widen the range.  Here the
+"batch" is everything committed since the relay's previous claim, and the
+low-water mark replaces PgQ's rotating tables: no tick, so no tick's latency.
+Que and River select from a job table by an index and rely on (auto)vacuum
+(River issue #59, "Autovacuum Starvation"; Que's docs advise a manual VACUUM every
+few minutes), which a held horizon defeats.
+
 Design B, measured beside it (``outbox bench deadrows``): the same W without a
 txid, and a full walk from the bottom every N seconds to catch late rows: each
 such walk costs what every claim costs today, and a late row waits up to N
@@ -76,6 +86,11 @@ from psycopg.types.numeric import Int8
 
 # Below every id: "from the bottom" (a bigint).
 BOTTOM = -(2**63)
+
+# Most late ids kept: the claim looks each one up.  Beyond this (a bulk load that
+# took its ids early and committed late), W moves back to the first late row
+# instead, and the claims walk that stretch once, in id order, as they take it.
+LATE_MOST = 1_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,22 +111,14 @@ class ClaimFront:
             "seen": self.seen,
         }
 
-    def after(self, low_water: int | None, late: list[int], seen: str, *, most: int) -> ClaimFront:
+    def after(self, low_water: int | None, late: list[int], seen: str) -> ClaimFront:
         """The front after a claim that returned these (``low_water`` None: the claim
         saw no row at or after W, which then stays).
 
-        More than ``most`` late ids (the claim's limit) rejoin the front: W drops to
-        the first of them and ``late`` empties.  Each claim looks every late id up
-        again (three times), and sends and receives them all, so a backlog that
-        lands behind W at once (a transaction that took thousands of ids early, the
-        rows after an id from elsewhere far above the sequence) cost N²/B lookups
-        to drain in batches of B: 58.6 s for 100,000 rows that take 3.0 s in front
-        of W.  From the lower W the claim walks them in id order, as any backlog,
-        once.  Always allowed: every row below the lower W that exists was below
-        the old one and not late, so invisible to ``seen``.
-        """
-        low = self.low_water if low_water is None else low_water
-        if len(late) > most:
+        More than ``LATE_MOST`` late ids: W moves back to the first of them and none
+        is kept (lowering W is always safe: fewer rows are then below it)."""
+        mark = self.low_water if low_water is None else low_water
+        if len(late) > LATE_MOST:
             first = min(late)
-            return ClaimFront(first if low is None else min(low, first), (), seen)
-        return ClaimFront(low, tuple(late), seen)
+            return ClaimFront(first if mark is None else min(mark, first), (), seen)
+        return ClaimFront(mark, tuple(late), seen)

@@ -11,8 +11,9 @@
 -- the ids it already knows (%(late)s) that still exist, and the rows whose inserting
 -- transaction (txid, schema 0006) the previous claim's snapshot %(seen)s did not
 -- see, found through the txid index (a range from its xmax, point lookups for the
--- transactions it saw in progress: `committed_since`, the rows committed since
--- that claim, whatever their id).  So the claim never walks the rows deleted
+-- transactions it saw in progress and that have ended since: `committed_since`,
+-- the rows committed since that claim, whatever their id; one still running, a
+-- bulk load say, is looked up only once it has ended, not at every claim).  So the claim never walks the rows deleted
 -- before W, however many dead ones vacuum cannot remove while the horizon is held.
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
@@ -71,7 +72,9 @@ WITH committed_since AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
     UNION ALL
     SELECT id FROM {outbox}
-    WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+    WHERE txid = ANY (ARRAY (
+        SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+        WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
 ), late AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
     UNION
@@ -171,7 +174,9 @@ SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
     OR (SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
         ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
     OR (SELECT id FROM {outbox}
-        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
         ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
     AS claimable
 
@@ -253,7 +258,9 @@ SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) I
     OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
         ORDER BY txid LIMIT 1) IS NOT NULL
     OR (SELECT txid FROM {outbox}
-        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
         ORDER BY txid LIMIT 1) IS NOT NULL
     AS rows_waiting
 
@@ -268,7 +275,9 @@ SELECT pg_try_advisory_lock_shared(%(lock_class)s, %(relid)s) AS listening,
     OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
         ORDER BY txid LIMIT 1) IS NOT NULL
     OR (SELECT txid FROM {outbox}
-        WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
         ORDER BY txid LIMIT 1) IS NOT NULL
        AS rows_waiting
 

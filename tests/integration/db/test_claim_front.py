@@ -283,3 +283,32 @@ def test_polls__do_not_walk_the_dead_rows_behind_the_front(
             assert store.has_claimable_rows()
         finally:
             listener.close()
+
+
+def test_claim__a_bulk_load_committed_late_is_read_once_and_claimed_in_order(
+    dsn: str, held_horizon: psycopg.Connection[Any]
+) -> None:
+    """A long transaction writes 20,000 rows while others flow and are claimed: the
+    claims do not read its rows while it runs (its transaction is looked up once it
+    has ended), and once it commits they take its rows in id order, each claim
+    reading O(batch) again after the first."""
+    bulk = psycopg.connect(dsn)
+    try:
+        with _stores(dsn, 1) as (store,), psycopg.connect(dsn, autocommit=True) as conn:
+            _insert(conn, 10)
+            claim_cost(dsn, store, "first")
+            loaded = _insert(bulk, 20_000)  # not committed
+            _insert(conn, 10)
+            claim_cost(dsn, store, "started")  # reads the running load's rows, once
+            other = _insert(conn, 10)
+            cost, ids = claim_cost(dsn, store, "running")
+            assert ids == other
+            assert cost < 300, cost  # reading the load's 20,000 rows: ~800
+            bulk.commit()
+            _, ids = claim_cost(dsn, store, "committed")
+            assert ids == loaded[:BATCH]
+            cost, ids = claim_cost(dsn, store, "next")
+            assert ids == loaded[BATCH : 2 * BATCH]
+            assert cost < 1_000, cost  # looking 20,000 late ids up: ~80,000
+    finally:
+        bulk.close()
