@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
-from outbox.db.front import ClaimFront
+from outbox.db.front import RESCAN_SECONDS, ClaimFront
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -184,6 +184,9 @@ class BatchStore(Session):
         # first, then past what the claims before saw gone.  Never carried over to
         # another session (after a failover ids and xids may be handed out again).
         self.front = ClaimFront()
+        # When the claims start from the bottom again (``current_front``).
+        self.rescan_seconds = RESCAN_SECONDS
+        self._rescan_at = time.monotonic() + self.rescan_seconds
         if not note_backend:
             return
         try:
@@ -294,13 +297,14 @@ class BatchStore(Session):
         own: Sequence[int] = (),
     ) -> dict[str, Any]:
         """The parameters of the next claim (``claim_batch``), from this session's front."""
+        front = self.current_front()
         return {
             "limit": limit,
             "window": limit * KEYED_WINDOW,
             "max_bytes": max_bytes,
             "hold": hold_keys,
             "own": list(own),
-            **self.front.params(),
+            **front.params(),
         }
 
     def _claim_statement(
@@ -422,11 +426,21 @@ class BatchStore(Session):
                 "retries with backoff",
             ) from exc
 
+    def current_front(self) -> ClaimFront:
+        """Where the next claim (and the idle relay's polls) look: ``front``, or the
+        bottom once every ``rescan_seconds`` (``outbox.db.front.RESCAN_SECONDS``: a
+        row whose txid the application wrote is found within that time)."""
+        now = time.monotonic()
+        if now >= self._rescan_at:
+            self.front = ClaimFront()
+            self._rescan_at = now + self.rescan_seconds
+        return self.front
+
     def has_claimable_rows(self) -> bool:
         """Whether any row nobody holds is where the claim looks (``front``)."""
         with self._translated("looking for claimable rows"), self.conn.transaction():
             row = self.conn.execute(
-                self.queries["has_claimable_rows"], self.front.params()
+                self.queries["has_claimable_rows"], self.current_front().params()
             ).fetchone()
             return bool(row and row["claimable"])
 

@@ -379,7 +379,7 @@ class Relay:
     def _front(self) -> ClaimFront | None:
         """Where the work session's claims start: the idle polls look there too, not
         at the dead rows behind it (``outbox.db.front``)."""
-        return self.store.front if self.store is not None else None
+        return self.store.current_front() if self.store is not None else None
 
     def _busy(self) -> None:
         """A second step in a row found work: applications' commits need not notify
