@@ -13,8 +13,9 @@
 -- see, found through the txid index (a range from its xmax, point lookups for the
 -- transactions it saw in progress and that have ended since: `committed_since`,
 -- the rows committed since that claim, whatever their id; one still running, a
--- bulk load say, is looked up only once it has ended, not at every claim).  So the claim never walks the rows deleted
--- before W, however many dead ones vacuum cannot remove while the horizon is held.
+-- bulk load say, is looked up only once it has ended, not at every claim).  So
+-- the claim never walks the rows deleted before W, however many dead ones vacuum
+-- cannot remove while the horizon is held.
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
 -- from the bottom to W and filtered on txid (the very walk this avoids).
@@ -47,8 +48,9 @@
 -- rows and free heads (the late ones first, by id; the front by an index scan
 -- from W); `tails` then locks the rows behind our heads (no other relay can hold
 -- those: it would need the head), looked up by id (as `id IN (…)`, a semi-join,
--- the generic plan read the whole primary key, dead entries and all, to merge it).  `gaps` is the first row of each key that we did
--- not lock: nothing of that key at or after it is taken.  A claim therefore holds
+-- the generic plan read the whole primary key, dead entries and all, to merge
+-- it).  `gaps` is the first row of each key that we did not lock: nothing of
+-- that key at or after it is taken.  A claim therefore holds
 -- at most a prefix of each key, and a key's next rows are claimable only once its
 -- batch is committed, except behind the relay's own batch in flight: `own` lists
 -- its keyed rows, which count as taken, and the relay publishes the new batch only
