@@ -271,6 +271,9 @@ class BatchStore(Session):
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
+        if self.rescan_due():
+            self.front = ClaimFront()
+            self._rescan_at = time.monotonic() + self.rescan_seconds
         params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
@@ -297,14 +300,13 @@ class BatchStore(Session):
         own: Sequence[int] = (),
     ) -> dict[str, Any]:
         """The parameters of the next claim (``claim_batch``), from this session's front."""
-        front = self.current_front()
         return {
             "limit": limit,
             "window": limit * KEYED_WINDOW,
             "max_bytes": max_bytes,
             "hold": hold_keys,
             "own": list(own),
-            **front.params(),
+            **self.front.params(),
         }
 
     def _claim_statement(
@@ -426,21 +428,19 @@ class BatchStore(Session):
                 "retries with backoff",
             ) from exc
 
-    def current_front(self) -> ClaimFront:
-        """Where the next claim (and the idle relay's polls) look: ``front``, or the
-        bottom once every ``rescan_seconds`` (``outbox.db.front.RESCAN_SECONDS``: a
-        row whose txid the application wrote is found within that time)."""
-        now = time.monotonic()
-        if now >= self._rescan_at:
-            self.front = ClaimFront()
-            self._rescan_at = now + self.rescan_seconds
-        return self.front
+    def rescan_due(self) -> bool:
+        """Whether the next claim starts from the bottom, as a new session's first
+        does (every ``rescan_seconds``, ``outbox.db.front.RESCAN_SECONDS``: a row whose
+        txid the application wrote is found within that time).  An idle relay
+        claims once when it is due (``Relay._wait_for_work``): its polls look only
+        where its claims do."""
+        return time.monotonic() >= self._rescan_at
 
     def has_claimable_rows(self) -> bool:
         """Whether any row nobody holds is where the claim looks (``front``)."""
         with self._translated("looking for claimable rows"), self.conn.transaction():
             row = self.conn.execute(
-                self.queries["has_claimable_rows"], self.current_front().params()
+                self.queries["has_claimable_rows"], self.front.params()
             ).fetchone()
             return bool(row and row["claimable"])
 

@@ -94,7 +94,7 @@ LATE_MOST = 1_000
 
 
 # How often a session's claims start from the bottom again, as a new session's do
-# (``BatchStore.current_front``).  A safety net, not the way late rows are found:
+# (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net, not the way late rows are found:
 # a row below W whose ``txid`` is not its inserting transaction's (an application
 # that wrote the column, NULL or copied with ``INSERT … SELECT *`` from a copy of
 # the outbox) is invisible to the sweep, and without it would wait for the

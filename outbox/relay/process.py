@@ -354,6 +354,8 @@ class Relay:
         while not self.stop:
             now = time.monotonic()
             self.stats.last_progress = now  # idle is progress too (liveness)
+            if self.store is not None and self.store.rescan_due():
+                return  # one claim from the bottom (``BatchStore.rescan_due``)
             if self.liveness is None or self.liveness.lost:
                 raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:
@@ -379,7 +381,7 @@ class Relay:
     def _front(self) -> ClaimFront | None:
         """Where the work session's claims start: the idle polls look there too, not
         at the dead rows behind it (``outbox.db.front``)."""
-        return self.store.current_front() if self.store is not None else None
+        return self.store.front if self.store is not None else None
 
     def _busy(self) -> None:
         """A second step in a row found work: applications' commits need not notify

@@ -153,8 +153,8 @@ def test_claim__a_row_whose_txid_is_not_its_transactions_is_found_by_the_rescan(
 ) -> None:
     """A row whose txid the application wrote (not the default) and whose id the
     front has passed is invisible to the txid sweep: it was left behind for the
-    session's life (until the relay reconnects).  The session's claims and polls
-    start from the bottom again every ``RESCAN_SECONDS`` (here 1 s), and find it."""
+    session's life (until the relay reconnects).  The session's claims start from
+    the bottom again every ``RESCAN_SECONDS`` (here 1 s), and find it."""
     monkeypatch.setattr(batches, "RESCAN_SECONDS", 1.0, raising=False)
     with psycopg.connect(dsn, autocommit=True) as conn:
         ids = _insert(conn, 3)
@@ -165,7 +165,7 @@ def test_claim__a_row_whose_txid_is_not_its_transactions_is_found_by_the_rescan(
         with psycopg.connect(dsn, autocommit=True) as conn:
             [(left,)] = conn.execute("SELECT count(*) FROM outbox").fetchall()
         assert left == 1
-        wait_for(store.has_claimable_rows, 10, "the rescan to see the row")
+        wait_for(store.rescan_due, 10, "the rescan")
         assert len(_drain(store)) == 1
 
 

@@ -19,8 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox.config import Settings
+from outbox.db import batches
+from outbox.relay.process import Relay
 from tests.fixtures.faults import (
     RelayProcess,
     check_delivery,
@@ -158,3 +161,41 @@ def test_front__late_transactions_reach_long_running_relays_after_kills(
     bound = (kills + RELAYS) * in_flight(chaos) * BATCH
     report = check_delivery(chaos.dsn, topology, committed, max_duplicates=bound)
     print(f"{kills} kills, {len(committed)} rows, {report.duplicates} duplicates (bound {bound})")
+
+
+def test_front__an_idle_relay_finds_a_row_whose_txid_the_application_wrote(
+    settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle relay (fallback poll 30 s) whose front has passed a row whose txid the
+    application wrote (NULL, committed late) claims from the bottom once its rescan
+    is due (here 2 s): the row is published, not left until the relay reconnects."""
+    monkeypatch.setattr(batches, "RESCAN_SECONDS", 2.0, raising=False)
+    relay = Relay(
+        dataclasses.replace(
+            settings, poll_interval=30.0, heartbeat_interval=10.0, relay_timeout=60.0
+        )
+    )
+    app = psycopg.connect(settings.dsn)
+    thread = threading.Thread(target=relay.run)
+    try:
+        [(late,)] = app.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload, txid) "
+            "VALUES (%s, 'k', 'null txid', NULL) RETURNING message_id",
+            [topology.exchange],
+        ).fetchall()
+        relay.start()
+        thread.start()
+        later = insert_rows(settings.dsn, topology.exchange, 20)
+        wait_for(lambda: relay.stats.messages_published == 20, 30, "the later rows")
+        assert relay.store is not None
+        [(late_id,)] = app.execute("SELECT id FROM outbox").fetchall()
+        front = relay.store.front.low_water
+        assert front is not None and front > late_id, (front, late_id)
+        app.commit()
+        wait_for(lambda: relay.stats.messages_published == 21, 15, "the row with a NULL txid")
+    finally:
+        app.close()
+        relay.stop.set()
+        if thread.is_alive():
+            thread.join(timeout=30)
+    check_delivery(settings.dsn, topology, [str(late), *later], max_duplicates=0)
