@@ -93,14 +93,14 @@ BOTTOM = -(2**63)
 LATE_MOST = 1_000
 
 
-# How often a session's claims start from the bottom again, as a new session's do
-# (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net, not the way late rows are found:
-# a row below W whose ``txid`` is not its inserting transaction's (an application
-# that wrote the column, NULL or copied with ``INSERT … SELECT *`` from a copy of
-# the outbox) is invisible to the sweep, and without it would wait for the
-# relay's next reconnect.  One walk over the dead rows per interval and session:
-# behind a held horizon at 1,000 rows/s, 600,000 rows every 10 minutes, what every
-# claim of 0.5 read after 10 minutes.
+# How often a session's claims start from the bottom again, as a new session's
+# do (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net,
+# not the way late rows are found: a row below W whose ``txid`` is not its
+# inserting transaction's (an application that wrote the column, NULL or copied
+# with ``INSERT … SELECT *`` from a copy of the outbox) is invisible to the sweep,
+# and without it would wait for the relay's next reconnect.  One walk over the
+# dead rows per interval and session: behind a held horizon at 1,000 rows/s,
+# 600,000 rows every 10 minutes, what every claim of 0.5 read after 10 minutes.
 RESCAN_SECONDS = 600.0
 
 
