@@ -5,8 +5,9 @@ only vacuum removes, and vacuum cannot while anything holds the MVCC horizon bac
 (a REPEATABLE READ report, ``pg_dump``, a session idle in transaction, a
 replication slot, a prepared transaction).  A claim that starts at the lowest id
 walks every row deleted since then, on every claim: measured 7.7 → 42.5 ms p50
-after 4 minutes at 1,000 rows/s, and ``outbox bench deadrows`` shows the claim's
-cost linear in the dead rows (README/docs, "How it works").
+after 4 minutes at 1,000 rows/s, and ``python -m outbox.bench.deadrows`` shows
+the claim's cost linear in the dead rows
+(docs/explanation/how-it-works.md#claims-and-dead-rows).
 
 The state, kept per work session by ``BatchStore`` (``front``), returned by each
 claim and handed to the next (``queries.sql``, ``claim_batch``):
@@ -68,7 +69,7 @@ Que and River select from a job table by an index and rely on (auto)vacuum
 (River issue #59, "Autovacuum Starvation"; Que's docs advise a manual VACUUM every
 few minutes), which a held horizon defeats.
 
-Design B, measured beside it (``outbox bench deadrows``): the same W without a
+Design B, measured beside it (``python -m outbox.bench.deadrows``): the same W without a
 txid, and a full walk from the bottom every N seconds to catch late rows: each
 such walk costs what every claim costs today, and a late row waits up to N
 seconds.  A partitioned outbox (drained partitions detached and dropped) needs

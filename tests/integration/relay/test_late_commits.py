@@ -5,7 +5,8 @@ The relay's claims start at a low-water mark and find such a row by the
 transaction that inserted it: the first claim after its commit takes it, and an
 idle relay's polls find it as they find any commit that did not notify (the
 wake-up lock was not held when its INSERT ran): within about twice the time since
-the relay went idle, at most ``--poll-interval`` (docs, "How it works").
+the relay went idle, at most ``--poll-interval``
+(docs/explanation/how-it-works.md#claims-and-dead-rows).
 """
 
 from __future__ import annotations
