@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -11,7 +12,7 @@ from psycopg import errors as pgerrors
 
 from outbox.db import privileges
 from outbox.db.session import Session
-from outbox.errors import DatabaseRefused
+from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
 
 Row = dict[str, Any]
@@ -62,6 +63,54 @@ class DeadLetterStore(Session):
                 },
             ).fetchall()
 
+    def held(
+        self, *, row_ids: Sequence[int], ordering_keys: Sequence[str], into_outbox: bool
+    ) -> list[Row]:
+        """The dead letters of this selection an in-doubt batch holds (id, gid): the
+        rows a retry (``into_outbox``) or a purge would wait for."""
+        with self._translated("looking for in-doubt batches holding dead letters"):
+            return self.conn.execute(
+                self.queries["held_dead_letters"],
+                {"row_ids": list(row_ids), "keys": list(ordering_keys), "into_outbox": into_outbox},
+            ).fetchall()
+
+    @contextlib.contextmanager
+    def _not_waiting(
+        self,
+        lock_timeout: float | None,
+        what: str,
+        row_ids: Sequence[int],
+        ordering_keys: Sequence[str],
+        into_outbox: bool,
+    ) -> Iterator[None]:
+        """With ``lock_timeout``: ``RowsHeld`` naming the in-doubt batches that hold
+        the selection, before acting, or if the action waits longer than that for a
+        lock (a batch prepared in between, another session's transaction)."""
+        if lock_timeout is None:
+            yield
+            return
+
+        def refuse() -> None:
+            holders = self.held(
+                row_ids=row_ids, ordering_keys=ordering_keys, into_outbox=into_outbox
+            )
+            if holders or lock_waited:
+                raise RowsHeld(sorted({r["gid"] for r in holders}), f"nothing was {what}")
+
+        lock_waited = False
+        refuse()
+        try:
+            with self.conn.transaction():
+                self.conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true)",
+                    [str(max(1, round(lock_timeout * 1000)))],
+                )
+                yield
+        except pgerrors.LockNotAvailable:
+            lock_waited = True
+        if lock_waited:
+            refuse()
+
     def retry(
         self,
         *,
@@ -69,12 +118,19 @@ class DeadLetterStore(Session):
         message_ids: Sequence[uuid.UUID] = (),
         row_ids: Sequence[int] = (),
         ordering_keys: Sequence[str] = (),
+        lock_timeout: float | None = None,
     ) -> list[Row]:
         """Move dead letters back into the outbox atomically; the (id, message_id,
-        ordering_key) moved."""
+        ordering_key) moved.
+
+        With ``lock_timeout`` (the console), rows held by an in-doubt batch or locked
+        longer than that raise ``RowsHeld`` instead of waiting for the batch."""
         self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
         try:
-            with self._translated("retrying dead letters"):
+            with (
+                self._translated("retrying dead letters"),
+                self._not_waiting(lock_timeout, "retried", row_ids, ordering_keys, True),
+            ):
                 return self.conn.execute(
                     self.queries["retry_dead_letters"],
                     {
@@ -107,10 +163,15 @@ class DeadLetterStore(Session):
         row_ids: Sequence[int] = (),
         ordering_keys: Sequence[str] = (),
         older_than: float | None = None,
+        lock_timeout: float | None = None,
     ) -> list[Row]:
-        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
+        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id).
+        ``lock_timeout`` as for ``retry``."""
         self.check_privileges(privileges.DEAD_LETTERS_PURGE, "outbox dead-letters purge")
-        with self._translated("purging dead letters"):
+        with (
+            self._translated("purging dead letters"),
+            self._not_waiting(lock_timeout, "purged", row_ids, ordering_keys, False),
+        ):
             return self.conn.execute(
                 self.queries["purge_dead_letters"],
                 {

@@ -268,6 +268,25 @@ WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigi
 ORDER BY id
 LIMIT %(limit)s
 
+-- held_dead_letters --
+-- The dead letters of a selection that an in-doubt batch holds, with its gid: a
+-- prepared transaction that deleted the row's id from the outbox (a retry inserting
+-- that id again would wait for it: Lock/transactionid) or that changed the dead letter
+-- itself.  A row the batch deleted is still visible to others, with the batch's xid
+-- as its xmax.  Read before a console action, so it says so instead of waiting.
+SELECT d.id, p.gid
+FROM {dead_letters} d
+JOIN {outbox} o ON o.id = d.id
+JOIN pg_prepared_xacts p ON p.transaction = o.xmax AND p.database = current_database()
+WHERE %(into_outbox)s
+  AND (d.id = ANY(%(row_ids)s::bigint[]) OR d.ordering_key = ANY(%(keys)s::text[]))
+UNION
+SELECT d.id, p.gid
+FROM {dead_letters} d
+JOIN pg_prepared_xacts p ON p.transaction = d.xmax AND p.database = current_database()
+WHERE d.id = ANY(%(row_ids)s::bigint[]) OR d.ordering_key = ANY(%(keys)s::text[])
+ORDER BY gid, id
+
 -- retry_dead_letters --
 -- One statement, so one transaction: a dead letter is either still here or back in
 -- the outbox (same row id, message_id and created_at), never both and never neither.

@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 
 from outbox import redaction, urls
 from outbox.config import Settings
-from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, RowsHeld
 from outbox.events import emit
 from outbox.redaction import redact
 from outbox.web import console, security
@@ -267,9 +267,11 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     def outbox_of(request: Request, form: FormData | None = None) -> Settings:
         table = (form.get("table") if form else None) or request.query_params.get("table")
         try:
-            return cfg.outbox(str(table) if table else None)
+            settings = cfg.outbox(str(table) if table else None)
         except KeyError:
             raise HTTPException(404, f"no outbox table {table!r} is configured") from None
+        request.scope["outbox_table"] = settings.table
+        return settings
 
     def inbox_of(request: Request, form: FormData | None = None) -> InboxTarget:
         table = (form.get("inbox") if form else None) or request.query_params.get("inbox")
@@ -520,16 +522,34 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         assert isinstance(exc, HTTPException)
         return _with_headers(
             pages.render(
-                request, "error.html", status_code=exc.status_code, message=str(exc.detail)
+                request,
+                "error.html",
+                status_code=exc.status_code,
+                message=str(exc.detail),
+                held_by=[],
+                table="",
             )
         )
 
     async def outbox_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, OutboxError)
-        status = 503 if isinstance(exc, DatabaseUnavailable | BrokerUnavailable) else 500
+        if isinstance(exc, RowsHeld):
+            status = 409
+        elif isinstance(exc, DatabaseUnavailable | BrokerUnavailable):
+            status = 503
+        else:
+            status = 500
         emit(log, "web.error", logging.WARNING, path=request.url.path, error=exc.message)
         return _with_headers(
-            pages.render(request, "error.html", status_code=status, message=console.describe(exc))
+            pages.render(
+                request,
+                "error.html",
+                status_code=status,
+                message=console.describe(exc),
+                # The button that releases the rows, for the table the action was on.
+                held_by=exc.gids if isinstance(exc, RowsHeld) else [],
+                table=request.scope.get("outbox_table", cfg.outboxes[0].table),
+            )
         )
 
     routes = [

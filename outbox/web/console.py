@@ -40,6 +40,10 @@ LIST_LIMIT = 1000
 # The most bytes of a body a detail view reads and shows: its hex view is 4.3 times
 # as long, and a message too large to publish (a dead letter) may hold 1 GB.
 BODY_SHOWN = 64 * 1024
+# How long an action waits for a row lock before it says who holds the rows: an
+# in-doubt batch holds them until it is resolved, and a request waiting for it would
+# hold one of the server's worker threads (40 such requests froze the console).
+ACTION_LOCK_TIMEOUT = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +318,10 @@ def retry_dead_letters(settings: Settings, selection: DeadLetterSelection) -> li
     store = deadletters.open_store(settings)
     try:
         return store.retry(
-            everything=False, row_ids=selection.row_ids, ordering_keys=selection.ordering_keys
+            everything=False,
+            row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
+            lock_timeout=ACTION_LOCK_TIMEOUT,
         )
     finally:
         store.close()
@@ -325,7 +332,10 @@ def purge_dead_letters(settings: Settings, selection: DeadLetterSelection) -> li
     store = deadletters.open_store(settings)
     try:
         return store.purge(
-            everything=False, row_ids=selection.row_ids, ordering_keys=selection.ordering_keys
+            everything=False,
+            row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
+            lock_timeout=ACTION_LOCK_TIMEOUT,
         )
     finally:
         store.close()

@@ -14,11 +14,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import socket
-import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -46,14 +41,13 @@ if not shutil.which(CHROMIUM):
         allow_module_level=True,
     )
 
-import uvicorn  # noqa: E402
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
 from outbox.inbox.store import render_sql  # noqa: E402
 from outbox.web.app import WebConfig  # noqa: E402
 from outbox.web.console import ConsoleConfig, InboxTarget  # noqa: E402
 from outbox.web.security import Credentials  # noqa: E402
-from outbox.web.server import uvicorn_config  # noqa: E402
+from tests.fixtures.web import Console, http, start_console  # noqa: E402
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -70,31 +64,6 @@ PASSWORD = "S3cr3t-Pg-W0rd"  # in the console's DSN; trust auth ignores it
 
 
 # -- the console, the browser -------------------------------------------------------
-@dataclasses.dataclass
-class Console:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def start_console(config: WebConfig) -> Console:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, 0))
-    port = sock.getsockname()[1]
-    served = uvicorn_config(config, port)  # as `outbox web` serves it
-    served.lifespan = "off"
-    server = uvicorn.Server(served)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 10, "the console to start")
-    return Console(f"http://127.0.0.1:{port}", server, thread)
-
-
 @pytest.fixture
 def web_config(settings: Settings) -> WebConfig:
     dsn = psycopg.conninfo.make_conninfo(settings.dsn, password=PASSWORD)
@@ -184,18 +153,6 @@ def parked_ids(dsn: str) -> list[str]:
 
 def received(topology: Topology) -> list[str]:
     return [str(props.message_id) for _, props, _ in topology.messages(idle=0.3)]
-
-
-def http(
-    url: str, *, data: dict[str, str] | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, str]:
-    body = urllib.parse.urlencode(data).encode() if data is not None else None
-    request = urllib.request.Request(url, data=body, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 # -- the tests ----------------------------------------------------------------------
