@@ -490,7 +490,23 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
 
     # -- in-doubt batches -----------------------------------------------------------
     async def in_doubt(request: Request) -> Response:
+        # What the database says, and nothing more: the resolver's dry run appends a
+        # probe record to the ledger stream (to know where it ends), and a GET must
+        # not write (an <img> on any web page can send one).  The dry run is a POST.
         settings = outbox_of(request)
+        report = await run_in_threadpool(console.status_report, settings, cfg)
+        return pages.render(
+            request,
+            "in_doubt.html",
+            table=settings.table,
+            batches=report["prepared_batches"],
+            results=None,
+            applied=False,
+        )
+
+    async def dry_run(request: Request) -> Response:
+        form = await checked_form(request, "resolve_dry_run")
+        settings = outbox_of(request, form)
         results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=True))
         return pages.render(
             request, "in_doubt.html", table=settings.table, results=results, applied=False
@@ -564,6 +580,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         Route("/parked/{parked_id:int}", parked_message),
         Route("/parked/{action}", parked_act, methods=["POST"]),
         Route("/in-doubt", in_doubt),
+        Route("/in-doubt/dry-run", dry_run, methods=["POST"]),
         Route("/in-doubt/resolve", resolve, methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]

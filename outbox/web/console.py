@@ -143,17 +143,7 @@ def overview(config: ConsoleConfig) -> dict[str, Any]:
     for settings in config.outboxes:
         section: dict[str, Any] = {"table": settings.table, "error": None}
         try:
-            report = status.collect(
-                settings,
-                max_prepared_age=config.max_prepared_age,
-                max_backlog_age=config.max_backlog_age,
-            )
-            alive = {r["relay_id"]: r["alive"] for r in report["relays"]}
-            for batch in report["prepared_batches"]:
-                parsed = gids.parse(batch["gid"])
-                relay_id = parsed.relay_id if parsed else None
-                batch["relay_id"] = relay_id
-                batch["relay_alive"] = bool(relay_id and alive.get(relay_id))
+            report = status_report(settings, config)
             store = deadletters.open_store(settings)
             try:
                 rows = store.entries(config.list_limit)
@@ -176,6 +166,23 @@ def overview(config: ConsoleConfig) -> dict[str, Any]:
             inbox_section["error"] = describe(exc)
         inboxes.append(inbox_section)
     return {"outboxes": outboxes, "inboxes": inboxes}
+
+
+def status_report(settings: Settings, config: ConsoleConfig) -> dict[str, Any]:
+    """``outbox status --json`` of one outbox table, each prepared batch with its
+    relay's id and whether that relay is alive."""
+    report = status.collect(
+        settings,
+        max_prepared_age=config.max_prepared_age,
+        max_backlog_age=config.max_backlog_age,
+    )
+    alive = {r["relay_id"]: r["alive"] for r in report["relays"]}
+    for batch in report["prepared_batches"]:
+        parsed = gids.parse(batch["gid"])
+        relay_id = parsed.relay_id if parsed else None
+        batch["relay_id"] = relay_id
+        batch["relay_alive"] = bool(relay_id and alive.get(relay_id))
+    return report
 
 
 def describe(exc: OutboxError) -> str:

@@ -19,6 +19,7 @@ from outbox.web.app import WebConfig
 from outbox.web.console import ConsoleConfig
 from outbox.web.security import Credentials
 from tests.fixtures.faults import prepared_left
+from tests.fixtures.servers import Topology
 from tests.fixtures.web import Console, csrf_headers, http, start_console
 
 
@@ -128,3 +129,37 @@ def test_web__a_retry_waiting_on_another_sessions_lock_gives_up_after_the_lock_t
         holder.rollback()
     assert status == 409 and "locked by another transaction" in page, page[:500]
     assert took < 10
+
+
+def ledger_records(topology: Topology) -> int:
+    """How many records the ledger stream holds (read from its start until idle)."""
+    channel = topology.channel()
+    channel.basic_qos(prefetch_count=100)
+    count = 0
+    for method, _, _ in channel.consume(
+        topology.ledger, arguments={"x-stream-offset": "first"}, inactivity_timeout=0.5
+    ):
+        if method is None:
+            break
+        count += 1
+        channel.basic_ack(method.delivery_tag)
+    channel.connection.close()
+    return count
+
+
+def test_web__the_in_doubt_page_writes_nothing_to_the_ledger(
+    settings: Settings, topology: Topology, console: Console, held_dead_letter: HeldDeadLetter
+) -> None:
+    """A GET must not write: any web page could send one (<img src=…/in-doubt>).  The
+    dry run, which appends a probe record to find the ledger's end, is a POST."""
+    channel = topology.channel()  # as a relay declares it
+    channel.queue_declare(topology.ledger, durable=True, arguments={"x-queue-type": "stream"})
+    channel.connection.close()
+    status, page = http(f"{console.url}/in-doubt")
+    assert status == 200 and held_dead_letter.gid in page
+    assert ledger_records(topology) == 0  # no probe record was appended
+    status, page = http(f"{console.url}/in-doubt/dry-run", data={}, headers={})
+    assert status == 403  # a POST, with the CSRF token
+    status, page = http(f"{console.url}/in-doubt/dry-run", data={}, headers=csrf_headers(console))
+    assert status == 200 and "rollback" in page and "planned" in page
+    assert held_dead_letter.gid in prepared_left(settings.dsn)

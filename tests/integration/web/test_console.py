@@ -345,7 +345,9 @@ def test_web__overview_shows_a_relay_killed_with_minus_9_going_dead_and_the_butt
         page.locator(f"tr.batch[data-gid='{gid}'] td.owner.dead").wait_for()
         assert page.locator("tr.relay.alive").count() == 0
 
-        page.goto(f"{console.url}/in-doubt")  # what `outbox resolve --dry-run` decides
+        page.goto(f"{console.url}/in-doubt")
+        page.locator(f"tr.batch[data-gid='{gid}'] td.owner.dead").wait_for()
+        page.locator("#dry-run").click()  # what `outbox resolve --dry-run` decides
         decision = page.locator(f"tr.resolution[data-gid='{gid}']")
         assert decision.locator("td.owner").inner_text() == "dead"
         assert decision.locator("td.action").inner_text() == "rollback"
