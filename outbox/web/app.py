@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+import re
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import FormData
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -42,6 +44,9 @@ from outbox.web.console import ConsoleConfig, DeadLetterSelection, InboxTarget
 log = logging.getLogger("outbox.web")
 
 HERE = pathlib.Path(__file__).parent
+# The longest form a POST may send: a page of ids (1,000 parked message ids of up to
+# 255 bytes, percent-encoded) fits; a longer body is refused before it is read.
+MAX_FORM_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +157,8 @@ class Guard(BaseHTTPMiddleware):
         if not self.config.credentials and not security.addressed_locally(
             request.headers.get("host")
         ):
-            emit(
-                log,
+            audit(
                 "web.refused",
-                logging.WARNING,
                 why="Host is not a loopback name",
                 host=loggable(request.headers.get("host") or ""),
                 client=_client(request),
@@ -171,10 +174,8 @@ class Guard(BaseHTTPMiddleware):
             )
         who = security.authenticate(request.headers.get("authorization"), self.config.credentials)
         if who is None:
-            emit(
-                log,
+            audit(
                 "web.refused",
-                logging.WARNING,
                 why="not authenticated",
                 client=_client(request),
                 path=loggable(request.url.path),
@@ -216,8 +217,39 @@ def _with_headers(response: Response) -> Response:
 
 
 def loggable(text: str, most: int = 200) -> str:
-    """Text a client chose, safe for a log line: no newline can forge another entry."""
-    return text[:most].encode("unicode_escape").decode("ascii")
+    """Text a client chose, safe for a log line: no newline or control character can
+    forge another entry, and no blank can make one field read as two
+    (``path=/a rows=5000``).  Non-ASCII and backslashes are escaped too, so the
+    escaping cannot be undone by text that imitates it."""
+    return text[:most].encode("unicode_escape").decode("ascii").replace(" ", "\\x20")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _one_line(value: Any) -> Any:
+    """Every string of an audit field with its control characters escaped."""
+    if isinstance(value, str):
+        return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), value)
+    if isinstance(value, list | tuple):
+        return [_one_line(v) for v in value]
+    return value
+
+
+def audit(event: str, **fields: Any) -> None:
+    """A ``web.*`` event (WARNING): who did what, or was refused.  Whatever a field
+    holds, the entry stays one line in both log formats."""
+    emit(log, event, logging.WARNING, **{k: _one_line(v) for k, v in fields.items()})
+
+
+def expected_count(form: FormData) -> int | None:
+    """The ``expected`` field of a confirmation form: how many rows the page showed."""
+    value = form.get("expected")
+    if value is None or value == "":
+        return None
+    if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 10):
+        raise HTTPException(400, "expected is the count of rows the page showed (a number)")
+    return int(value)
 
 
 def _client(request: Request) -> str:
@@ -237,25 +269,28 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     cfg = config.console
 
     async def checked_form(request: Request, what: str) -> FormData:
-        """The form of a state-changing POST, after the CSRF and read-only checks."""
-        # A group's ids come back as fields: room for a whole page of them.
-        form = await request.form(max_fields=cfg.list_limit + 16, max_files=0)
-        submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
+        """The form of a state-changing POST, after the CSRF and read-only checks.
+
+        Everything that can be checked without the body is checked before a byte of
+        it is read (the Origin, the read-only mode, the CSRF cookie, the size it
+        announces); the body is then read up to ``MAX_FORM_BYTES`` and no further,
+        and only the token it carries is left to compare."""
+        cookie = request.cookies.get(security.csrf_cookie(request.headers.get("host")))
         why = None
         if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
             why = "the request came from another site (Origin)"
-        elif not keys.request_ok(
-            request.cookies.get(security.csrf_cookie(request.headers.get("host"))),
-            submitted if isinstance(submitted, str) else None,
-        ):
+        elif not keys.valid(cookie):
             why = "missing or wrong CSRF token: reload the page and try again"
         elif cfg.read_only:
             why = "the console runs with --read-only"
+        if why is None:
+            form = await bounded_form(request)
+            submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
+            if not keys.request_ok(cookie, submitted if isinstance(submitted, str) else None):
+                why = "missing or wrong CSRF token: reload the page and try again"
         if why:
-            emit(
-                log,
+            audit(
                 "web.refused",
-                logging.WARNING,
                 who=request.state.who,
                 client=_client(request),
                 action=what,
@@ -263,6 +298,42 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             )
             raise HTTPException(403, why)
         return form
+
+    async def bounded_form(request: Request) -> FormData:
+        """An ``application/x-www-form-urlencoded`` body of at most ``MAX_FORM_BYTES``
+        (413 before reading a longer one it announces, or as soon as a body without
+        Content-Length grows past it)."""
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind not in ("", "application/x-www-form-urlencoded"):
+            raise HTTPException(415, "the console's forms are application/x-www-form-urlencoded")
+        announced = request.headers.get("content-length", "")
+        too_long = f"the form is longer than {MAX_FORM_BYTES:,} bytes"
+        if announced and (not announced.isdigit() or len(announced) > 12):
+            raise HTTPException(400, "the Content-Length header is not a number of bytes")
+        if announced and int(announced) > MAX_FORM_BYTES:
+            raise HTTPException(413, too_long)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                raise HTTPException(413, too_long)
+        try:
+            fields: list[tuple[str, str | UploadFile]] = []
+            fields += urllib.parse.parse_qsl(
+                body.decode("ascii"),
+                keep_blank_values=True,
+                strict_parsing=False,
+                encoding="utf-8",
+                errors="strict",
+                # A group's ids come back as fields: room for a whole page of them.
+                max_num_fields=cfg.list_limit + 16,
+            )
+        except (UnicodeDecodeError, ValueError):
+            raise HTTPException(
+                400,
+                "the form cannot be read: not URL-encoded UTF-8, or more fields than a page has",
+            ) from None
+        return FormData(fields)
 
     def outbox_of(request: Request, form: FormData | None = None) -> Settings:
         table = (form.get("table") if form else None) or request.query_params.get("table")
@@ -359,6 +430,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     async def dead_letters_act(request: Request) -> Response:
         action = _action(request.path_params["action"])
         form = await checked_form(request, f"dead_letters.{action}")
+        expected = expected_count(form)
         settings = outbox_of(request, form)
         try:
             selection = DeadLetterSelection.parse(
@@ -370,15 +442,13 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             raise HTTPException(400, "nothing selected")
         act = console.retry_dead_letters if action == "retry" else console.purge_dead_letters
         done = await run_in_threadpool(act, settings, selection)
-        emit(
-            log,
+        audit(
             "web.dead_letters_retried" if action == "retry" else "web.dead_letters_purged",
-            logging.WARNING,
             who=request.state.who,
             client=_client(request),
             table=settings.table,
             rows=len(done),
-            confirmed=form.get("expected"),
+            confirmed=expected,
             row_ids=list(selection.row_ids),
             ordering_keys=list(selection.ordering_keys),
         )
@@ -389,7 +459,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             title="Dead letters",
             message=f"{len(done)} dead letters {verb}",
             count=len(done),
-            expected=form.get("expected"),
+            expected=expected,
             rows=done,
             back=f"/dead-letters?table={settings.table}",
         )
@@ -455,6 +525,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     async def parked_act(request: Request) -> Response:
         action = _action(request.path_params["action"])
         form = await checked_form(request, f"parked.{action}")
+        expected = expected_count(form)
         target = inbox_of(request, form)
         ids = console.parked_selection([str(v) for v in form.getlist("id")])
         if not ids:
@@ -465,15 +536,13 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         else:
             count = await run_in_threadpool(console.purge_parked, target, ids)
             rows = []
-        emit(
-            log,
+        audit(
             "web.parked_retried" if action == "retry" else "web.parked_purged",
-            logging.WARNING,
             who=request.state.who,
             client=_client(request),
             inbox_table=target.table,
             messages=count,
-            confirmed=form.get("expected"),
+            confirmed=expected,
             message_ids=list(ids),
         )
         verb = "sent back to their queues" if action == "retry" else "purged"
@@ -483,7 +552,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             title="Parked messages",
             message=f"{count} parked messages {verb}",
             count=count,
-            expected=form.get("expected"),
+            expected=expected,
             rows=rows,
             back=f"/parked?inbox={target.table}",
         )
@@ -517,10 +586,8 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         settings = outbox_of(request, form)
         results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=False))
         finished = [r for r in results if r.finished]
-        emit(
-            log,
+        audit(
             "web.resolved",
-            logging.WARNING,
             who=request.state.who,
             client=_client(request),
             table=settings.table,
@@ -555,7 +622,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             status = 503
         else:
             status = 500
-        emit(log, "web.error", logging.WARNING, path=request.url.path, error=exc.message)
+        audit("web.error", path=loggable(request.url.path), error=exc.message)
         return _with_headers(
             pages.render(
                 request,

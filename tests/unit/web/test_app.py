@@ -10,9 +10,9 @@ from typing import Any
 from starlette.requests import Request
 
 from outbox.config import Settings
-from outbox.web.app import Pages, WebConfig, create_app
+from outbox.web.app import MAX_FORM_BYTES, Pages, WebConfig, create_app
 from outbox.web.console import ConsoleConfig, DeadLetterSelection
-from outbox.web.security import Credentials
+from outbox.web.security import Credentials, CsrfKeys
 
 
 def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -154,3 +154,73 @@ def test_web__two_consoles_on_one_host_keep_their_own_csrf_cookies() -> None:
     assert cookie_names("127.0.0.1:8310") == ["outbox_csrf_8310"]
     assert cookie_names("localhost:8311") == ["outbox_csrf_8311"]
     assert cookie_names("localhost") == ["outbox_csrf"]
+
+
+class Upload:
+    """An ASGI ``receive`` that streams a large body in 64 KiB chunks and counts
+    how much of it the application read."""
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size  # None: endless
+        self.read = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        chunk = 64 * 1024
+        if self.size is not None and self.read >= self.size:
+            return {"type": "http.disconnect"}
+        self.read += chunk
+        return {"type": "http.request", "body": b"i" * chunk, "more_body": True}
+
+
+def post_upload(app: Any, headers: dict[str, str], upload: Upload) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/dead-letters/purge",
+        "raw_path": b"/dead-letters/purge",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8310),
+    }
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, upload, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], body
+
+
+def test_web__a_large_post_is_refused_before_its_body_is_read() -> None:
+    """A 105 MB cross-origin POST raised the console's RSS from 53 to 160 MB before
+    its 403: the form was read before the Origin and CSRF checks."""
+    keys = CsrfKeys()
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    app = create_app(
+        WebConfig(ConsoleConfig((settings,)), "amqp://localhost", Credentials()), csrf_keys=keys
+    )
+    big = str(105 * 1024 * 1024)
+    base = {"host": "127.0.0.1:8310", "content-type": "application/x-www-form-urlencoded"}
+    cookie = keys.issue()
+    cases = [
+        ({**base, "origin": "http://evil.example", "content-length": big}, 403),
+        ({**base, "content-length": big}, 403),  # no CSRF cookie
+        ({**base, "cookie": "outbox_csrf_8310=forged.cookie", "content-length": big}, 403),
+        ({**base, "cookie": f"outbox_csrf_8310={cookie}", "content-length": big}, 413),
+    ]
+    for headers, status in cases:
+        upload = Upload(105 * 1024 * 1024)
+        assert post_upload(app, headers, upload)[0] == status, headers
+        assert upload.read == 0, headers
+    # Without a Content-Length (chunked): reading stops just past the limit.
+    upload = Upload(None)
+    status, body = post_upload(app, {**base, "cookie": f"outbox_csrf_8310={cookie}"}, upload)
+    assert status == 413 and b"longer than" in body
+    assert upload.read <= MAX_FORM_BYTES + 64 * 1024

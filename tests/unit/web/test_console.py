@@ -106,7 +106,7 @@ def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
 def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
     from outbox.web.app import loggable
 
-    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
+    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved\\x20who=admin"
     assert len(loggable("/" + "a" * 500)) == 200
 
 
