@@ -11,6 +11,7 @@ import psycopg
 from psycopg import errors as pgerrors
 
 from outbox.db import privileges
+from outbox.db.queries import search_terms
 from outbox.db.session import Session
 from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
@@ -37,6 +38,50 @@ class DeadLetterStore(Session):
         with self._translated("reading a dead letter"):
             return self.conn.execute(
                 self.queries["dead_letter"], {"row_id": row_id, "most": most}
+            ).fetchone()
+
+    def search(self, text: str, limit: int, offset: int) -> list[Row]:
+        """A page of the dead letters whose row id is ``text`` or whose ids, reason,
+        destination or key contain it (all of them for ""), each with the ``total``."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("searching dead letters"):
+            return self.conn.execute(
+                self.queries["search_dead_letters"],
+                {**search_terms(text), "limit": limit, "offset": offset},
+            ).fetchall()
+
+    def groups(self, text: str, by: str, limit: int) -> list[Row]:
+        """The same dead letters by ``reason`` or ``ordering_key``: label, count,
+        oldest, first_id (a row of the group)."""
+        with self._translated("grouping dead letters"):
+            return self.conn.execute(
+                self.queries["dead_letter_groups"],
+                {**search_terms(text), "by": "reason" if by == "reason" else "key", "limit": limit},
+            ).fetchall()
+
+    def sharing_reason(self, row_id: int, limit: int) -> list[int]:
+        """The ids of the oldest ``limit`` dead letters with row ``row_id``'s reason."""
+        with self._translated("selecting dead letters"):
+            rows = self.conn.execute(
+                self.queries["dead_letters_sharing_reason"], {"row_id": row_id, "limit": limit}
+            ).fetchall()
+        return [r["id"] for r in rows]
+
+    def keys_of(self, row_ids: Sequence[int]) -> list[str]:
+        """The ordering keys of these dead letters."""
+        with self._translated("selecting dead letters"):
+            rows = self.conn.execute(
+                self.queries["dead_letter_keys"], {"row_ids": list(row_ids)}
+            ).fetchall()
+        return sorted(r["ordering_key"] for r in rows)
+
+    def value(self, row_id: int, what: str, most: int) -> Row | None:
+        """The ``size`` of one dead letter's ``payload`` or ``headers`` (as bytes), and
+        the ``value`` itself if it has at most ``most`` bytes."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("reading a dead letter"):
+            return self.conn.execute(
+                self.queries["dead_letter_value"], {"row_id": row_id, "what": what, "most": most}
             ).fetchone()
 
     def matching(

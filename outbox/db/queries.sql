@@ -253,9 +253,62 @@ LIMIT %(limit)s
 -- (that may be why it is one).
 SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
        substring(payload FROM 1 FOR %(most)s) AS payload, octet_length(payload) AS payload_bytes,
-       headers::text AS headers, created_at::text AS created_at, failed_at
+       left(headers::text, %(most)s) AS headers, length(headers::text) AS headers_chars,
+       created_at::text AS created_at, failed_at
 FROM {dead_letters}
 WHERE id = %(row_id)s
+
+-- dead_letter_value --
+-- The whole payload or headers of one dead letter, for a download: the value only
+-- if it has at most %(most)s bytes, and its size.
+SELECT CASE WHEN octet_length(v.value) <= %(most)s THEN v.value END AS value,
+       octet_length(v.value) AS size
+FROM {dead_letters} d,
+     LATERAL (SELECT CASE WHEN %(what)s = 'payload' THEN d.payload
+                          ELSE convert_to(d.headers::text, 'UTF8') END AS value) v
+WHERE d.id = %(row_id)s
+
+-- search_dead_letters --
+-- A page of the console's list: every dead letter whose row id is %(q)s, or whose
+-- message id, reason, exchange, routing key or ordering key contains it (%(like)s,
+-- case-insensitive), over the whole table, oldest failure first, with the total.
+-- A substring search cannot use a B-tree: it reads the table (5,000 rows: a few ms).
+SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+       octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at,
+       count(*) OVER () AS total
+FROM {dead_letters}
+WHERE %(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
+   OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+   OR ordering_key ILIKE %(like)s
+ORDER BY failed_at, id
+LIMIT %(limit)s OFFSET %(offset)s
+
+-- dead_letter_groups --
+-- The same dead letters by reason, or by ordering key (%(by)s), biggest group first;
+-- each group is named by one of its rows (first_id), never by its text, in a link.
+SELECT CASE WHEN %(by)s = 'reason' THEN reason ELSE ordering_key END AS label,
+       count(*) AS count, min(failed_at) AS oldest, min(id) AS first_id
+FROM {dead_letters}
+WHERE (%(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
+       OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+       OR ordering_key ILIKE %(like)s)
+  AND (%(by)s = 'reason' OR ordering_key IS NOT NULL)
+GROUP BY 1
+ORDER BY count(*) DESC, min(failed_at), min(id)
+LIMIT %(limit)s
+
+-- dead_letters_sharing_reason --
+-- The oldest %(limit)s dead letters with the reason of row %(row_id)s (a group
+-- action takes a page at a time).
+SELECT id FROM {dead_letters}
+WHERE reason = (SELECT reason FROM {dead_letters} WHERE id = %(row_id)s)
+ORDER BY failed_at, id
+LIMIT %(limit)s
+
+-- dead_letter_keys --
+-- The ordering keys of these dead letters.
+SELECT DISTINCT ordering_key FROM {dead_letters}
+WHERE id = ANY(%(row_ids)s::bigint[]) AND ordering_key IS NOT NULL
 
 -- select_dead_letters --
 -- What retry_dead_letters and purge_dead_letters (without --older-than) take for the

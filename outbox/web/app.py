@@ -1,8 +1,9 @@
 """The console's web application (Starlette): pages, actions and the rules of ``security``.
 
-Pages are rendered on the server with Jinja2 (autoescaped) and passed through
-``redaction.redact`` before they leave, so no password of a connection setting can
-reach a browser, whatever a driver's error message quoted.  htmx refreshes the
+Pages are rendered on the server with Jinja2 (autoescaped); every text they show
+from the database, the broker or a client was masked where it was read
+(``console.shown``), so no password of a connection setting reaches a browser,
+whatever a row or a driver's error message quoted (``Pages``).  htmx refreshes the
 overview and filters the lists; every action also works as a plain HTML form.
 
 Reads are GETs and change nothing.  Every change is a POST from a confirmation
@@ -21,9 +22,11 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -39,7 +42,7 @@ from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, R
 from outbox.events import emit
 from outbox.redaction import redact
 from outbox.web import console, security
-from outbox.web.console import ConsoleConfig, DeadLetterSelection, InboxTarget
+from outbox.web.console import ConsoleConfig, InboxTarget
 
 log = logging.getLogger("outbox.web")
 
@@ -82,7 +85,15 @@ def where_amqp(url: str) -> str:
 
 
 class Pages:
-    """Renders templates; every page passes ``redact`` on its way out."""
+    """Renders templates (autoescaped).
+
+    No password reaches a page, and nothing on a page is rewritten after it is
+    rendered: every text a page shows from the database, the broker or a client
+    was masked where it was read (``console.shown``, ``redact``), before it is
+    escaped; links and forms name rows by number only, never by a text that
+    masking would change; what comes from the configuration (table names, the
+    CSRF token, the DSN without its password) is put in as it is.
+    """
 
     def __init__(self, config: WebConfig) -> None:
         self.config = config
@@ -90,16 +101,10 @@ class Pages:
             loader=jinja2.FileSystemLoader(HERE / "templates"),
             autoescape=True,
             undefined=jinja2.StrictUndefined,
-            # Every value is redacted before it is escaped: a password holding & < > "
-            # no longer looks like itself once escaped.  The page is masked again as
-            # a whole (render), for what a template writes without an expression: by
-            # the remembered passwords only, since a shape (`password=\S+`) would
-            # run on from a value into the markup behind it.
-            finalize=_redacted,
         )
         self.env.filters["age"] = _age
         self.env.filters["short"] = _short
-        self.env.filters["posted_back"] = _PostedBack
+        self.env.filters["plural"] = plural
 
     def render(
         self, request: Request, name: str, status_code: int = 200, **context: Any
@@ -117,17 +122,7 @@ class Pages:
             "amqp_where": where_amqp(self.config.amqp_url),
         }
         html = self.env.get_template(name).render(**base, **context)
-        return HTMLResponse(redaction.redact_remembered(html), status_code=status_code)
-
-
-class _PostedBack(str):
-    """A value a form sends back to select rows (an ordering key, a message id): kept
-    as it is, not masked by shape, or the action would select another value.  A
-    remembered password in it is still masked with the page."""
-
-
-def _redacted(value: Any) -> Any:
-    return redact(value) if isinstance(value, str) and not isinstance(value, _PostedBack) else value
+        return HTMLResponse(html, status_code=status_code)
 
 
 def _age(seconds: float | None) -> str:
@@ -267,6 +262,8 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     )
     pages = Pages(config)
     cfg = config.console
+    # Two downloads at a time: each may hold DOWNLOAD_MOST bytes.
+    downloads = anyio.Semaphore(2)
 
     async def checked_form(request: Request, what: str) -> FormData:
         """The form of a state-changing POST, after the CSRF and read-only checks.
@@ -368,63 +365,82 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     # -- dead letters --------------------------------------------------------------
     async def dead_letters(request: Request) -> Response:
         settings = outbox_of(request)
-        query = request.query_params.get("q", "")
-        rows = await run_in_threadpool(console.dead_letter_list, settings, cfg.list_limit)
-        listed = [r for r in rows if console.matches(r, query)]
+        query = search_text(request)
+        offset = page_offset(request)
+        listing = await run_in_threadpool(
+            console.dead_letter_listing, settings, query, offset, cfg.list_limit
+        )
         template = "_dead_letter_listing.html" if request.headers.get("hx-request") else None
         return pages.render(
             request,
             template or "dead_letters.html",
             table=settings.table,
-            q=query,
-            rows=listed,
-            truncated=len(rows) >= cfg.list_limit,
+            q=console.shown(query),
+            q_link=urllib.parse.urlencode({"q": query}) if query == console.shown(query) else "",
+            listing=listing,
             limit=cfg.list_limit,
-            reasons=console.group_rows(listed, "reason", "failed_at", "id"),
-            keys=console.group_rows(listed, "ordering_key", "failed_at", "id"),
         )
 
     async def dead_letter(request: Request) -> Response:
         settings = outbox_of(request)
-        row_id = int(request.path_params["row_id"])
-        row = await run_in_threadpool(console.dead_letter, settings, row_id)
-        if row is None:
+        row_id = one_row_number(request.path_params["row_id"], "a dead letter")
+        found = await run_in_threadpool(console.dead_letter, settings, row_id)
+        if found is None:
             raise HTTPException(404, f"no dead letter with row id {row_id} in {settings.table}")
-        return pages.render(
-            request,
-            "dead_letter.html",
-            table=settings.table,
-            row=row,
-            body=console.body_views(bytes(row["payload"]), row["payload_bytes"]),
-            headers=console.pretty_json(row["headers"]),
-        )
+        return pages.render(request, "dead_letter.html", table=settings.table, **found)
+
+    async def dead_letter_download(request: Request) -> Response:
+        settings = outbox_of(request)
+        row_id = one_row_number(request.path_params["row_id"], "a dead letter")
+        what = request.path_params["what"]
+        if what not in ("payload", "headers"):
+            raise HTTPException(404, "a dead letter's downloads are its payload and headers")
+        async with downloads:
+            found = await run_in_threadpool(console.dead_letter_value, settings, row_id, what)
+        return download(found, f"dead-letter-{row_id}-{what}", settings.table)
 
     async def dead_letters_confirm(request: Request) -> Response:
         settings = outbox_of(request)
         action = _action(request.query_params.get("action"))
-        ids = list(request.query_params.getlist("id"))
-        reason = request.query_params.get("reason")
-        if reason is not None:
-            rows = await run_in_threadpool(console.dead_letter_list, settings, cfg.list_limit)
-            ids += [str(r["id"]) for r in rows if r["reason"] == reason]
+        params = request.query_params
         try:
-            selection = DeadLetterSelection.parse(ids, request.query_params.getlist("key"))
+            ids = console.row_numbers(params.getlist("id"), "id")
+            reason_of = console.row_numbers(params.getlist("reason_of"), "reason_of")
+            key_of = console.row_numbers(params.getlist("key_of"), "key_of")
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
+        if len(reason_of) > 1:
+            raise HTTPException(400, "reason_of names one row (a group at a time)")
+        selection = await run_in_threadpool(
+            lambda: console.select_dead_letters(
+                settings,
+                ids,
+                reason_of=reason_of[0] if reason_of else None,
+                key_of=key_of,
+                limit=cfg.list_limit,
+            )
+        )
         rows = (
             await run_in_threadpool(console.plan_dead_letters, settings, selection)
             if selection
             else []
         )
+        # Posted back by number: the rows, and for each key a few of its rows.
+        keyed: dict[str, list[int]] = {}
+        for row in rows:
+            if row["ordering_key"] in selection.ordering_keys:
+                keyed.setdefault(row["ordering_key"], []).append(row["id"])
         return pages.render(
             request,
             "confirm_dead_letters.html",
             limit=cfg.list_limit,
             table=settings.table,
             action=action,
-            selection=selection,
-            rows=rows,
-            reason=reason,
+            row_ids=selection.row_ids,
+            key_of=sorted(i for found in keyed.values() for i in found[:KEY_ROWS_POSTED]),
+            keys=len(selection.ordering_keys),
+            by_reason=bool(reason_of),
+            rows=console.shown(rows),
         )
 
     async def dead_letters_act(request: Request) -> Response:
@@ -433,13 +449,15 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         expected = expected_count(form)
         settings = outbox_of(request, form)
         try:
-            selection = DeadLetterSelection.parse(
-                [str(v) for v in form.getlist("id")], [str(v) for v in form.getlist("key")]
-            )
+            ids = console.row_numbers([str(v) for v in form.getlist("id")], "id")
+            key_of = console.row_numbers([str(v) for v in form.getlist("key_of")], "key_of")
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        if not selection:
+        if not (ids or key_of):
             raise HTTPException(400, "nothing selected")
+        selection = await run_in_threadpool(
+            lambda: console.select_dead_letters(settings, ids, key_of=key_of, limit=0)
+        )
         act = console.retry_dead_letters if action == "retry" else console.purge_dead_letters
         done = await run_in_threadpool(act, settings, selection)
         audit(
@@ -457,59 +475,69 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             request,
             "done.html",
             title="Dead letters",
-            message=f"{len(done)} dead letters {verb}",
+            message=f"{plural(len(done), 'dead letter')} {verb}",
             count=len(done),
             expected=expected,
-            rows=done,
+            rows=console.shown(done),
             back=f"/dead-letters?table={settings.table}",
         )
 
     # -- parked messages ----------------------------------------------------------
     async def parked(request: Request) -> Response:
         target = inbox_of(request)
-        query = request.query_params.get("q", "")
-        rows = await run_in_threadpool(console.parked_entries, target, cfg.list_limit)
-        listed = [r for r in rows if console.matches(r, query)]
+        query = search_text(request)
+        offset = page_offset(request)
+        listing = await run_in_threadpool(
+            console.parked_listing, target, query, offset, cfg.list_limit
+        )
         template = "_parked_listing.html" if request.headers.get("hx-request") else None
         return pages.render(
             request,
             template or "parked.html",
             inbox=target.table,
             inbox_where=where_dsn(target.dsn),
-            q=query,
-            rows=listed,
-            truncated=len(rows) >= cfg.list_limit,
+            q=console.shown(query),
+            q_link=urllib.parse.urlencode({"q": query}) if query == console.shown(query) else "",
+            listing=listing,
             limit=cfg.list_limit,
-            groups=console.parked_groups(listed),
         )
 
     async def parked_message(request: Request) -> Response:
         target = inbox_of(request)
-        parked_id = int(request.path_params["parked_id"])
-        row = await run_in_threadpool(console.parked_message, target, parked_id)
-        if row is None:
+        parked_id = one_row_number(request.path_params["parked_id"], "a parked message")
+        found = await run_in_threadpool(console.parked_message, target, parked_id)
+        if found is None:
             raise HTTPException(404, f"no parked message {parked_id} in {target.table}_parked")
-        return pages.render(
-            request,
-            "parked_message.html",
-            inbox=target.table,
-            row=row,
-            body=console.body_views(bytes(row["body"]), row["body_bytes"]),
-            headers=console.pretty_json(row["headers"]),
-            properties=console.pretty_json(row["properties"]),
-        )
+        return pages.render(request, "parked_message.html", inbox=target.table, **found)
+
+    async def parked_download(request: Request) -> Response:
+        target = inbox_of(request)
+        parked_id = one_row_number(request.path_params["parked_id"], "a parked message")
+        what = request.path_params["what"]
+        if what not in ("body", "headers", "properties"):
+            raise HTTPException(404, "a parked message's downloads are body, headers, properties")
+        async with downloads:
+            found = await run_in_threadpool(console.parked_value, target, parked_id, what)
+        return download(found, f"parked-{parked_id}-{what}", target.table)
 
     async def parked_confirm(request: Request) -> Response:
         target = inbox_of(request)
         action = _action(request.query_params.get("action"))
-        wanted = list(request.query_params.getlist("id"))
-        group = request.query_params.get("group")
-        if group is not None:
-            listed = await run_in_threadpool(console.parked_entries, target, cfg.list_limit)
-            for found in console.parked_groups(listed):
-                if found.label == group:
-                    wanted += found.ids
-        ids = console.parked_selection(wanted)
+        try:
+            numbers = console.row_numbers(request.query_params.getlist("row"), "row")
+            group_of = console.row_numbers(request.query_params.getlist("group_of"), "group_of")
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        if len(group_of) > 1:
+            raise HTTPException(400, "group_of names one row (a group at a time)")
+        ids = await run_in_threadpool(
+            lambda: console.select_parked(
+                target,
+                numbers,
+                group_of=group_of[0] if group_of else None,
+                limit=cfg.list_limit,
+            )
+        )
         rows = await run_in_threadpool(console.plan_parked, target, ids) if ids else []
         return pages.render(
             request,
@@ -517,9 +545,8 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             limit=cfg.list_limit,
             inbox=target.table,
             action=action,
-            ids=ids,
-            rows=rows,
-            group=group,
+            rows=console.shown(rows),
+            by_group=bool(group_of),
         )
 
     async def parked_act(request: Request) -> Response:
@@ -527,14 +554,20 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         form = await checked_form(request, f"parked.{action}")
         expected = expected_count(form)
         target = inbox_of(request, form)
-        ids = console.parked_selection([str(v) for v in form.getlist("id")])
-        if not ids:
+        try:
+            numbers = console.row_numbers([str(v) for v in form.getlist("row")], "row")
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        if not numbers:
             raise HTTPException(400, "nothing selected")
+        ids = await run_in_threadpool(
+            lambda: console.select_parked(target, numbers, limit=cfg.list_limit)
+        )
         if action == "retry":
             retried = await run_in_threadpool(console.retry_parked, target, config.amqp_url, ids)
             count, rows = len(retried), [{"message_id": m} for m in retried]
         else:
-            count = await run_in_threadpool(console.purge_parked, target, ids)
+            count = await run_in_threadpool(console.purge_parked, target, ids) if ids else 0
             rows = []
         audit(
             "web.parked_retried" if action == "retry" else "web.parked_purged",
@@ -550,10 +583,10 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
             request,
             "done.html",
             title="Parked messages",
-            message=f"{count} parked messages {verb}",
+            message=f"{plural(count, 'parked message')} {verb}",
             count=count,
             expected=expected,
-            rows=rows,
+            rows=console.shown(rows),
             back=f"/parked?inbox={target.table}",
         )
 
@@ -608,7 +641,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
                 request,
                 "error.html",
                 status_code=exc.status_code,
-                message=str(exc.detail),
+                message=redact(str(exc.detail)),
                 held_by=[],
                 table="",
             )
@@ -640,11 +673,13 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         Route("/overview/panel", overview_panel),
         Route("/dead-letters", dead_letters),
         Route("/dead-letters/confirm", dead_letters_confirm),
-        Route("/dead-letters/{row_id:int}", dead_letter),
+        Route("/dead-letters/{row_id:outbox_digits}", dead_letter),
+        Route("/dead-letters/{row_id:outbox_digits}/{what}", dead_letter_download),
         Route("/dead-letters/{action}", dead_letters_act, methods=["POST"]),
         Route("/parked", parked),
         Route("/parked/confirm", parked_confirm),
-        Route("/parked/{parked_id:int}", parked_message),
+        Route("/parked/{parked_id:outbox_digits}", parked_message),
+        Route("/parked/{parked_id:outbox_digits}/{what}", parked_download),
         Route("/parked/{action}", parked_act, methods=["POST"]),
         Route("/in-doubt", in_doubt),
         Route("/in-doubt/dry-run", dry_run, methods=["POST"]),
@@ -655,6 +690,74 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         routes=routes,
         middleware=[Middleware(Guard, config=config, keys=keys)],
         exception_handlers={HTTPException: http_error, OutboxError: outbox_error},
+    )
+
+
+class _Digits(Convertor[str]):
+    """A path segment of digits, however many: the handler says why a number is not
+    a row number (400) instead of Python's int() failing on 5,000 digits (500)."""
+
+    regex = "[0-9]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("outbox_digits", _Digits())
+
+# How many rows of each ordering key a confirmation posts back to name the key.
+KEY_ROWS_POSTED = 10
+# The longest filter text: ids, keys and reasons are shorter than this.
+SEARCH_MOST = 500
+
+
+def one_row_number(text: str, what: str) -> int:
+    try:
+        [number] = console.row_numbers([text], what)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+    return number
+
+
+def search_text(request: Request) -> str:
+    """The filter text of a list (``q``): 400 for what no row can contain."""
+    text = request.query_params.get("q", "").strip()
+    if "\x00" in text:
+        raise HTTPException(400, "the filter cannot contain NUL (no text in PostgreSQL does)")
+    if len(text) > SEARCH_MOST:
+        raise HTTPException(400, f"the filter is longer than {SEARCH_MOST} characters")
+    return text
+
+
+def page_offset(request: Request) -> int:
+    """Where a list's page starts (``offset``, a row count)."""
+    text = request.query_params.get("offset", "0")
+    if not (text.isascii() and text.isdigit() and len(text) <= 12):
+        raise HTTPException(400, "offset is a number of rows to skip (a whole number)")
+    return int(text)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 dead letter``, ``2 dead letters``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def download(found: console.Download | None, name: str, table: str) -> Response:
+    if found is None:
+        raise HTTPException(404, f"no such row in {table}")
+    if found.value is None:
+        raise HTTPException(
+            413,
+            f"{found.size:,} bytes is more than the console sends at once "
+            f"({console.DOWNLOAD_MOST:,}): read it with psql",
+        )
+    return Response(
+        found.value,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{name}.bin"'},
     )
 
 

@@ -173,7 +173,7 @@ def test_web__retry_on_a_dead_letter_publishes_it_once_and_it_leaves_the_list(
         row.locator("a.retry").click()
         assert page.locator("#count").inner_text() == "1"  # shown before confirming
         page.locator("#confirm").click()
-        assert page.locator("#done").inner_text().startswith("1 dead letters moved back")
+        assert page.locator("#done").inner_text().startswith("1 dead letter moved back")
         [logged] = [r for r in caplog.records if getattr(r, "event", "").startswith("web.")]
         assert logged.event == "web.dead_letters_retried"  # type: ignore[attr-defined]
         assert logged.fields["who"] == "local"  # type: ignore[attr-defined]
@@ -216,7 +216,7 @@ def test_web__a_reason_group_bigger_than_a_page_is_retried_a_page_at_a_time(
             "FROM generate_series(1, 1200)"
         )
     page.goto(f"{console.url}/dead-letters")
-    assert "Showing the oldest 1000" in page.locator("#listing").inner_text()
+    assert "Rows 1 to 1000 of 1200" in page.locator("#listing").inner_text()
     page.locator("table.reasons a", has_text="retry group").click()
     assert page.locator("#count").inner_text() == "1000"
     page.locator("#confirm").click()  # 1000 ids and the token in one form
@@ -274,7 +274,7 @@ def test_web__purging_a_parked_message_removes_it(
     page.locator(f"tr.parked-message[data-message-id='{doomed}'] a.purge").click()
     assert page.locator("#count").inner_text() == "1"
     page.locator("#confirm").click()
-    assert page.locator("#done").inner_text().startswith("1 parked messages purged")
+    assert page.locator("#done").inner_text().startswith("1 parked message purged")
     assert parked_ids(settings.dsn) == [kept]
     page.goto(f"{console.url}/parked")
     assert page.locator(f"tr.parked-message[data-message-id='{doomed}']").count() == 0
@@ -291,7 +291,7 @@ def test_web__retry_on_a_parked_message_sends_it_back_to_its_queue(
     page.locator(f"tr.parked-message[data-message-id='{message_id}'] a.retry").click()
     assert page.locator("#count").inner_text() == "1"
     page.locator("#confirm").click()
-    assert page.locator("#done").inner_text().startswith("1 parked messages sent back")
+    assert page.locator("#done").inner_text().startswith("1 parked message sent back")
     assert parked_ids(settings.dsn) == []
     [(_, props, body)] = topology.messages(idle=0.3)
     assert props.message_id == message_id and body == b"hello"

@@ -16,29 +16,6 @@ def at(minutes: int) -> datetime.datetime:
     return T0 + datetime.timedelta(minutes=minutes)
 
 
-def test_group_rows__biggest_group_first_with_its_ids_and_oldest() -> None:
-    rows = [
-        {"id": 1, "reason": "b", "failed_at": at(5)},
-        {"id": 2, "reason": "a", "failed_at": at(3)},
-        {"id": 3, "reason": "b", "failed_at": at(1)},
-        {"id": 4, "reason": None, "failed_at": at(0)},
-    ]
-    groups = console.group_rows(rows, "reason", "failed_at", "id")
-    assert [(g.label, g.count, g.ids, g.oldest) for g in groups] == [
-        ("b", 2, ("1", "3"), at(1)),
-        ("a", 1, ("2",), at(3)),
-    ]
-
-
-def test_matches__filters_on_ids_reason_destination_and_key_case_blind() -> None:
-    row = {"id": 17, "message_id": "abc", "reason": "Exchange gone", "ordering_key": "cust-9"}
-    assert console.matches(row, "")
-    assert console.matches(row, "exchange GONE")
-    assert console.matches(row, "cust-9")
-    assert console.matches(row, "17")
-    assert not console.matches(row, "timeout")
-
-
 def test_body_views__text_json_and_hex() -> None:
     views = console.body_views(b'{"b": 1, "a": [2]}')
     assert views.size == 18
@@ -85,7 +62,7 @@ def test_where__connection_settings_are_shown_without_their_password() -> None:
     assert "S3cret" not in amqp and "mq1:5672" in amqp and "mq2:5672" in amqp
 
 
-def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
+def test_shown__a_remembered_password_is_masked_before_html_escaping() -> None:
     from outbox import redaction
     from outbox.config import Settings
     from outbox.web.app import Pages, WebConfig
@@ -97,7 +74,9 @@ def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
         WebConfig(console.ConsoleConfig((Settings(),)), "amqp://localhost", Credentials())
     )
     template = pages.env.from_string("<pre>{{ body }}</pre><p>{{ reason }}</p>")
-    html = template.render(body='{"password": "hunter2-x"}', reason=f"refused: {secret}")
+    html = template.render(
+        body=console.shown('{"password": "hunter2-x"}'), reason=console.shown(f"refused: {secret}")
+    )
     assert secret not in html and "Pw&lt;&amp;" not in html
     assert "hunter2-x" not in html
     assert "***" in html
