@@ -397,6 +397,21 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
 
+-- chart_sample --
+-- What the console's charts sample from one outbox table, in one round trip: the
+-- backlog, its oldest row's age, and two counters of the statistics system (which
+-- the server keeps anyway): rows ever deleted from the outbox (published or
+-- dead-lettered) and rows ever inserted into the dead letters.  Their differences
+-- between two samples are what was published and dead-lettered in between.
+SELECT (SELECT count(*) FROM {outbox}) AS backlog,
+       coalesce((SELECT extract(epoch FROM now() - created_at)
+                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+                0)::float8 AS oldest_seconds,
+       coalesce((SELECT n_tup_del FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(outbox)s)), 0) AS deleted,
+       coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(dead_letters)s)), 0) AS dead_lettered
+
 -- table_privileges --
 -- Which of the (table, privilege) pairs the current role holds.  A table that does
 -- not exist (or is not visible) comes back as not present: the schema check says so.

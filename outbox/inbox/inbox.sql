@@ -321,3 +321,13 @@ WHERE (%(all)s OR message_id = ANY(%(ids)s::text[]))
   AND (%(older_than)s::float8 IS NULL
        OR parked_at < now() - make_interval(secs => %(older_than)s::float8))
 RETURNING message_id
+
+-- chart_sample --
+-- What the console's charts sample from one inbox, in one round trip: messages
+-- parked now, and counters of the statistics system: ids ever recorded in the inbox
+-- (messages applied) and rows ever parked (inserted, or parked again).
+SELECT (SELECT count(*) FROM {parked}) AS parked_now,
+       coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(inbox)s)), 0) AS applied,
+       coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(parked)s)), 0) AS parked

@@ -621,6 +621,17 @@ class ParkedStore(InboxStore):
                 self.queries["parked_value"], {"id": parked_id, "what": what, "most": most}
             ).fetchone()
 
+    def chart_sample(self) -> dict[str, Any]:
+        """parked_now, and the counters ``applied`` (ids ever recorded in the inbox) and
+        ``parked`` (rows ever parked or parked again)."""
+        with self._reading("sampling the inbox") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            row = cur.execute(
+                self.queries["chart_sample"], {"inbox": self.table, "parked": f"{self.table}_parked"}
+            ).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return row
+
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
         with self._reading("selecting parked messages") as conn:

@@ -14,12 +14,13 @@ logged with who asked, what and how many (``web.*`` events).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
 import re
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -43,6 +44,7 @@ from outbox.events import emit
 from outbox.redaction import redact
 from outbox.web import console, security
 from outbox.web.console import ConsoleConfig, InboxTarget
+from outbox.web.sampler import Sampler
 
 log = logging.getLogger("outbox.web")
 
@@ -262,6 +264,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     )
     pages = Pages(config)
     cfg = config.console
+    sampler = Sampler(cfg)
     # Two downloads at a time: each may hold DOWNLOAD_MOST bytes.
     downloads = anyio.Semaphore(2)
 
@@ -355,12 +358,14 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
 
     # -- overview ----------------------------------------------------------------
     async def overview(request: Request) -> Response:
-        data = await run_in_threadpool(console.overview, cfg)
-        return pages.render(request, "overview.html", **data)
+        sampler.start()
+        data = await run_in_threadpool(sampler.overview)
+        return pages.render(request, "overview.html", **data, charts=sampler.charts())
 
     async def overview_panel(request: Request) -> Response:
-        data = await run_in_threadpool(console.overview, cfg)
-        return pages.render(request, "_overview_panel.html", **data)
+        sampler.start()
+        data = await run_in_threadpool(sampler.overview)
+        return pages.render(request, "_overview_panel.html", **data, charts=sampler.charts())
 
     # -- dead letters --------------------------------------------------------------
     async def dead_letters(request: Request) -> Response:
@@ -403,6 +408,10 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         settings = outbox_of(request)
         action = _action(request.query_params.get("action"))
         params = request.query_params
+        if "key" in params or "reason" in params:
+            raise HTTPException(
+                400, "keys and reasons are selected by one of their rows (key_of=…, reason_of=…)"
+            )
         try:
             ids = console.row_numbers(params.getlist("id"), "id")
             reason_of = console.row_numbers(params.getlist("reason_of"), "reason_of")
@@ -523,6 +532,8 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     async def parked_confirm(request: Request) -> Response:
         target = inbox_of(request)
         action = _action(request.query_params.get("action"))
+        if "id" in request.query_params:
+            raise HTTPException(400, "parked messages are selected by row number (row=…)")
         try:
             numbers = console.row_numbers(request.query_params.getlist("row"), "row")
             group_of = console.row_numbers(request.query_params.getlist("group_of"), "group_of")
@@ -686,7 +697,16 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         Route("/in-doubt/resolve", resolve, methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sampler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(sampler.stop)
+
     return Starlette(
+        lifespan=lifespan,
         routes=routes,
         middleware=[Middleware(Guard, config=config, keys=keys)],
         exception_handlers={HTTPException: http_error, OutboxError: outbox_error},

@@ -79,6 +79,7 @@ class ConsoleConfig:
     max_backlog_age: float = 300.0
     list_limit: int = LIST_LIMIT
     refresh_seconds: float = 5.0  # how often the overview reloads itself
+    sample_seconds: float = 10.0  # how often the charts' sampler reads each table
 
     def outbox(self, table: str | None) -> Settings:
         """The settings of outbox ``table`` (the first one if None); KeyError if unknown."""
