@@ -228,3 +228,29 @@ def test_web__a_large_post_is_refused_before_its_body_is_read() -> None:
     status, body = post_upload(app, {**base, "cookie": f"outbox_csrf_8310={cookie}"}, upload)
     assert status == 413 and b"longer than" in body
     assert upload.read <= MAX_FORM_BYTES + 64 * 1024
+
+
+def test_web__every_tab_shares_one_reading_of_the_overview(monkeypatch: Any) -> None:
+    """Each open tab re-read the database every refresh (0.5 s in the tests, 5 s by
+    default): ten tabs, ten times the queries.  Now one reading per interval."""
+    from outbox.web import console as console_module
+
+    readings = []
+
+    def overview(config: ConsoleConfig) -> dict[str, Any]:
+        readings.append(config)
+        return {"outboxes": [], "inboxes": []}
+
+    monkeypatch.setattr(console_module, "overview", overview)
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    app = create_app(
+        WebConfig(
+            ConsoleConfig((settings,), refresh_seconds=60, sample_seconds=3600),
+            "amqp://localhost",
+            Credentials(),
+        )
+    )
+    for _ in range(5):
+        status, page = call(app, "GET", "/overview/panel", {"host": "127.0.0.1:8310"})
+        assert status == 200, page[:300]
+    assert len(readings) == 1

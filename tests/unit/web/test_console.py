@@ -103,3 +103,23 @@ def test_body_views__a_password_in_a_body_is_masked_in_the_hex_view_too() -> Non
         shown = bytes.fromhex("".join(line[10:57] for line in views.hex.splitlines()))
         assert b"Hx-s3cret-pw" not in shown and b"***" in shown, views.hex
         assert "Hx-s3cret-pw" not in views.hex
+
+
+def test_charts__levels_keep_their_last_sample_counters_add_their_increases() -> None:
+    from outbox.web import charts
+
+    now = 60 * 1000 + 30  # 30 s into a minute
+    samples = [
+        charts.Sample(now - 125, {"backlog": 7, "dead_lettered": 10}),  # two minutes ago
+        charts.Sample(now - 70, {"backlog": 5, "dead_lettered": 13}),  # a minute ago
+        charts.Sample(now - 20, {"backlog": 4, "dead_lettered": 14}),
+        charts.Sample(now - 10, {"backlog": 9, "dead_lettered": 2}),  # counter reset
+        charts.Sample(now, {"backlog": 3, "dead_lettered": 6}),
+    ]
+    backlog = charts.per_minute(samples, "backlog", "level", now, minutes=4)
+    assert backlog == (None, 7.0, 5.0, 3.0)
+    dead = charts.per_minute(samples, "dead_lettered", "rate", now, minutes=4)
+    assert dead == (None, 0.0, 3.0, 1.0 + 0.0 + 4.0)
+    [chart] = charts.charts(samples, [("dead_lettered", "Dead", "per minute", "rate")], now)
+    assert chart.total == 8.0 and chart.latest == 5.0 and chart.scale == 5.0
+    assert [bar.minute for bar in chart.bars][-2:] == [1, 0]
