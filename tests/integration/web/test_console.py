@@ -520,3 +520,74 @@ def test_web__no_page_shows_the_database_password(
     assert PASSWORD in config.console.outboxes[0].dsn  # the console was given it
     assert [path for path, html in seen.items() if PASSWORD in html] == []
     assert 'class="error"' in seen["/parked?inbox=missing"]  # the error was shown
+
+
+def count_of(dsn: str, sql: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
+    settings: Settings, web_config: WebConfig, page: Page, tmp_path: Any
+) -> None:
+    """What a relay and a consumer do, done by hand in the database (each step on a
+    connection of its own, closed: the statistics counters are flushed then)."""
+    config = dataclasses.replace(
+        web_config, console=dataclasses.replace(web_config.console, sample_seconds=0.2)
+    )
+    with psycopg.connect(settings.dsn, autocommit=True) as conn:
+        conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
+    running = start_console(config)
+    try:
+        page.goto(running.url)
+        figure = page.locator("section.charts figure[data-key='published']").first
+        figure.wait_for()  # a first sample: the counters' starting point
+        with psycopg.connect(settings.dsn) as conn:
+            conn.execute(
+                "INSERT INTO outbox (exchange, routing_key, payload) "
+                "SELECT 'ex', 'rk', 'p' FROM generate_series(1, 6)"
+            )
+        with psycopg.connect(settings.dsn) as conn:  # a relay publishes three…
+            conn.execute("DELETE FROM outbox WHERE id IN (SELECT id FROM outbox LIMIT 3)")
+        with psycopg.connect(settings.dsn) as conn:  # …and dead-letters two
+            conn.execute(
+                "WITH gone AS (DELETE FROM outbox WHERE id IN (SELECT id FROM outbox LIMIT 2) "
+                "RETURNING *) INSERT INTO outbox_dead_letters (id, message_id, exchange, "
+                "routing_key, payload, created_at, reason) SELECT id, message_id, exchange, "
+                "routing_key, payload, created_at, 'exchange missing' FROM gone"
+            )
+        with psycopg.connect(settings.dsn) as conn:  # a consumer applies four, parks one
+            conn.execute(
+                f"INSERT INTO {INBOX} (consumer, message_id) "
+                "SELECT 'billing', 'm-' || n FROM generate_series(1, 4) n"
+            )
+        add_parked(settings.dsn)
+
+        def shown(key: str, attribute: str) -> float:
+            found = page.locator(f"section.charts figure[data-key='{key}']").first
+            return float(found.get_attribute(attribute) or "nan")
+
+        expected = {"published": 3.0, "dead_lettered": 2.0, "applied": 4.0, "parked": 1.0}
+        wait_for(
+            lambda: {k: shown(k, "data-total") for k in expected} == expected,
+            20,
+            f"the charts to show {expected}",
+        )
+        backlog = count_of(settings.dsn, "SELECT count(*) FROM outbox")
+        wait_for(lambda: shown("backlog", "data-latest") == backlog, 10, "the backlog")
+        assert backlog == 1
+        assert count_of(settings.dsn, "SELECT count(*) FROM outbox_dead_letters") == 2
+        assert count_of(settings.dsn, f"SELECT count(*) FROM {INBOX}") == 4
+        # Drawn: a bar for each rate this minute, a point for each level.
+        chart = page.locator("section.charts figure[data-key='dead_lettered'] rect.bar")
+        assert [chart.nth(i).get_attribute("data-value") for i in range(chart.count())] == ["2.0"]
+        assert page.locator("figure[data-key='backlog'] circle.point").count() >= 1
+        shot = os.environ.get("OUTBOX_WEB_CHARTS_SCREENSHOT")
+        box = page.locator("section.charts").bounding_box()  # htmx replaces it: a page shot
+        assert box is not None
+        page.screenshot(path=shot or tmp_path / "charts.png", clip=box)
+    finally:
+        page.goto("about:blank")  # no refresh of the overview after the console stops
+        running.stop()
