@@ -145,10 +145,13 @@ def _short(text: object, most: int = 80) -> str:
 class Guard(BaseHTTPMiddleware):
     """Authentication, the CSRF cookie, and the headers every response carries."""
 
-    def __init__(self, app: Any, config: WebConfig, keys: security.CsrfKeys) -> None:
+    def __init__(
+        self, app: Any, config: WebConfig, keys: security.CsrfKeys, throttle: security.Throttle
+    ) -> None:
         super().__init__(app)
         self.config = config
         self.keys = keys
+        self.throttle = throttle
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         if not self.config.credentials and not security.addressed_locally(
@@ -169,7 +172,26 @@ class Guard(BaseHTTPMiddleware):
                     status_code=421,
                 )
             )
-        who = security.authenticate(request.headers.get("authorization"), self.config.credentials)
+        client = _client(request)
+        if self.config.credentials and not self.throttle.allowed(client):
+            # Refused without looking at the credentials: a guess sent now tells nothing.
+            return _with_headers(
+                PlainTextResponse(
+                    "too many failed attempts to authenticate: try again later",
+                    status_code=429,
+                    headers={"Retry-After": str(self.throttle.retry_after(client))},
+                )
+            )
+        authorization = request.headers.get("authorization")
+        who = security.authenticate(authorization, self.config.credentials)
+        if who is None and authorization:  # a guess (no header: a browser's first visit)
+            self.throttle.failed(client)
+            if not self.throttle.allowed(client):
+                audit(
+                    "web.throttled",
+                    client=loggable(client),
+                    retry_after=self.throttle.retry_after(client),
+                )
         if who is None:
             audit(
                 "web.refused",
@@ -250,10 +272,16 @@ def expected_count(form: FormData) -> int | None:
 
 
 def _client(request: Request) -> str:
-    return request.client.host if request.client else "?"
+    """The peer's address, or what a --trusted-proxy forwarded (its client's text)."""
+    return loggable(request.client.host) if request.client else "?"
 
 
-def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None) -> Starlette:
+def create_app(
+    config: WebConfig,
+    *,
+    csrf_keys: security.CsrfKeys | None = None,
+    throttle: security.Throttle | None = None,
+) -> Starlette:
     """The console as an ASGI application (``server.serve`` runs it with uvicorn)."""
     keys = csrf_keys or security.CsrfKeys()
     # The CLI's option types remember these already; an embedding application may not.
@@ -697,6 +725,7 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
         Route("/in-doubt/resolve", resolve, methods=["POST"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sampler.start()
@@ -708,7 +737,9 @@ def create_app(config: WebConfig, *, csrf_keys: security.CsrfKeys | None = None)
     return Starlette(
         lifespan=lifespan,
         routes=routes,
-        middleware=[Middleware(Guard, config=config, keys=keys)],
+        middleware=[
+            Middleware(Guard, config=config, keys=keys, throttle=throttle or security.Throttle())
+        ],
         exception_handlers={HTTPException: http_error, OutboxError: outbox_error},
     )
 

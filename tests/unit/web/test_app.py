@@ -16,14 +16,16 @@ from outbox.web.console import ConsoleConfig
 from outbox.web.security import Credentials, CsrfKeys
 
 
-def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+def call(
+    app: Any, method: str, path: str, headers: dict[str, str], client: str = "127.0.0.1"
+) -> tuple[int, bytes]:
     """One request through the app; (status, body)."""
-    status, _, body = call_with_headers(app, method, path, headers)
+    status, _, body = call_with_headers(app, method, path, headers, client)
     return status, body
 
 
 def call_with_headers(
-    app: Any, method: str, path: str, headers: dict[str, str]
+    app: Any, method: str, path: str, headers: dict[str, str], client: str = "127.0.0.1"
 ) -> tuple[int, list[tuple[str, str]], bytes]:
     """One request through the app; (status, response headers, body)."""
     sent: list[dict[str, Any]] = []
@@ -38,7 +40,7 @@ def call_with_headers(
         "query_string": b"",
         "root_path": "",
         "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 50000),
+        "client": (client, 50000),
         "server": ("127.0.0.1", 8310),
     }
 
@@ -254,3 +256,15 @@ def test_web__every_tab_shares_one_reading_of_the_overview(monkeypatch: Any) -> 
         status, page = call(app, "GET", "/overview/panel", {"host": "127.0.0.1:8310"})
         assert status == 200, page[:300]
     assert len(readings) == 1
+
+
+def test_web__failed_attempts_are_throttled_per_client() -> None:
+    """About 860 wrong guesses a second were answered on one connection."""
+    app = local_console(Credentials(token="Kq3-vT9xZ2pLm8Rw4bN7"))
+    wrong = {"host": "127.0.0.1:8310", "authorization": "Bearer guess"}
+    right = {"host": "127.0.0.1:8310", "authorization": "Bearer Kq3-vT9xZ2pLm8Rw4bN7"}
+    statuses = [call(app, "GET", "/static/console.css", wrong)[0] for _ in range(12)]
+    assert statuses == [401] * 10 + [429] * 2
+    status, headers, _ = call_with_headers(app, "GET", "/static/console.css", right)
+    assert status == 429 and ("retry-after", "1") in headers  # not even looked at
+    assert call(app, "GET", "/static/console.css", right, client="10.9.9.9")[0] == 200
