@@ -107,6 +107,8 @@ class Pages:
         self.env.filters["age"] = _age
         self.env.filters["short"] = _short
         self.env.filters["plural"] = plural
+        # For the few values a template gets as objects (a resolver's results).
+        self.env.filters["masked"] = redact
 
     def render(
         self, request: Request, name: str, status_code: int = 200, **context: Any

@@ -76,7 +76,10 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # a bug must not stop the charts for good
+                emit(log, "web.sample_failed", logging.ERROR, error=repr(exc))
             self._stop.wait(self.config.sample_seconds)
 
     def sample(self) -> None:
