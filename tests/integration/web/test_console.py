@@ -492,6 +492,12 @@ def test_web__no_page_shows_the_database_password(
     with psycopg.connect(settings.dsn, autocommit=True) as conn:
         conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
     parked_id = add_parked(settings.dsn)
+    with psycopg.connect(settings.dsn) as conn:
+        found = conn.execute(
+            f"SELECT id FROM {INBOX}_parked WHERE message_id = %s", [parked_id]
+        ).fetchone()
+    assert found is not None
+    parked_row = found[0]
     running = start_console(config)
     seen: dict[str, str] = {}
 
@@ -506,7 +512,7 @@ def test_web__no_page_shows_the_database_password(
             f"/dead-letters/{row_id}",
             f"/dead-letters/confirm?action=retry&id={row_id}",
             "/parked",
-            f"/parked/confirm?action=purge&id={parked_id}",
+            f"/parked/confirm?action=purge&row={parked_row}",
             "/parked?inbox=missing",  # an error page quoting what libpq said
             "/in-doubt",
             "/dead-letters?table=nope",
