@@ -627,7 +627,8 @@ class ParkedStore(InboxStore):
         with self._reading("sampling the inbox") as conn:
             cur = conn.cursor(row_factory=dict_row)
             row = cur.execute(
-                self.queries["chart_sample"], {"inbox": self.table, "parked": f"{self.table}_parked"}
+                self.queries["chart_sample"],
+                {"inbox": self.table, "parked": f"{self.table}_parked"},
             ).fetchone()
         assert row is not None  # a SELECT without FROM returns one row
         return row
