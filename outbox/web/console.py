@@ -183,31 +183,24 @@ def status_report(settings: Settings, config: ConsoleConfig) -> dict[str, Any]:
     return report
 
 
-# What ``outbox status`` tells a shell user to run, and the console's page for it.
-_CLI_HINTS = (
-    (": see `outbox dead-letters list`", "", "/dead-letters", "Dead letters"),
-    (
-        ": run `outbox resolve --dry-run` (README: a stuck prepared transaction)",
-        "",
-        "/in-doubt",
-        "In-doubt batches",
-    ),
-    (
-        ": after the fix, `outbox dead-letters retry --ordering-key KEY`",
-        ": after the fix, retry their keys",
-        "/dead-letters",
-        "Dead letters",
-    ),
+# The commands ``outbox status`` tells a shell user to run, and the console's page
+# that does the same.
+_CONSOLE_PAGES = (
+    ("`outbox dead-letters", "/dead-letters", "Dead letters"),
+    ("`outbox resolve", "/in-doubt", "In-doubt batches"),
 )
 
 
 def in_console(problem: str, table: str) -> dict[str, str]:
     """A problem ``outbox status`` found, with the console's page for it instead of
-    the command a shell user would run: ``text``, ``link``, ``page``."""
-    for hint, instead, path, page in _CLI_HINTS:
-        if hint in problem:
+    the command a shell user would run (the advice after the last ``: `` before the
+    command is left out): ``text``, ``link``, ``page``."""
+    for command, path, page in _CONSOLE_PAGES:
+        at = problem.find(command)
+        if at >= 0:
+            cut = problem.rfind(": ", 0, at)
             return {
-                "text": problem.replace(hint, instead),
+                "text": problem[:cut] if cut > 0 else problem,
                 "link": f"{path}?table={table}",
                 "page": page,
             }

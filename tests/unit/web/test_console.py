@@ -123,3 +123,32 @@ def test_charts__levels_keep_their_last_sample_counters_add_their_increases() ->
     [chart] = charts.charts(samples, [("dead_lettered", "Dead", "per minute", "rate")], now)
     assert chart.total == 8.0 and chart.latest == 5.0 and chart.scale == 5.0
     assert [bar.minute for bar in chart.bars][-2:] == [1, 0]
+
+
+def test_in_console__what_status_finds_links_the_console_page_not_a_command() -> None:
+    """The overview said "see `outbox dead-letters list`" next to its own Dead
+    letters page."""
+    from outbox.ops import status
+
+    seen = status.Observation(
+        table="outbox",
+        schema_version=5,
+        backlog_rows=1,
+        oldest_row_age_seconds=900.0,
+        prepared_batches=[{"gid": "obx:outbox:" + "a" * 32 + ":1", "age_seconds": 600.0}],
+        foreign_prepared_transactions=[],
+        relays=[],
+        dead_letters=3,
+        dead_letter_ordering_keys=2,
+        replication_warning=None,
+    )
+    problems = status.judge(seen, max_prepared_age=60, max_backlog_age=300)
+    shown = [console.in_console(p, "outbox") for p in problems]
+    assert len(shown) == 4
+    assert not [s for s in shown if "`outbox" in s["text"]]
+    assert [s["page"] for s in shown] == ["In-doubt batches", "Dead letters", "Dead letters", ""]
+    assert shown[1] == {
+        "text": "3 dead letters",
+        "link": "/dead-letters?table=outbox",
+        "page": "Dead letters",
+    }
