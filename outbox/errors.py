@@ -131,3 +131,21 @@ class StatementTimedOut(DatabaseUnavailable):
     relay and the consumer retry it; an operator's command exits 6, naming what held it."""
 
     exit_code = ExitCode.TIMED_OUT
+
+
+class RowsHeld(OutboxError):
+    """An action met rows another transaction holds: an in-doubt batch (``gids``),
+    or a lock not released within the action's ``lock_timeout``.  Nothing was done."""
+
+    def __init__(self, gids: list[str], what: str) -> None:
+        self.gids = gids
+        if gids:
+            super().__init__(
+                f"{what}: held by in-doubt batch {', '.join(gids)}: resolve it first",
+                "run a resolver pass (outbox resolve, or the console's In-doubt page)",
+            )
+        else:
+            super().__init__(
+                f"{what}: the rows are locked by another transaction",
+                "try again in a moment; pg_locks names the holder if this repeats",
+            )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -11,8 +12,9 @@ from psycopg import errors as pgerrors
 
 from outbox.config import Settings
 from outbox.db import privileges
+from outbox.db.queries import search_terms
 from outbox.db.session import Session
-from outbox.errors import DatabaseRefused
+from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
 
 Row = dict[str, Any]
@@ -49,6 +51,61 @@ class DeadLetterStore(Session):
                 self.queries["dead_letter"], {"row_id": row_id, "most": most}
             ).fetchone()
 
+    def search(self, text: str, limit: int, offset: int) -> list[Row]:
+        """A page of the dead letters whose row id is ``text`` or whose ids, reason,
+        destination or key contain it (all of them for ""), each with the ``total``."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("searching dead letters"):
+            return self.conn.execute(
+                self.queries["search_dead_letters"],
+                {**search_terms(text), "limit": limit, "offset": offset},
+            ).fetchall()
+
+    def groups(self, text: str, by: str, limit: int) -> list[Row]:
+        """The same dead letters by ``reason`` or ``ordering_key``: label, count,
+        oldest, first_id (a row of the group)."""
+        with self._translated("grouping dead letters"):
+            return self.conn.execute(
+                self.queries["dead_letter_groups"],
+                {**search_terms(text), "by": "reason" if by == "reason" else "key", "limit": limit},
+            ).fetchall()
+
+    def sharing_reason(self, row_id: int, limit: int) -> list[int]:
+        """The ids of the oldest ``limit`` dead letters with row ``row_id``'s reason."""
+        with self._translated("selecting dead letters"):
+            rows = self.conn.execute(
+                self.queries["dead_letters_sharing_reason"], {"row_id": row_id, "limit": limit}
+            ).fetchall()
+        return [r["id"] for r in rows]
+
+    def keys_of(self, row_ids: Sequence[int]) -> list[str]:
+        """The ordering keys of these dead letters."""
+        with self._translated("selecting dead letters"):
+            rows = self.conn.execute(
+                self.queries["dead_letter_keys"], {"row_ids": list(row_ids)}
+            ).fetchall()
+        return sorted(r["ordering_key"] for r in rows)
+
+    def value(self, row_id: int, what: str, most: int) -> Row | None:
+        """The ``size`` of one dead letter's ``payload`` or ``headers`` (as bytes), and
+        the ``value`` itself if it has at most ``most`` bytes."""
+        self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox web")
+        with self._translated("reading a dead letter"):
+            return self.conn.execute(
+                self.queries["dead_letter_value"], {"row_id": row_id, "what": what, "most": most}
+            ).fetchone()
+
+    def chart_sample(self) -> Row:
+        """backlog, oldest_seconds, and the counters ``deleted`` (rows ever deleted from
+        the outbox) and ``dead_lettered`` (rows ever inserted into the dead letters)."""
+        with self._translated("sampling the outbox"):
+            row = self.conn.execute(
+                self.queries["chart_sample"],
+                {"outbox": self.table, "dead_letters": f"{self.table}_dead_letters"},
+            ).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return row
+
     def matching(
         self,
         *,
@@ -73,6 +130,54 @@ class DeadLetterStore(Session):
                 },
             ).fetchall()
 
+    def held(
+        self, *, row_ids: Sequence[int], ordering_keys: Sequence[str], into_outbox: bool
+    ) -> list[Row]:
+        """The dead letters of this selection an in-doubt batch holds (id, gid): the
+        rows a retry (``into_outbox``) or a purge would wait for."""
+        with self._translated("looking for in-doubt batches holding dead letters"):
+            return self.conn.execute(
+                self.queries["held_dead_letters"],
+                {"row_ids": list(row_ids), "keys": list(ordering_keys), "into_outbox": into_outbox},
+            ).fetchall()
+
+    @contextlib.contextmanager
+    def _not_waiting(
+        self,
+        lock_timeout: float | None,
+        what: str,
+        row_ids: Sequence[int],
+        ordering_keys: Sequence[str],
+        into_outbox: bool,
+    ) -> Iterator[None]:
+        """With ``lock_timeout``: ``RowsHeld`` naming the in-doubt batches that hold
+        the selection, before acting, or if the action waits longer than that for a
+        lock (a batch prepared in between, another session's transaction)."""
+        if lock_timeout is None:
+            yield
+            return
+
+        def refuse() -> None:
+            holders = self.held(
+                row_ids=row_ids, ordering_keys=ordering_keys, into_outbox=into_outbox
+            )
+            if holders or lock_waited:
+                raise RowsHeld(sorted({r["gid"] for r in holders}), f"nothing was {what}")
+
+        lock_waited = False
+        refuse()
+        try:
+            with self.conn.transaction():
+                self.conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true)",
+                    [str(max(1, round(lock_timeout * 1000)))],
+                )
+                yield
+        except pgerrors.LockNotAvailable:
+            lock_waited = True
+        if lock_waited:
+            refuse()
+
     def retry(
         self,
         *,
@@ -80,12 +185,19 @@ class DeadLetterStore(Session):
         message_ids: Sequence[uuid.UUID] = (),
         row_ids: Sequence[int] = (),
         ordering_keys: Sequence[str] = (),
+        lock_timeout: float | None = None,
     ) -> list[Row]:
         """Move dead letters back into the outbox atomically; the (id, message_id,
-        ordering_key) moved."""
+        ordering_key) moved.
+
+        With ``lock_timeout`` (the console), rows held by an in-doubt batch or locked
+        longer than that raise ``RowsHeld`` instead of waiting for the batch."""
         self.check_privileges(privileges.DEAD_LETTERS_RETRY, "outbox dead-letters retry")
         try:
-            with self._translated("retrying dead letters"):
+            with (
+                self._translated("retrying dead letters"),
+                self._not_waiting(lock_timeout, "retried", row_ids, ordering_keys, True),
+            ):
                 return self.conn.execute(
                     self.queries["retry_dead_letters"],
                     {
@@ -118,10 +230,15 @@ class DeadLetterStore(Session):
         row_ids: Sequence[int] = (),
         ordering_keys: Sequence[str] = (),
         older_than: float | None = None,
+        lock_timeout: float | None = None,
     ) -> list[Row]:
-        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id)."""
+        """Delete dead letters failed more than ``older_than`` s ago; the (id, message_id).
+        ``lock_timeout`` as for ``retry``."""
         self.check_privileges(privileges.DEAD_LETTERS_PURGE, "outbox dead-letters purge")
-        with self._translated("purging dead letters"):
+        with (
+            self._translated("purging dead letters"),
+            self._not_waiting(lock_timeout, "purged", row_ids, ordering_keys, False),
+        ):
             return self.conn.execute(
                 self.queries["purge_dead_letters"],
                 {

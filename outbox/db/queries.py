@@ -42,3 +42,10 @@ class Queries:
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._composed[name]
+
+
+def search_terms(text: str) -> dict[str, str]:
+    """The parameters of a console search for ``text``: itself (``q``, compared with
+    a row's number) and an ILIKE pattern of it (``like``, its wildcards escaped)."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return {"q": text, "like": f"%{escaped}%"}

@@ -363,9 +363,62 @@ LIMIT %(limit)s
 -- (that may be why it is one).
 SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
        substring(payload FROM 1 FOR %(most)s) AS payload, octet_length(payload) AS payload_bytes,
-       headers::text AS headers, created_at::text AS created_at, failed_at
+       left(headers::text, %(most)s) AS headers, length(headers::text) AS headers_chars,
+       created_at::text AS created_at, failed_at
 FROM {dead_letters}
 WHERE id = %(row_id)s
+
+-- dead_letter_value --
+-- The whole payload or headers of one dead letter, for a download: the value only
+-- if it has at most %(most)s bytes, and its size.
+SELECT CASE WHEN octet_length(v.value) <= %(most)s THEN v.value END AS value,
+       octet_length(v.value) AS size
+FROM {dead_letters} d,
+     LATERAL (SELECT CASE WHEN %(what)s = 'payload' THEN d.payload
+                          ELSE convert_to(d.headers::text, 'UTF8') END AS value) v
+WHERE d.id = %(row_id)s
+
+-- search_dead_letters --
+-- A page of the console's list: every dead letter whose row id is %(q)s, or whose
+-- message id, reason, exchange, routing key or ordering key contains it (%(like)s,
+-- case-insensitive), over the whole table, oldest failure first, with the total.
+-- A substring search cannot use a B-tree: it reads the table (5,000 rows: a few ms).
+SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+       octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at,
+       count(*) OVER () AS total
+FROM {dead_letters}
+WHERE %(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
+   OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+   OR ordering_key ILIKE %(like)s
+ORDER BY failed_at, id
+LIMIT %(limit)s OFFSET %(offset)s
+
+-- dead_letter_groups --
+-- The same dead letters by reason, or by ordering key (%(by)s), biggest group first;
+-- each group is named by one of its rows (first_id), never by its text, in a link.
+SELECT CASE WHEN %(by)s = 'reason' THEN reason ELSE ordering_key END AS label,
+       count(*) AS count, min(failed_at) AS oldest, min(id) AS first_id
+FROM {dead_letters}
+WHERE (%(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
+       OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+       OR ordering_key ILIKE %(like)s)
+  AND (%(by)s = 'reason' OR ordering_key IS NOT NULL)
+GROUP BY 1
+ORDER BY count(*) DESC, min(failed_at), min(id)
+LIMIT %(limit)s
+
+-- dead_letters_sharing_reason --
+-- The oldest %(limit)s dead letters with the reason of row %(row_id)s (a group
+-- action takes a page at a time).
+SELECT id FROM {dead_letters}
+WHERE reason = (SELECT reason FROM {dead_letters} WHERE id = %(row_id)s)
+ORDER BY failed_at, id
+LIMIT %(limit)s
+
+-- dead_letter_keys --
+-- The ordering keys of these dead letters.
+SELECT DISTINCT ordering_key FROM {dead_letters}
+WHERE id = ANY(%(row_ids)s::bigint[]) AND ordering_key IS NOT NULL
 
 -- select_dead_letters --
 -- What retry_dead_letters and purge_dead_letters (without --older-than) take for the
@@ -377,6 +430,25 @@ WHERE %(all)s OR message_id = ANY(%(ids)s::uuid[]) OR id = ANY(%(row_ids)s::bigi
    OR ordering_key = ANY(%(keys)s::text[])
 ORDER BY id
 LIMIT %(limit)s
+
+-- held_dead_letters --
+-- The dead letters of a selection that an in-doubt batch holds, with its gid: a
+-- prepared transaction that deleted the row's id from the outbox (a retry inserting
+-- that id again would wait for it: Lock/transactionid) or that changed the dead letter
+-- itself.  A row the batch deleted is still visible to others, with the batch's xid
+-- as its xmax.  Read before a console action, so it says so instead of waiting.
+SELECT d.id, p.gid
+FROM {dead_letters} d
+JOIN {outbox} o ON o.id = d.id
+JOIN pg_prepared_xacts p ON p.transaction = o.xmax AND p.database = current_database()
+WHERE %(into_outbox)s
+  AND (d.id = ANY(%(row_ids)s::bigint[]) OR d.ordering_key = ANY(%(keys)s::text[]))
+UNION
+SELECT d.id, p.gid
+FROM {dead_letters} d
+JOIN pg_prepared_xacts p ON p.transaction = d.xmax AND p.database = current_database()
+WHERE d.id = ANY(%(row_ids)s::bigint[]) OR d.ordering_key = ANY(%(keys)s::text[])
+ORDER BY gid, id
 
 -- retry_dead_letters --
 -- One statement, so one transaction: a dead letter is either still here or back in
@@ -434,6 +506,21 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
          AND l.classid = %(lock_class)s::int::oid
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
+
+-- chart_sample --
+-- What the console's charts sample from one outbox table, in one round trip: the
+-- backlog, its oldest row's age, and two counters of the statistics system (which
+-- the server keeps anyway): rows ever deleted from the outbox (published or
+-- dead-lettered) and rows ever inserted into the dead letters.  Their differences
+-- between two samples are what was published and dead-lettered in between.
+SELECT (SELECT count(*) FROM {outbox}) AS backlog,
+       coalesce((SELECT extract(epoch FROM now() - created_at)
+                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+                0)::float8 AS oldest_seconds,
+       coalesce((SELECT n_tup_del FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(outbox)s)), 0) AS deleted,
+       coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(dead_letters)s)), 0) AS dead_lettered
 
 -- table_privileges --
 -- Which of the (table, privilege) pairs the current role holds.  A table that does

@@ -226,10 +226,60 @@ SELECT coalesce(max(id), 0) AS last FROM {parked}
 -- their total (headers and properties as text).
 SELECT id, consumer, message_id, queue, exchange, routing_key,
        substring(body FROM 1 FOR %(most)s) AS body, octet_length(body) AS body_bytes,
-       headers::text AS headers,
-       properties::text AS properties, error, attempts, parked_at
+       left(headers::text, %(most)s) AS headers, length(headers::text) AS headers_chars,
+       left(properties::text, %(most)s) AS properties,
+       length(properties::text) AS properties_chars, error, attempts, parked_at
 FROM {parked}
 WHERE id = %(id)s
+
+-- parked_value --
+-- The whole body, headers or properties of one parked message, for a download: the
+-- value only if it has at most %(most)s bytes, and its size.
+SELECT CASE WHEN octet_length(v.value) <= %(most)s THEN v.value END AS value,
+       octet_length(v.value) AS size
+FROM {parked} p,
+     LATERAL (SELECT CASE %(what)s WHEN 'body' THEN p.body
+                                   WHEN 'headers' THEN convert_to(p.headers::text, 'UTF8')
+                                   ELSE convert_to(p.properties::text, 'UTF8') END AS value) v
+WHERE p.id = %(id)s
+
+-- search_parked --
+-- A page of the console's list over the whole table: every parked message whose
+-- number is %(q)s or whose message id, consumer, queue, exchange, routing key or
+-- error contains it (case-insensitive), oldest first, with the total.
+SELECT id, consumer, message_id, queue, exchange, routing_key, octet_length(body) AS body_bytes,
+       error, attempts, parked_at, count(*) OVER () AS total
+FROM {parked}
+WHERE %(q)s = '' OR id::text = %(q)s OR message_id ILIKE %(like)s OR consumer ILIKE %(like)s
+   OR queue ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+   OR error ILIKE %(like)s
+ORDER BY parked_at, id
+LIMIT %(limit)s OFFSET %(offset)s
+
+-- parked_groups --
+-- The same parked messages by consumer and error, biggest group first, each named by
+-- one of its rows (first_id).
+SELECT consumer, error, count(*) AS count, min(parked_at) AS oldest, min(id) AS first_id
+FROM {parked}
+WHERE %(q)s = '' OR id::text = %(q)s OR message_id ILIKE %(like)s OR consumer ILIKE %(like)s
+   OR queue ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+   OR error ILIKE %(like)s
+GROUP BY consumer, error
+ORDER BY count(*) DESC, min(parked_at), min(id)
+LIMIT %(limit)s
+
+-- parked_message_ids --
+-- The message ids of these parked rows, and of the oldest %(limit)s rows in the same
+-- group (consumer and error) as row %(group_of)s.
+SELECT DISTINCT message_id FROM (
+    SELECT message_id FROM {parked} WHERE id = ANY(%(ids)s::bigint[])
+    UNION ALL
+    (SELECT p.message_id FROM {parked} p
+     JOIN {parked} g ON g.id = %(group_of)s AND p.consumer = g.consumer AND p.error = g.error
+     ORDER BY p.parked_at, p.id
+     LIMIT %(limit)s)
+) AS chosen
+WHERE message_id IS NOT NULL
 
 -- select_parked --
 -- What take_parked (retry) and purge_parked (without --older-than) take for the same
@@ -289,3 +339,13 @@ WHERE (%(all)s OR message_id = ANY(%(ids)s::text[]))
   AND (%(older_than)s::float8 IS NULL
        OR parked_at < now() - make_interval(secs => %(older_than)s::float8))
 RETURNING message_id
+
+-- chart_sample --
+-- What the console's charts sample from one inbox, in one round trip: messages
+-- parked now, and counters of the statistics system: ids ever recorded in the inbox
+-- (messages applied) and rows ever parked (inserted, or parked again).
+SELECT (SELECT count(*) FROM {parked}) AS parked_now,
+       coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(inbox)s)), 0) AS applied,
+       coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(parked)s)), 0) AS parked

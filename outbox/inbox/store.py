@@ -51,7 +51,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
-from outbox.db.queries import load_blocks
+from outbox.db.queries import load_blocks, search_terms
 from outbox.db.session import connect, first_line, session_lost, timed_out
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
@@ -645,6 +645,56 @@ class ParkedStore(InboxStore):
             return cur.execute(
                 self.queries["parked_message"], {"id": parked_id, "most": most}
             ).fetchone()
+
+    def search(self, text: str, limit: int, offset: int) -> list[dict[str, Any]]:
+        """A page of the parked messages whose number is ``text`` or whose message id,
+        consumer, queue, destination or error contain it, each with the ``total``."""
+        with self._reading("searching parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(
+                self.queries["search_parked"],
+                {**search_terms(text), "limit": limit, "offset": offset},
+            ).fetchall()
+
+    def groups(self, text: str, limit: int) -> list[dict[str, Any]]:
+        """The same parked messages by consumer and error: consumer, error, count,
+        oldest, first_id (a row of the group)."""
+        with self._reading("grouping parked messages") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(
+                self.queries["parked_groups"], {**search_terms(text), "limit": limit}
+            ).fetchall()
+
+    def message_ids(self, parked_ids: Sequence[int], group_of: int | None, limit: int) -> list[str]:
+        """The message ids of these parked rows, and of the oldest ``limit`` rows of
+        row ``group_of``'s group (its consumer and error)."""
+        with self._reading("selecting parked messages") as conn:
+            rows = conn.execute(
+                self.queries["parked_message_ids"],
+                {"ids": list(parked_ids), "group_of": group_of, "limit": limit},
+            ).fetchall()
+        return sorted(str(r[0]) for r in rows)
+
+    def value(self, parked_id: int, what: str, most: int) -> dict[str, Any] | None:
+        """The ``size`` of one parked message's ``body``, ``headers`` or ``properties``
+        (as bytes), and the ``value`` itself if it has at most ``most`` bytes."""
+        with self._reading("reading a parked message") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(
+                self.queries["parked_value"], {"id": parked_id, "what": what, "most": most}
+            ).fetchone()
+
+    def chart_sample(self) -> dict[str, Any]:
+        """parked_now, and the counters ``applied`` (ids ever recorded in the inbox) and
+        ``parked`` (rows ever parked or parked again)."""
+        with self._reading("sampling the inbox") as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            row = cur.execute(
+                self.queries["chart_sample"],
+                {"inbox": self.table, "parked": f"{self.table}_parked"},
+            ).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return row
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
         """The parked messages ``outbox.inbox.parked.retry(ids)`` or ``purge(ids)`` would

@@ -19,11 +19,11 @@ left open holds no connection and no lock.
 from __future__ import annotations
 
 import codecs
-import collections
 import dataclasses
 import datetime
 import json
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from outbox import gid as gids
@@ -40,6 +40,26 @@ LIST_LIMIT = 1000
 # The most bytes of a body a detail view reads and shows: its hex view is 4.3 times
 # as long, and a message too large to publish (a dead letter) may hold 1 GB.
 BODY_SHOWN = 64 * 1024
+# How long an action waits for a row lock before it says who holds the rows: an
+# in-doubt batch holds them until it is resolved, and a request waiting for it would
+# hold one of the server's worker threads (40 such requests froze the console).
+ACTION_LOCK_TIMEOUT = 2.0
+
+
+def shown(value: Any) -> Any:
+    """``value`` as a page may show it: every text in it (a reason, a key, an error,
+    a host name) with its passwords masked (``redact``: the remembered ones and
+    anything shaped like one), before it is escaped or put into a link.  Numbers
+    and timestamps are left as they are: the page names rows by number only."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, uuid.UUID):
+        return redact(str(value))
+    if isinstance(value, dict):
+        return {k: shown(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [shown(v) for v in value]
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +83,7 @@ class ConsoleConfig:
     max_backlog_age: float = 300.0
     list_limit: int = LIST_LIMIT
     refresh_seconds: float = 5.0  # how often the overview reloads itself
+    sample_seconds: float = 10.0  # how often the charts' sampler reads each table
 
     def outbox(self, table: str | None) -> Settings:
         """The settings of outbox ``table`` (the first one if None); KeyError if unknown."""
@@ -85,54 +106,35 @@ class ConsoleConfig:
 # -- reading ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Rows that share a value (a reason, an ordering key, a consumer and error)."""
+    """Rows that share a value (a reason, an ordering key, a consumer and error),
+    named in links by one of its rows (``first_id``), never by its text."""
 
-    label: str
+    label: str  # masked (``shown``)
     count: int
     oldest: datetime.datetime | None
-    ids: tuple[str, ...]  # what a selection of the whole group names
+    first_id: int
 
 
-def group_rows(rows: Iterable[dict[str, Any]], key: str, at: str, ident: str) -> list[Group]:
-    """Rows grouped by ``row[key]``, biggest group first (then oldest first)."""
-    members: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for row in rows:
-        value = row.get(key)
-        if value is None:
-            continue
-        members[str(value)].append(row)
-    groups = [
-        Group(
-            label=label,
-            count=len(found),
-            oldest=min((r[at] for r in found if r.get(at) is not None), default=None),
-            ids=tuple(str(r[ident]) for r in found if r.get(ident) is not None),
-        )
-        for label, found in members.items()
+def _groups(rows: Iterable[dict[str, Any]]) -> list[Group]:
+    return [
+        Group(shown(str(r["label"])), int(r["count"]), r["oldest"], int(r["first_id"]))
+        for r in rows
     ]
-    far_future = datetime.datetime.max.replace(tzinfo=datetime.timezone.utc)
-    return sorted(groups, key=lambda g: (-g.count, g.oldest or far_future, g.label))
 
 
-_FILTERED = (
-    "id",
-    "message_id",
-    "reason",
-    "error",
-    "exchange",
-    "routing_key",
-    "ordering_key",
-    "queue",
-    "consumer",
-)
+# How many groups a list or the overview shows.
+GROUPS_SHOWN = 50
 
 
-def matches(row: dict[str, Any], text: str) -> bool:
-    """The list filter: ``text`` in the row's ids, reason, destination or key."""
-    needle = text.strip().lower()
-    if not needle:
-        return True
-    return any(needle in str(row.get(f) or "").lower() for f in _FILTERED)
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """One page of a list (rows masked for showing) and its groups."""
+
+    rows: list[dict[str, Any]]
+    total: int  # how many match, over the whole table
+    offset: int
+    groups: list[Group]
+    key_groups: list[Group] = dataclasses.field(default_factory=list)
 
 
 def overview(config: ConsoleConfig) -> dict[str, Any]:
@@ -143,39 +145,70 @@ def overview(config: ConsoleConfig) -> dict[str, Any]:
     for settings in config.outboxes:
         section: dict[str, Any] = {"table": settings.table, "error": None}
         try:
-            report = status.collect(
-                settings,
-                max_prepared_age=config.max_prepared_age,
-                max_backlog_age=config.max_backlog_age,
-            )
-            alive = {r["relay_id"]: r["alive"] for r in report["relays"]}
-            for batch in report["prepared_batches"]:
-                parsed = gids.parse(batch["gid"])
-                relay_id = parsed.relay_id if parsed else None
-                batch["relay_id"] = relay_id
-                batch["relay_alive"] = bool(relay_id and alive.get(relay_id))
+            report = status_report(settings, config)
             store = deadletters.open_store(settings)
             try:
-                rows = store.entries(config.list_limit)
+                reasons = _groups(store.groups("", "reason", GROUPS_SHOWN))
             finally:
                 store.close()
-            section["status"] = report
-            section["dead_letter_reasons"] = group_rows(rows, "reason", "failed_at", "id")
+            section["status"] = shown(report)
+            section["dead_letter_reasons"] = reasons
         except OutboxError as exc:
             section["error"] = describe(exc)
         outboxes.append(section)
     inboxes = []
     for target in config.inboxes:
-        inbox_section: dict[str, Any] = {"table": target.table, "error": None, "more": False}
+        inbox_section: dict[str, Any] = {"table": target.table, "error": None}
         try:
-            parked_rows = parked_entries(target, config.list_limit)
-            inbox_section["parked"] = len(parked_rows)
-            inbox_section["more"] = len(parked_rows) >= config.list_limit
-            inbox_section["groups"] = parked_groups(parked_rows)
+            listing = parked_listing(target, "", 0, 1)
+            inbox_section["parked"] = listing.total
+            inbox_section["groups"] = listing.groups
         except OutboxError as exc:
             inbox_section["error"] = describe(exc)
         inboxes.append(inbox_section)
     return {"outboxes": outboxes, "inboxes": inboxes}
+
+
+def status_report(settings: Settings, config: ConsoleConfig) -> dict[str, Any]:
+    """``outbox status --json`` of one outbox table, each prepared batch with its
+    relay's id and whether that relay is alive."""
+    report = status.collect(
+        settings,
+        max_prepared_age=config.max_prepared_age,
+        max_backlog_age=config.max_backlog_age,
+    )
+    alive = {r["relay_id"]: r["alive"] for r in report["relays"]}
+    for batch in report["prepared_batches"]:
+        parsed = gids.parse(batch["gid"])
+        relay_id = parsed.relay_id if parsed else None
+        batch["relay_id"] = relay_id
+        batch["relay_alive"] = bool(relay_id and alive.get(relay_id))
+    report["attention"] = [in_console(p, settings.table) for p in report["attention"]]
+    return report
+
+
+# The commands ``outbox status`` tells a shell user to run, and the console's page
+# that does the same.
+_CONSOLE_PAGES = (
+    ("`outbox dead-letters", "/dead-letters", "Dead letters"),
+    ("`outbox resolve", "/in-doubt", "In-doubt batches"),
+)
+
+
+def in_console(problem: str, table: str) -> dict[str, str]:
+    """A problem ``outbox status`` found, with the console's page for it instead of
+    the command a shell user would run (the advice after the last ``: `` before the
+    command is left out): ``text``, ``link``, ``page``."""
+    for command, path, page in _CONSOLE_PAGES:
+        at = problem.find(command)
+        if at >= 0:
+            cut = problem.rfind(": ", 0, at)
+            return {
+                "text": problem[:cut] if cut > 0 else problem,
+                "link": f"{path}?table={table}",
+                "page": page,
+            }
+    return {"text": problem, "link": "", "page": ""}
 
 
 def describe(exc: OutboxError) -> str:
@@ -183,18 +216,69 @@ def describe(exc: OutboxError) -> str:
     return redact(f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
 
 
-def dead_letter_list(settings: Settings, limit: int) -> list[dict[str, Any]]:
+def dead_letter_listing(settings: Settings, text: str, offset: int, limit: int) -> Listing:
+    """The page of dead letters matching ``text`` (over the whole table) that starts
+    at ``offset``, and their groups by reason and by ordering key."""
     store = deadletters.open_store(settings)
     try:
-        return store.entries(limit)
+        rows = store.search(text, limit, offset)
+        total = _total(rows, offset, lambda: store.search(text, 1, 0))
+        reasons = _groups(store.groups(text, "reason", GROUPS_SHOWN))
+        keys = _groups(store.groups(text, "key", GROUPS_SHOWN))
     finally:
         store.close()
+    return Listing(shown(rows), total, offset, reasons, keys)
+
+
+def _total(
+    rows: Sequence[dict[str, Any]], offset: int, first: Callable[[], list[dict[str, Any]]]
+) -> int:
+    """How many rows match: every row of a page carries it; a page past the end (or
+    an empty result) asks again from the start."""
+    if rows:
+        return int(rows[0]["total"])
+    again = first() if offset else []
+    return int(again[0]["total"]) if again else 0
 
 
 def dead_letter(settings: Settings, row_id: int) -> dict[str, Any] | None:
+    """One dead letter, masked for showing, with ``body`` and ``headers`` views."""
     store = deadletters.open_store(settings)
     try:
-        return store.entry(row_id, BODY_SHOWN)
+        row = store.entry(row_id, BODY_SHOWN)
+    finally:
+        store.close()
+    if row is None:
+        return None
+    views = {
+        "body": body_views(bytes(row.pop("payload")), row["payload_bytes"]),
+        "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
+    }
+    return {"row": shown(row), **views}
+
+
+# The most a download holds in memory: a larger value is left to psql.
+DOWNLOAD_MOST = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Download:
+    size: int
+    value: bytes | None  # None: larger than DOWNLOAD_MOST; passwords masked
+
+
+def _download(row: dict[str, Any] | None) -> Download | None:
+    if row is None or row["size"] is None:
+        return None
+    value = None if row["value"] is None else _masked(bytes(row["value"]))
+    return Download(int(row["size"]), value)
+
+
+def dead_letter_value(settings: Settings, row_id: int, what: str) -> Download | None:
+    """The whole payload or headers of a dead letter, for a download."""
+    store = deadletters.open_store(settings)
+    try:
+        return _download(store.value(row_id, what, DOWNLOAD_MOST))
     finally:
         store.close()
 
@@ -208,24 +292,44 @@ def parked_store(target: InboxTarget) -> ParkedStore:
     )
 
 
-def parked_entries(target: InboxTarget, limit: int) -> list[dict[str, Any]]:
+def parked_listing(target: InboxTarget, text: str, offset: int, limit: int) -> Listing:
+    """The page of parked messages matching ``text`` that starts at ``offset``, and
+    their groups by consumer and error."""
     store = parked_store(target)
     try:
-        return store.entries(limit)
+        rows = store.search(text, limit, offset)
+        total = _total(rows, offset, lambda: store.search(text, 1, 0))
+        groups = [
+            {**g, "label": f"{g['consumer']}: {g['error']}"}
+            for g in store.groups(text, GROUPS_SHOWN)
+        ]
     finally:
         store.close()
-
-
-def parked_groups(rows: Sequence[dict[str, Any]]) -> list[Group]:
-    """Parked messages by consumer and error (the selection is their message ids)."""
-    labelled = [{**r, "group": f"{r['consumer']}: {r['error']}"} for r in rows]
-    return group_rows(labelled, "group", "parked_at", "message_id")
+    return Listing(shown(rows), total, offset, _groups(groups))
 
 
 def parked_message(target: InboxTarget, parked_id: int) -> dict[str, Any] | None:
+    """One parked message, masked for showing, with its views."""
     store = parked_store(target)
     try:
-        return store.entry(parked_id, BODY_SHOWN)
+        row = store.entry(parked_id, BODY_SHOWN)
+    finally:
+        store.close()
+    if row is None:
+        return None
+    views = {
+        "body": body_views(bytes(row.pop("body")), row["body_bytes"]),
+        "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
+        "properties": capped_json(row.pop("properties"), row.pop("properties_chars")),
+    }
+    return {"row": shown(row), **views}
+
+
+def parked_value(target: InboxTarget, parked_id: int, what: str) -> Download | None:
+    """The whole body, headers or properties of a parked message, for a download."""
+    store = parked_store(target)
+    try:
+        return _download(store.value(parked_id, what, DOWNLOAD_MOST))
     finally:
         store.close()
 
@@ -268,7 +372,13 @@ def body_views(body: bytes, size: int | None = None) -> BodyViews:
         chunk = masked[offset : offset + 16]
         printable = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f"{offset:08x}  {chunk.hex(' '):<47}  {printable}")
-    return BodyViews(size, text, pretty, "\n".join(lines), len(body))
+    return BodyViews(
+        size,
+        None if text is None else redact(text),
+        None if pretty is None else redact(pretty),
+        "\n".join(lines),
+        len(body),
+    )
 
 
 def _masked(body: bytes) -> bytes:
@@ -278,10 +388,25 @@ def _masked(body: bytes) -> bytes:
     return redact(body.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
 
 
-def pretty_json(text: str | None) -> str:
-    """JSON text (as the stores return headers) indented; as it is if it is not JSON."""
+@dataclasses.dataclass(frozen=True)
+class Capped:
+    """A JSON text (headers, properties) as shown: at most its first ``BODY_SHOWN``
+    characters (indented when whole), passwords masked; ``size`` is the whole's."""
+
+    text: str
+    size: int
+    whole: bool
+
+
+def capped_json(text: str | None, size: int | None) -> Capped:
     if text is None:
-        return "-"
+        return Capped("-", 0, True)
+    whole = size is None or size <= len(text)
+    return Capped(redact(pretty_json(text) if whole else text), size or len(text), whole)
+
+
+def pretty_json(text: str) -> str:
+    """JSON text (as the stores return headers) indented; as it is if it is not JSON."""
     try:
         return json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=True)
     except ValueError:
@@ -309,6 +434,53 @@ class DeadLetterSelection:
         return cls(tuple(sorted(set(selection.row_ids))), tuple(sorted(set(keys))))
 
 
+_MAX_ROW_ID = 2**63 - 1  # bigint
+
+
+def row_numbers(values: Sequence[str], what: str) -> tuple[int, ...]:
+    """Row numbers from a form or a query (blank values skipped); ValueError, with a
+    one-line reason, for anything that is not one."""
+    numbers = set()
+    for value in values:
+        text = value.strip()
+        if not text:
+            continue
+        if not (text.isascii() and text.isdigit() and len(text) <= 19):
+            raise ValueError(f"{what} is a row number (a whole number), not {_quoted(text)}")
+        if int(text) > _MAX_ROW_ID:
+            raise ValueError(f"{what} is a row number: {text} is past the last one ({_MAX_ROW_ID})")
+        numbers.add(int(text))
+    return tuple(sorted(numbers))
+
+
+def _quoted(text: str, most: int = 40) -> str:
+    """Text a client sent, for a one-line error: short, escaped, passwords masked."""
+    short = text if len(text) <= most else text[: most - 1] + "…"
+    return redact(repr(short))
+
+
+def select_dead_letters(
+    settings: Settings,
+    row_ids: Sequence[int],
+    *,
+    reason_of: int | None = None,
+    key_of: Sequence[int] = (),
+    limit: int,
+) -> DeadLetterSelection:
+    """What a link or a form names, by row numbers only (never by a text a page would
+    have to carry): these rows, the oldest ``limit`` with row ``reason_of``'s reason,
+    and every dead letter with the ordering key of a row of ``key_of``."""
+    chosen = set(row_ids)
+    store = deadletters.open_store(settings)
+    try:
+        if reason_of is not None:
+            chosen.update(store.sharing_reason(reason_of, limit))
+        keys = store.keys_of(key_of) if key_of else []
+    finally:
+        store.close()
+    return DeadLetterSelection(tuple(sorted(chosen)), tuple(keys))
+
+
 def plan_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[dict[str, Any]]:
     """The dead letters a retry or purge of ``selection`` would touch, as of now."""
     store = deadletters.open_store(settings)
@@ -323,7 +495,10 @@ def retry_dead_letters(settings: Settings, selection: DeadLetterSelection) -> li
     store = deadletters.open_store(settings)
     try:
         return store.retry(
-            everything=False, row_ids=selection.row_ids, ordering_keys=selection.ordering_keys
+            everything=False,
+            row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
+            lock_timeout=ACTION_LOCK_TIMEOUT,
         )
     finally:
         store.close()
@@ -334,15 +509,28 @@ def purge_dead_letters(settings: Settings, selection: DeadLetterSelection) -> li
     store = deadletters.open_store(settings)
     try:
         return store.purge(
-            everything=False, row_ids=selection.row_ids, ordering_keys=selection.ordering_keys
+            everything=False,
+            row_ids=selection.row_ids,
+            ordering_keys=selection.ordering_keys,
+            lock_timeout=ACTION_LOCK_TIMEOUT,
         )
     finally:
         store.close()
 
 
-def parked_selection(ids: Sequence[str]) -> tuple[str, ...]:
-    """Parked messages are named by message id (as ``outbox parked retry ID…``)."""
-    return tuple(sorted({i for i in ids if i.strip()}))
+def select_parked(
+    target: InboxTarget, parked_ids: Sequence[int], *, group_of: int | None = None, limit: int
+) -> tuple[str, ...]:
+    """The message ids an action takes (``outbox parked retry ID…``), from what a
+    link or form names by number: these parked rows, and the oldest ``limit`` of
+    row ``group_of``'s group (its consumer and error)."""
+    if not parked_ids and group_of is None:
+        return ()
+    store = parked_store(target)
+    try:
+        return tuple(store.message_ids(parked_ids, group_of, limit))
+    finally:
+        store.close()
 
 
 def plan_parked(target: InboxTarget, message_ids: Sequence[str]) -> list[dict[str, Any]]:

@@ -9,7 +9,9 @@ The rules (pure functions; ``app.py`` applies them to every request):
 - **Credentials.** ``OUTBOX_WEB_TOKEN`` (sent as ``Authorization: Bearer TOKEN``, or
   as the password of HTTP basic auth with any user name, which is what a browser
   prompts for) and/or ``OUTBOX_WEB_USER`` with ``OUTBOX_WEB_PASSWORD`` (HTTP basic
-  auth).  Compared in constant time.
+  auth).  Compared in constant time.  For a bind other machines reach, each secret
+  must be at least 16 characters and hard to guess (``weak``).  Failed attempts are
+  throttled per client and in total (``Throttle``: 10, then one a second).
 - **CSRF.** Every state-changing request is a POST that carries the token of the
   ``outbox_csrf_PORT`` cookie, as the form field ``csrf_token`` or the ``X-CSRF-Token``
   header (the signed double-submit cookie pattern).  The cookie value is a random
@@ -34,8 +36,11 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
+import math
 import secrets
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from outbox import redaction
 
@@ -126,14 +131,131 @@ def csrf_cookie(host_header: str | None) -> str:
     return f"{CSRF_COOKIE}_{port}" if port.isdigit() else CSRF_COOKIE
 
 
+# A secret guarding a console other machines reach: at least this long, and this
+# strong by the estimate of ``strength_bits`` (what 16 random letters and digits
+# give; a token of ``secrets.token_urlsafe(24)`` has 192 bits).
+MIN_SECRET_CHARS = 16
+MIN_SECRET_BITS = 80
+GENERATE = "python3 -c 'import secrets; print(secrets.token_urlsafe(24))'"
+
+
+def strength_bits(secret: str) -> float:
+    """A generous estimate of a secret's entropy in bits: its length times the bits of
+    the character classes it uses, counting only its distinct characters past the
+    first repeat of each (``aaaa…`` and ``abcabc…`` are weak whatever their length)."""
+    classes = 0
+    if any(c.islower() for c in secret):
+        classes += 26
+    if any(c.isupper() for c in secret):
+        classes += 26
+    if any(c.isdigit() for c in secret):
+        classes += 10
+    if any(not c.isalnum() for c in secret):
+        classes += 33
+    distinct = len(set(secret))
+    # Each character adds its class's bits, but no more characters count than twice
+    # the number of distinct ones: a short pattern repeated adds little.
+    counted = min(len(secret), 2 * distinct)
+    return counted * math.log2(classes) if classes else 0.0
+
+
+def weak(secret: str) -> str | None:
+    """Why ``secret`` is too weak for a console other machines reach, or None."""
+    if len(secret.strip()) < MIN_SECRET_CHARS:
+        return f"shorter than {MIN_SECRET_CHARS} characters"
+    if strength_bits(secret) < MIN_SECRET_BITS:
+        return "too predictable (too few different characters)"
+    return None
+
+
 def check_bind(host: str, credentials: Credentials) -> None:
-    """Refuse a bind other than loopback without credentials."""
-    if not is_loopback(host) and not credentials:
+    """Refuse a bind other than loopback without credentials, or with weak ones."""
+    if is_loopback(host):
+        return
+    if not credentials:
         raise BindRefused(
             f"--host {host} serves other machines, so the console needs credentials: "
             f"set {TOKEN_ENV}, or {USER_ENV} and {PASSWORD_ENV}, in the environment "
-            "(or bind 127.0.0.1 and reach it through an SSH tunnel)"
+            f"(or bind 127.0.0.1 and reach it through an SSH tunnel); generate a token "
+            f"with {GENERATE}"
         )
+    for name, secret in ((TOKEN_ENV, credentials.token), (PASSWORD_ENV, credentials.password)):
+        why = weak(secret) if secret else None
+        if why:
+            raise BindRefused(
+                f"{name} is {why}: --host {host} serves other machines, so it must be at "
+                f"least {MIN_SECRET_CHARS} characters and hard to guess; generate one "
+                f"with {GENERATE}"
+            )
+
+
+class Throttle:
+    """Slows guessing: each client (and all of them together) may fail to
+    authenticate ``burst`` times, then once per ``every`` seconds.
+
+    A client over its allowance is refused (429) without its credentials being
+    looked at, so a guess made then tells nothing, right or wrong.  The state is a
+    token bucket per client address, in memory, forgotten once it is full again.
+    """
+
+    def __init__(
+        self,
+        *,
+        burst: int = 10,
+        every: float = 1.0,
+        clients_burst: int = 100,
+        clients_every: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+        most_clients: int = 10_000,
+    ) -> None:
+        self._rules = {"client": (burst, every), "all": (clients_burst, clients_every)}
+        self._clock = clock
+        self._most = most_clients
+        self._buckets: dict[str, tuple[float, float]] = {}  # key: (tokens, at)
+        self._lock = threading.Lock()
+
+    def _level(self, key: str, rule: str, now: float) -> float:
+        burst, every = self._rules[rule]
+        tokens, at = self._buckets.get(key, (float(burst), now))
+        return min(float(burst), tokens + (now - at) / every)
+
+    def allowed(self, client: str) -> bool:
+        """Whether ``client`` may try to authenticate now."""
+        now = self._clock()
+        with self._lock:
+            return all(
+                self._level(key, rule, now) >= 1.0
+                for key, rule in ((f"c:{client}", "client"), ("all", "all"))
+            )
+
+    def failed(self, client: str) -> None:
+        """``client`` sent credentials that proved nothing."""
+        now = self._clock()
+        with self._lock:
+            for key, rule in ((f"c:{client}", "client"), ("all", "all")):
+                self._buckets[key] = (max(0.0, self._level(key, rule, now) - 1.0), now)
+            if len(self._buckets) > self._most:
+                full = [
+                    k
+                    for k in self._buckets
+                    if self._level(k, _rule(k), now) >= self._rules[_rule(k)][0]
+                ]
+                for key in full or list(self._buckets)[: len(self._buckets) // 2]:
+                    del self._buckets[key]
+
+    def retry_after(self, client: str) -> int:
+        """Seconds until ``client`` may try again (at least 1)."""
+        now = self._clock()
+        with self._lock:
+            waits = [
+                (1.0 - self._level(key, rule, now)) * self._rules[rule][1]
+                for key, rule in ((f"c:{client}", "client"), ("all", "all"))
+            ]
+        return max(1, math.ceil(max(waits)))
+
+
+def _rule(key: str) -> str:
+    return "all" if key == "all" else "client"
 
 
 def authenticate(authorization: str | None, credentials: Credentials) -> str | None:

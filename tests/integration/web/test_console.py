@@ -14,11 +14,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import socket
-import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -46,14 +41,13 @@ if not shutil.which(CHROMIUM):
         allow_module_level=True,
     )
 
-import uvicorn  # noqa: E402
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
 from outbox.inbox.store import render_sql  # noqa: E402
 from outbox.web.app import WebConfig  # noqa: E402
 from outbox.web.console import ConsoleConfig, InboxTarget  # noqa: E402
 from outbox.web.security import Credentials  # noqa: E402
-from outbox.web.server import uvicorn_config  # noqa: E402
+from tests.fixtures.web import Console, http, start_console  # noqa: E402
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -70,31 +64,6 @@ PASSWORD = "S3cr3t-Pg-W0rd"  # in the console's DSN; trust auth ignores it
 
 
 # -- the console, the browser -------------------------------------------------------
-@dataclasses.dataclass
-class Console:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def start_console(config: WebConfig) -> Console:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, 0))
-    port = sock.getsockname()[1]
-    served = uvicorn_config(config, port)  # as `outbox web` serves it
-    served.lifespan = "off"
-    server = uvicorn.Server(served)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 10, "the console to start")
-    return Console(f"http://127.0.0.1:{port}", server, thread)
-
-
 @pytest.fixture
 def web_config(settings: Settings) -> WebConfig:
     dsn = psycopg.conninfo.make_conninfo(settings.dsn, password=PASSWORD)
@@ -186,18 +155,6 @@ def received(topology: Topology) -> list[str]:
     return [str(props.message_id) for _, props, _ in topology.messages(idle=0.3)]
 
 
-def http(
-    url: str, *, data: dict[str, str] | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, str]:
-    body = urllib.parse.urlencode(data).encode() if data is not None else None
-    request = urllib.request.Request(url, data=body, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 # -- the tests ----------------------------------------------------------------------
 def test_web__retry_on_a_dead_letter_publishes_it_once_and_it_leaves_the_list(
     settings: Settings,
@@ -216,7 +173,7 @@ def test_web__retry_on_a_dead_letter_publishes_it_once_and_it_leaves_the_list(
         row.locator("a.retry").click()
         assert page.locator("#count").inner_text() == "1"  # shown before confirming
         page.locator("#confirm").click()
-        assert page.locator("#done").inner_text().startswith("1 dead letters moved back")
+        assert page.locator("#done").inner_text().startswith("1 dead letter moved back")
         [logged] = [r for r in caplog.records if getattr(r, "event", "").startswith("web.")]
         assert logged.event == "web.dead_letters_retried"  # type: ignore[attr-defined]
         assert logged.fields["who"] == "local"  # type: ignore[attr-defined]
@@ -259,7 +216,7 @@ def test_web__a_reason_group_bigger_than_a_page_is_retried_a_page_at_a_time(
             "FROM generate_series(1, 1200)"
         )
     page.goto(f"{console.url}/dead-letters")
-    assert "Showing the oldest 1000" in page.locator("#listing").inner_text()
+    assert "Rows 1 to 1000 of 1200" in page.locator("#listing").inner_text()
     page.locator("table.reasons a", has_text="retry group").click()
     assert page.locator("#count").inner_text() == "1000"
     page.locator("#confirm").click()  # 1000 ids and the token in one form
@@ -317,7 +274,7 @@ def test_web__purging_a_parked_message_removes_it(
     page.locator(f"tr.parked-message[data-message-id='{doomed}'] a.purge").click()
     assert page.locator("#count").inner_text() == "1"
     page.locator("#confirm").click()
-    assert page.locator("#done").inner_text().startswith("1 parked messages purged")
+    assert page.locator("#done").inner_text().startswith("1 parked message purged")
     assert parked_ids(settings.dsn) == [kept]
     page.goto(f"{console.url}/parked")
     assert page.locator(f"tr.parked-message[data-message-id='{doomed}']").count() == 0
@@ -334,7 +291,7 @@ def test_web__retry_on_a_parked_message_sends_it_back_to_its_queue(
     page.locator(f"tr.parked-message[data-message-id='{message_id}'] a.retry").click()
     assert page.locator("#count").inner_text() == "1"
     page.locator("#confirm").click()
-    assert page.locator("#done").inner_text().startswith("1 parked messages sent back")
+    assert page.locator("#done").inner_text().startswith("1 parked message sent back")
     assert parked_ids(settings.dsn) == []
     [(_, props, body)] = topology.messages(idle=0.3)
     assert props.message_id == message_id and body == b"hello"
@@ -388,7 +345,9 @@ def test_web__overview_shows_a_relay_killed_with_minus_9_going_dead_and_the_butt
         page.locator(f"tr.batch[data-gid='{gid}'] td.owner.dead").wait_for()
         assert page.locator("tr.relay.alive").count() == 0
 
-        page.goto(f"{console.url}/in-doubt")  # what `outbox resolve --dry-run` decides
+        page.goto(f"{console.url}/in-doubt")
+        page.locator(f"tr.batch[data-gid='{gid}'] td.owner.dead").wait_for()
+        page.locator("#dry-run").click()  # what `outbox resolve --dry-run` decides
         decision = page.locator(f"tr.resolution[data-gid='{gid}']")
         assert decision.locator("td.owner").inner_text() == "dead"
         assert decision.locator("td.action").inner_text() == "rollback"
@@ -533,6 +492,12 @@ def test_web__no_page_shows_the_database_password(
     with psycopg.connect(settings.dsn, autocommit=True) as conn:
         conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
     parked_id = add_parked(settings.dsn)
+    with psycopg.connect(settings.dsn) as conn:
+        found = conn.execute(
+            f"SELECT id FROM {INBOX}_parked WHERE message_id = %s", [parked_id]
+        ).fetchone()
+    assert found is not None
+    parked_row = found[0]
     running = start_console(config)
     seen: dict[str, str] = {}
 
@@ -547,7 +512,7 @@ def test_web__no_page_shows_the_database_password(
             f"/dead-letters/{row_id}",
             f"/dead-letters/confirm?action=retry&id={row_id}",
             "/parked",
-            f"/parked/confirm?action=purge&id={parked_id}",
+            f"/parked/confirm?action=purge&row={parked_row}",
             "/parked?inbox=missing",  # an error page quoting what libpq said
             "/in-doubt",
             "/dead-letters?table=nope",
@@ -561,3 +526,74 @@ def test_web__no_page_shows_the_database_password(
     assert PASSWORD in config.console.outboxes[0].dsn  # the console was given it
     assert [path for path, html in seen.items() if PASSWORD in html] == []
     assert 'class="error"' in seen["/parked?inbox=missing"]  # the error was shown
+
+
+def count_of(dsn: str, sql: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(sql).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
+    settings: Settings, web_config: WebConfig, page: Page, tmp_path: Any
+) -> None:
+    """What a relay and a consumer do, done by hand in the database (each step on a
+    connection of its own, closed: the statistics counters are flushed then)."""
+    config = dataclasses.replace(
+        web_config, console=dataclasses.replace(web_config.console, sample_seconds=0.2)
+    )
+    with psycopg.connect(settings.dsn, autocommit=True) as conn:
+        conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
+    running = start_console(config)
+    try:
+        page.goto(running.url)
+        figure = page.locator("section.charts figure[data-key='published']").first
+        figure.wait_for()  # a first sample: the counters' starting point
+        with psycopg.connect(settings.dsn) as conn:
+            conn.execute(
+                "INSERT INTO outbox (exchange, routing_key, payload) "
+                "SELECT 'ex', 'rk', 'p' FROM generate_series(1, 6)"
+            )
+        with psycopg.connect(settings.dsn) as conn:  # a relay publishes three…
+            conn.execute("DELETE FROM outbox WHERE id IN (SELECT id FROM outbox LIMIT 3)")
+        with psycopg.connect(settings.dsn) as conn:  # …and dead-letters two
+            conn.execute(
+                "WITH gone AS (DELETE FROM outbox WHERE id IN (SELECT id FROM outbox LIMIT 2) "
+                "RETURNING *) INSERT INTO outbox_dead_letters (id, message_id, exchange, "
+                "routing_key, payload, created_at, reason) SELECT id, message_id, exchange, "
+                "routing_key, payload, created_at, 'exchange missing' FROM gone"
+            )
+        with psycopg.connect(settings.dsn) as conn:  # a consumer applies four, parks one
+            conn.execute(
+                f"INSERT INTO {INBOX} (consumer, message_id) "
+                "SELECT 'billing', 'm-' || n FROM generate_series(1, 4) n"
+            )
+        add_parked(settings.dsn)
+
+        def shown(key: str, attribute: str) -> float:
+            found = page.locator(f"section.charts figure[data-key='{key}']").first
+            return float(found.get_attribute(attribute) or "nan")
+
+        expected = {"published": 3.0, "dead_lettered": 2.0, "applied": 4.0, "parked": 1.0}
+        wait_for(
+            lambda: {k: shown(k, "data-total") for k in expected} == expected,
+            20,
+            f"the charts to show {expected}",
+        )
+        backlog = count_of(settings.dsn, "SELECT count(*) FROM outbox")
+        wait_for(lambda: shown("backlog", "data-latest") == backlog, 10, "the backlog")
+        assert backlog == 1
+        assert count_of(settings.dsn, "SELECT count(*) FROM outbox_dead_letters") == 2
+        assert count_of(settings.dsn, f"SELECT count(*) FROM {INBOX}") == 4
+        # Drawn: a bar for each rate this minute, a point for each level.
+        chart = page.locator("section.charts figure[data-key='dead_lettered'] rect.bar")
+        assert [chart.nth(i).get_attribute("data-value") for i in range(chart.count())] == ["2.0"]
+        assert page.locator("figure[data-key='backlog'] circle.point").count() >= 1
+        shot = os.environ.get("OUTBOX_WEB_CHARTS_SCREENSHOT")
+        box = page.locator("section.charts").bounding_box()  # htmx replaces it: a page shot
+        assert box is not None
+        page.screenshot(path=shot or tmp_path / "charts.png", clip=box)
+    finally:
+        page.goto("about:blank")  # no refresh of the overview after the console stops
+        running.stop()

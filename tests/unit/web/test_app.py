@@ -10,19 +10,22 @@ from typing import Any
 from starlette.requests import Request
 
 from outbox.config import Settings
-from outbox.web.app import Pages, WebConfig, create_app
-from outbox.web.console import ConsoleConfig, DeadLetterSelection
-from outbox.web.security import Credentials
+from outbox.web import console
+from outbox.web.app import MAX_FORM_BYTES, Pages, WebConfig, create_app
+from outbox.web.console import ConsoleConfig
+from outbox.web.security import Credentials, CsrfKeys
 
 
-def call(app: Any, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+def call(
+    app: Any, method: str, path: str, headers: dict[str, str], client: str = "127.0.0.1"
+) -> tuple[int, bytes]:
     """One request through the app; (status, body)."""
-    status, _, body = call_with_headers(app, method, path, headers)
+    status, _, body = call_with_headers(app, method, path, headers, client)
     return status, body
 
 
 def call_with_headers(
-    app: Any, method: str, path: str, headers: dict[str, str]
+    app: Any, method: str, path: str, headers: dict[str, str], client: str = "127.0.0.1"
 ) -> tuple[int, list[tuple[str, str]], bytes]:
     """One request through the app; (status, response headers, body)."""
     sent: list[dict[str, Any]] = []
@@ -37,7 +40,7 @@ def call_with_headers(
         "query_string": b"",
         "root_path": "",
         "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 50000),
+        "client": (client, 50000),
         "server": ("127.0.0.1", 8310),
     }
 
@@ -102,11 +105,11 @@ class FormInputs(html.parser.HTMLParser):
             self.buttons.append(dict(attrs))
 
 
-def test_web__a_key_that_looks_like_a_password_is_confirmed_and_posted_back_as_it_is() -> None:
+def test_web__a_confirmation_posts_rows_back_by_number_whatever_their_keys_look_like() -> None:
     # The page as a whole went through the redaction's shapes after escaping:
     # `password=\S+` ate the markup behind the key up to the next blank, so the
-    # hidden field swallowed the confirm button, and the key posted back (had it
-    # been sent) was `password=***…`: another key, or none.
+    # hidden field swallowed the confirm button.  Keys are now named by the numbers
+    # of their rows: no text that masking changes is posted back.
     config = WebConfig(
         ConsoleConfig((Settings(dsn="postgresql://app@127.0.0.1:1/none"),)),
         "amqp://localhost",
@@ -121,23 +124,26 @@ def test_web__a_key_that_looks_like_a_password_is_confirmed_and_posted_back_as_i
         limit=10,
         table="outbox",
         action="retry",
-        selection=DeadLetterSelection((), keys),
+        row_ids=(),
+        key_of=[1, 2, 3],
+        keys=3,
+        by_reason=False,
         rows=[
             {
-                "id": 1,
+                "id": n,
                 "message_id": "m",
-                "ordering_key": key,
+                "ordering_key": console.shown(key),
                 "failed_at": datetime.datetime(2026, 1, 1),
                 "reason": "r",
             }
-            for key in keys
+            for n, key in enumerate(keys, 1)
         ],
-        reason=None,
     )
     found = FormInputs()
     found.feed(bytes(page.body).decode())
-    assert [i["value"] for i in found.inputs if i.get("name") == "key"] == list(keys)
+    assert [i["value"] for i in found.inputs if i.get("name") == "key_of"] == ["1", "2", "3"]
     assert [b.get("id") for b in found.buttons] == ["confirm"]
+    assert "password=k1" not in bytes(page.body).decode()
 
 
 def test_web__two_consoles_on_one_host_keep_their_own_csrf_cookies() -> None:
@@ -154,3 +160,111 @@ def test_web__two_consoles_on_one_host_keep_their_own_csrf_cookies() -> None:
     assert cookie_names("127.0.0.1:8310") == ["outbox_csrf_8310"]
     assert cookie_names("localhost:8311") == ["outbox_csrf_8311"]
     assert cookie_names("localhost") == ["outbox_csrf"]
+
+
+class Upload:
+    """An ASGI ``receive`` that streams a large body in 64 KiB chunks and counts
+    how much of it the application read."""
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size  # None: endless
+        self.read = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        chunk = 64 * 1024
+        if self.size is not None and self.read >= self.size:
+            return {"type": "http.disconnect"}
+        self.read += chunk
+        return {"type": "http.request", "body": b"i" * chunk, "more_body": True}
+
+
+def post_upload(app: Any, headers: dict[str, str], upload: Upload) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/dead-letters/purge",
+        "raw_path": b"/dead-letters/purge",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8310),
+    }
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, upload, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], body
+
+
+def test_web__a_large_post_is_refused_before_its_body_is_read() -> None:
+    """A 105 MB cross-origin POST raised the console's RSS from 53 to 160 MB before
+    its 403: the form was read before the Origin and CSRF checks."""
+    keys = CsrfKeys()
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    app = create_app(
+        WebConfig(ConsoleConfig((settings,)), "amqp://localhost", Credentials()), csrf_keys=keys
+    )
+    big = str(105 * 1024 * 1024)
+    base = {"host": "127.0.0.1:8310", "content-type": "application/x-www-form-urlencoded"}
+    cookie = keys.issue()
+    cases = [
+        ({**base, "origin": "http://evil.example", "content-length": big}, 403),
+        ({**base, "content-length": big}, 403),  # no CSRF cookie
+        ({**base, "cookie": "outbox_csrf_8310=forged.cookie", "content-length": big}, 403),
+        ({**base, "cookie": f"outbox_csrf_8310={cookie}", "content-length": big}, 413),
+    ]
+    for headers, status in cases:
+        upload = Upload(105 * 1024 * 1024)
+        assert post_upload(app, headers, upload)[0] == status, headers
+        assert upload.read == 0, headers
+    # Without a Content-Length (chunked): reading stops just past the limit.
+    upload = Upload(None)
+    status, body = post_upload(app, {**base, "cookie": f"outbox_csrf_8310={cookie}"}, upload)
+    assert status == 413 and b"longer than" in body
+    assert upload.read <= MAX_FORM_BYTES + 64 * 1024
+
+
+def test_web__every_tab_shares_one_reading_of_the_overview(monkeypatch: Any) -> None:
+    """Each open tab re-read the database every refresh (0.5 s in the tests, 5 s by
+    default): ten tabs, ten times the queries.  Now one reading per interval."""
+    from outbox.web import console as console_module
+
+    readings = []
+
+    def overview(config: ConsoleConfig) -> dict[str, Any]:
+        readings.append(config)
+        return {"outboxes": [], "inboxes": []}
+
+    monkeypatch.setattr(console_module, "overview", overview)
+    settings = Settings(dsn="postgresql://app@127.0.0.1:1/none")
+    app = create_app(
+        WebConfig(
+            ConsoleConfig((settings,), refresh_seconds=60, sample_seconds=3600),
+            "amqp://localhost",
+            Credentials(),
+        )
+    )
+    for _ in range(5):
+        status, page = call(app, "GET", "/overview/panel", {"host": "127.0.0.1:8310"})
+        assert status == 200, page[:300]
+    assert len(readings) == 1
+
+
+def test_web__failed_attempts_are_throttled_per_client() -> None:
+    """About 860 wrong guesses a second were answered on one connection."""
+    app = local_console(Credentials(token="Kq3-vT9xZ2pLm8Rw4bN7"))
+    wrong = {"host": "127.0.0.1:8310", "authorization": "Bearer guess"}
+    right = {"host": "127.0.0.1:8310", "authorization": "Bearer Kq3-vT9xZ2pLm8Rw4bN7"}
+    statuses = [call(app, "GET", "/static/console.css", wrong)[0] for _ in range(12)]
+    assert statuses == [401] * 10 + [429] * 2
+    status, headers, _ = call_with_headers(app, "GET", "/static/console.css", right)
+    assert status == 429 and ("retry-after", "1") in headers  # not even looked at
+    assert call(app, "GET", "/static/console.css", right, client="10.9.9.9")[0] == 200

@@ -16,29 +16,6 @@ def at(minutes: int) -> datetime.datetime:
     return T0 + datetime.timedelta(minutes=minutes)
 
 
-def test_group_rows__biggest_group_first_with_its_ids_and_oldest() -> None:
-    rows = [
-        {"id": 1, "reason": "b", "failed_at": at(5)},
-        {"id": 2, "reason": "a", "failed_at": at(3)},
-        {"id": 3, "reason": "b", "failed_at": at(1)},
-        {"id": 4, "reason": None, "failed_at": at(0)},
-    ]
-    groups = console.group_rows(rows, "reason", "failed_at", "id")
-    assert [(g.label, g.count, g.ids, g.oldest) for g in groups] == [
-        ("b", 2, ("1", "3"), at(1)),
-        ("a", 1, ("2",), at(3)),
-    ]
-
-
-def test_matches__filters_on_ids_reason_destination_and_key_case_blind() -> None:
-    row = {"id": 17, "message_id": "abc", "reason": "Exchange gone", "ordering_key": "cust-9"}
-    assert console.matches(row, "")
-    assert console.matches(row, "exchange GONE")
-    assert console.matches(row, "cust-9")
-    assert console.matches(row, "17")
-    assert not console.matches(row, "timeout")
-
-
 def test_body_views__text_json_and_hex() -> None:
     views = console.body_views(b'{"b": 1, "a": [2]}')
     assert views.size == 18
@@ -85,7 +62,7 @@ def test_where__connection_settings_are_shown_without_their_password() -> None:
     assert "S3cret" not in amqp and "mq1:5672" in amqp and "mq2:5672" in amqp
 
 
-def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
+def test_shown__a_remembered_password_is_masked_before_html_escaping() -> None:
     from outbox import redaction
     from outbox.config import Settings
     from outbox.web.app import Pages, WebConfig
@@ -97,7 +74,9 @@ def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
         WebConfig(console.ConsoleConfig((Settings(),)), "amqp://localhost", Credentials())
     )
     template = pages.env.from_string("<pre>{{ body }}</pre><p>{{ reason }}</p>")
-    html = template.render(body='{"password": "hunter2-x"}', reason=f"refused: {secret}")
+    html = template.render(
+        body=console.shown('{"password": "hunter2-x"}'), reason=console.shown(f"refused: {secret}")
+    )
     assert secret not in html and "Pw&lt;&amp;" not in html
     assert "hunter2-x" not in html
     assert "***" in html
@@ -106,7 +85,7 @@ def test_pages__a_remembered_password_is_masked_before_html_escaping() -> None:
 def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
     from outbox.web.app import loggable
 
-    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved who=admin"
+    assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved\\x20who=admin"
     assert len(loggable("/" + "a" * 500)) == 200
 
 
@@ -124,3 +103,52 @@ def test_body_views__a_password_in_a_body_is_masked_in_the_hex_view_too() -> Non
         shown = bytes.fromhex("".join(line[10:57] for line in views.hex.splitlines()))
         assert b"Hx-s3cret-pw" not in shown and b"***" in shown, views.hex
         assert "Hx-s3cret-pw" not in views.hex
+
+
+def test_charts__levels_keep_their_last_sample_counters_add_their_increases() -> None:
+    from outbox.web import charts
+
+    now = 60 * 1000 + 30  # 30 s into a minute
+    samples = [
+        charts.Sample(now - 125, {"backlog": 7, "dead_lettered": 10}),  # two minutes ago
+        charts.Sample(now - 70, {"backlog": 5, "dead_lettered": 13}),  # a minute ago
+        charts.Sample(now - 20, {"backlog": 4, "dead_lettered": 14}),
+        charts.Sample(now - 10, {"backlog": 9, "dead_lettered": 2}),  # counter reset
+        charts.Sample(now, {"backlog": 3, "dead_lettered": 6}),
+    ]
+    backlog = charts.per_minute(samples, "backlog", "level", now, minutes=4)
+    assert backlog == (None, 7.0, 5.0, 3.0)
+    dead = charts.per_minute(samples, "dead_lettered", "rate", now, minutes=4)
+    assert dead == (None, 0.0, 3.0, 1.0 + 0.0 + 4.0)
+    [chart] = charts.charts(samples, [("dead_lettered", "Dead", "per minute", "rate")], now)
+    assert chart.total == 8.0 and chart.latest == 5.0 and chart.scale == 5.0
+    assert [bar.minute for bar in chart.bars][-2:] == [1, 0]
+
+
+def test_in_console__what_status_finds_links_the_console_page_not_a_command() -> None:
+    """The overview said "see `outbox dead-letters list`" next to its own Dead
+    letters page."""
+    from outbox.ops import status
+
+    seen = status.Observation(
+        table="outbox",
+        schema_version=5,
+        backlog_rows=1,
+        oldest_row_age_seconds=900.0,
+        prepared_batches=[{"gid": "obx:outbox:" + "a" * 32 + ":1", "age_seconds": 600.0}],
+        foreign_prepared_transactions=[],
+        relays=[],
+        dead_letters=3,
+        dead_letter_ordering_keys=2,
+        replication_warning=None,
+    )
+    problems = status.judge(seen, max_prepared_age=60, max_backlog_age=300)
+    shown = [console.in_console(p, "outbox") for p in problems]
+    assert len(shown) == 4
+    assert not [s for s in shown if "`outbox" in s["text"]]
+    assert [s["page"] for s in shown] == ["In-doubt batches", "Dead letters", "Dead letters", ""]
+    assert shown[1] == {
+        "text": "3 dead letters",
+        "link": "/dead-letters?table=outbox",
+        "page": "Dead letters",
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import secrets
 
 import pytest
 
@@ -24,8 +25,8 @@ def test_check_bind__loopback_needs_no_credentials(host: str) -> None:
 def test_check_bind__any_other_address_refuses_to_start_without_credentials(host: str) -> None:
     with pytest.raises(BindRefused, match="OUTBOX_WEB_TOKEN"):
         security.check_bind(host, Credentials())
-    security.check_bind(host, Credentials(token="t0ken-value"))
-    security.check_bind(host, Credentials(user="ops", password="pw-value"))
+    security.check_bind(host, Credentials(token="Kq3-vT9xZ2pLm8Rw4bN7"))
+    security.check_bind(host, Credentials(user="ops", password="h7Gx-2kPq9Lz4Vw8mRt3"))
 
 
 def test_credentials__half_a_basic_auth_pair_is_refused() -> None:
@@ -137,3 +138,38 @@ def test_addressed_locally__any_other_name_is_not(host: str | None) -> None:
     # DNS rebinding: a page of evil.example, its name re-pointed at 127.0.0.1,
     # reaches the console with its own name in Host.
     assert not security.addressed_locally(host)
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [" ", "x", "t0ken-value", "a" * 40, "abcabcabcabcabcabcabc", "passwordpassword"],
+)
+def test_check_bind__a_weak_secret_is_refused_for_a_bind_other_machines_reach(
+    secret: str,
+) -> None:
+    """Any non-empty token was accepted for a public bind (' ', one character)."""
+    for credentials in (Credentials(token=secret), Credentials(user="ops", password=secret)):
+        with pytest.raises(BindRefused, match=r"secrets\.token_urlsafe"):
+            security.check_bind("0.0.0.0", credentials)
+        security.check_bind("127.0.0.1", credentials)  # this machine only: as it was
+    security.check_bind("0.0.0.0", Credentials(token=secrets.token_urlsafe(24)))
+
+
+def test_throttle__ten_failures_then_one_a_second_per_client_and_for_all() -> None:
+    now = [1000.0]
+    throttle = security.Throttle(clock=lambda: now[0], clients_burst=25, clients_every=0.5)
+    for _ in range(10):
+        assert throttle.allowed("10.0.0.1")
+        throttle.failed("10.0.0.1")
+    assert not throttle.allowed("10.0.0.1") and throttle.retry_after("10.0.0.1") == 1
+    assert throttle.allowed("10.0.0.2")  # another client
+    now[0] += 1.0
+    assert throttle.allowed("10.0.0.1")
+    throttle.failed("10.0.0.1")
+    assert not throttle.allowed("10.0.0.1")
+    # Many clients at once: all of them together are slowed too.
+    for n in range(16):
+        throttle.failed(f"10.1.0.{n}")
+    assert not throttle.allowed("10.2.0.1")
+    now[0] += 0.5
+    assert throttle.allowed("10.2.0.1")
