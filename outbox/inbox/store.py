@@ -50,7 +50,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.db.queries import load_blocks
-from outbox.db.session import connect, first_line, session_lost
+from outbox.db.session import connect, first_line, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady
 from outbox.inbox.message import Parking
 
@@ -145,6 +145,13 @@ class StatementRefused(OutboxError):
     """PostgreSQL refused a statement on a live session (a deadlock between two
     consumers' batches, a deferred constraint at COMMIT, a serialization failure).
     The transaction is over; the session is fine."""
+
+
+def _refused(what: str, exc: Exception) -> StatementRefused:
+    return StatementRefused(
+        f"PostgreSQL refused {what}: {first_line(exc)}",
+        "check the inbox tables (outbox consume --print-sql) and the role's rights",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,28 +274,8 @@ class InboxStore:
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
-        try:
+        with translated(self.conn, what, who="consumer", refused=_refused):
             yield
-        except OutboxError:
-            raise
-        except psycopg.Error as exc:
-            if session_lost(self.conn, exc):
-                raise DatabaseUnavailable(
-                    f"lost the consumer's PostgreSQL connection while {what}: {first_line(exc)}",
-                    "the consumer reconnects by itself; check the server if this repeats",
-                ) from exc
-            with contextlib.suppress(psycopg.Error):
-                self.conn.execute("ROLLBACK")
-            if isinstance(exc, psycopg.OperationalError):
-                # Transient trouble on a live session (resources, lock timeout).
-                raise DatabaseUnavailable(
-                    f"PostgreSQL failed while {what}: {first_line(exc)}",
-                    "the consumer retries with backoff; check the server if this repeats",
-                ) from exc
-            raise StatementRefused(
-                f"PostgreSQL refused {what}: {first_line(exc)}",
-                "check the inbox tables (outbox consume --print-sql) and the role's rights",
-            ) from exc
 
     @contextlib.contextmanager
     def _transaction(self, what: str) -> Iterator[psycopg.Connection[Any]]:
