@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -94,6 +94,9 @@ class PortUnavailable(OutboxError):
     exit_code = ExitCode.USAGE
 
 
+_Served = TypeVar("_Served", bound="Endpoints")
+
+
 class Figures(Protocol):
     """What an endpoint reads from the database on a connection of its own."""
 
@@ -135,7 +138,7 @@ class Endpoints:
         self.address = address
         self.port = self._server.port
 
-    def start(self) -> Endpoints:
+    def start(self: _Served) -> _Served:
         self._server.start()
         return self
 

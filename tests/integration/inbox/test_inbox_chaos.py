@@ -43,10 +43,11 @@ CHAOS_SECONDS = 20
 
 
 def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
-    settings: Settings, topology: Topology, consumer_dsn: str, tmp_path: Path
+    settings: Settings, topology: Topology, consumer_dsn: str, tmp_path: Path, chaos_seed: int
 ) -> None:
     chaos = dataclasses.replace(settings, batch_size=BATCH)
-    rng = random.Random()
+    rng = random.Random(chaos_seed)  # kills and crash points
+    writing = random.Random(chaos_seed + 1)  # the writer thread's own
     committed: list[str] = []
     stop_writing = threading.Event()
 
@@ -55,7 +56,7 @@ def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
         while not stop_writing.is_set():
             n += 1
             committed.extend(
-                insert_rows(chaos.dsn, topology.exchange, rng.randint(1, 20), tag=f"w{n}-")
+                insert_rows(chaos.dsn, topology.exchange, writing.randint(1, 20), tag=f"w{n}-")
             )
             time.sleep(0.05)
 

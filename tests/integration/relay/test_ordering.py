@@ -299,7 +299,9 @@ BATCH = 20
 
 
 @both_modes
-def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: Topology) -> None:
+def test_chaos__killed_relays_never_reorder_a_key(
+    settings: Settings, topology: Topology, chaos_seed: int
+) -> None:
     chaos = dataclasses.replace(settings, batch_size=BATCH)
     counters: dict[str, int] = {}
     committed: list[str] = []
@@ -307,7 +309,7 @@ def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: 
     keys = [f"order-{n}" for n in range(60)]
 
     def writer(seed: int) -> None:
-        local = random.Random(seed)
+        local = random.Random(chaos_seed + 1 + seed)
         mine = keys[seed::2]  # each writer owns its keys: a key's rows commit in id order
         while not stop_writing.is_set():
             groups = [
@@ -321,7 +323,9 @@ def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: 
             time.sleep(0.01)
 
     writers = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
-    kills = chaos_run(chaos, writers, stop_writing, relays=RELAYS, seconds=CHAOS_SECONDS)
+    kills = chaos_run(
+        chaos, writers, stop_writing, relays=RELAYS, seconds=CHAOS_SECONDS, seed=chaos_seed
+    )
     assert prepared_left(chaos.dsn) == [] and remaining_rows(chaos.dsn) == 0
     messages = topology.messages(idle=1.0)
     order, repeats = per_key(messages)
