@@ -61,11 +61,19 @@ def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
             time.sleep(0.05)
 
     logs: list[str] = []  # every consumer's log, read when it ends
+    started: list[ConsumeProcess] = []  # every consumer, in order
 
     def consumer() -> ConsumeProcess:
-        armed = rng.random() < 0.5
-        crash = {"OUTBOX_CRASH_AT": f"consume_after_commit:{rng.randint(5, 60)}"} if armed else {}
-        return ConsumeProcess(tmp_path, "record", consumer_dsn, topology, extra_env=crash)
+        # The first consumer is armed to crash early and spared by the kills below, so
+        # that a crash after a commit happens in every run (asserted at the end); the
+        # others are armed as the seed says.
+        first = not started
+        armed = first or rng.random() < 0.5
+        after = 2 if first else rng.randint(5, 60)
+        crash = {"OUTBOX_CRASH_AT": f"consume_after_commit:{after}"} if armed else {}
+        process = ConsumeProcess(tmp_path, "record", consumer_dsn, topology, extra_env=crash)
+        started.append(process)
+        return process
 
     def end(process: ConsumeProcess) -> int:
         if process.process.poll() is None:
@@ -95,6 +103,8 @@ def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
                 relays[victim].close()
                 relays[victim] = RelayProcess(chaos)
                 kills["relay"] += 1
+            elif consumers[victim - RELAYS] is started[0]:
+                continue  # spared until it crashes by itself
             else:
                 end(consumers[victim - RELAYS])
                 consumers[victim - RELAYS] = consumer()
