@@ -173,7 +173,7 @@ def translated(
         if isinstance(exc, pgerrors.InsufficientPrivilege):
             raise MissingPrivileges(
                 f"PostgreSQL refused {what}: {first_line(exc)}",
-                "grant the privileges listed in README.md, 'Privileges'",
+                "grant the privileges listed in docs/reference/privileges.md",
             ) from exc
         # A constraint, a trigger, a value the server cannot store: a known
         # condition too, never a traceback (and the relay retries it).
