@@ -5,6 +5,8 @@ state machine, its crash table and what a failing write costs are in
 ``outbox/relay/batches.py``; this module is
 the process around it, in the spirit of dramatiq's ``Worker``:
 
+- ``serve`` is the whole life, as ``outbox relay`` runs it (``outbox.lifecycle``):
+  the endpoints, ``start``, the collector tuned, ``run``, ``close``, the summary;
 - ``start`` connects both servers and checks the database (a bad configuration
   fails fast, with a clear message and an exit code);
 - ``run`` goes round: reconnect what is broken (ending a lost work session's
