@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -28,6 +29,29 @@ from psycopg.types.json import Jsonb
 from outbox.message import ORDERING_KEY_MAX_BYTES
 from outbox.tables import table_identifiers
 from outbox.tracing import with_trace_context
+
+if TYPE_CHECKING:
+    # Only for type checkers (typing_extensions: NotRequired and Unpack on Python 3.10).
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class _Addressed(TypedDict):
+        exchange: str
+        routing_key: str
+        headers: NotRequired[Mapping[str, Any] | None]
+        message_id: NotRequired[uuid.UUID | None]
+        ordering_key: NotRequired[str | None]
+
+    class MessageFields(_Addressed):
+        """The keywords of every ``enqueue``: ``OutgoingMessage``'s fields."""
+
+        payload: bytes
+        content_type: NotRequired[str | None]
+
+    class JsonFields(_Addressed):
+        """The keywords of every ``enqueue_json``: ``body`` in place of the payload."""
+
+        body: Any
+
 
 _COLUMNS = (
     "message_id",
@@ -89,13 +113,12 @@ def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
     )
 
 
-def _insert(table: str, returning: bool) -> sql.Composed:
-    query = sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+def _insert(table: str) -> sql.Composed:
+    return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
         table_identifiers(table)["outbox"],
         sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
         sql.SQL(", ").join(sql.Placeholder() * len(_COLUMNS)),
     )
-    return query + sql.SQL(" RETURNING message_id") if returning else query
 
 
 def json_payload(body: Any) -> bytes:
@@ -107,85 +130,129 @@ def json_payload(body: Any) -> bytes:
 def insert_sql(table: str) -> str:
     """``_insert`` as text with ``%s`` placeholders, for a cursor that psycopg does not
     compose for: SQLAlchemy's ``exec_driver_sql`` and Django's cursor wrapper."""
-    return _insert(table, returning=False).as_string(None)
+    return _insert(table).as_string(None)
 
 
+Row = tuple[Any, ...]
+
+
+def json_message(body: Any, **fields: Unpack[_Addressed]) -> OutgoingMessage:
+    """The message every ``enqueue_json`` writes: ``body`` as compact JSON."""
+    return OutgoingMessage(payload=json_payload(body), content_type="application/json", **fields)
+
+
+def write(
+    insert: Callable[[list[Row]], object], messages: Iterable[OutgoingMessage]
+) -> list[uuid.UUID]:
+    """How every ``enqueue*`` (psycopg, SQLAlchemy, Django) writes: every row is built
+    and checked first, so a refused message writes nothing, then ``insert`` runs the
+    INSERT on the caller's connection (a list of one row: one execute), unless there
+    are no rows.  Returns the ``message_id`` of each row."""
+    rows = [row_params(m) for m in messages]
+    if rows:
+        insert(rows)
+    return [row[0] for row in rows]
+
+
+async def write_async(
+    insert: Callable[[list[Row]], Awaitable[object]], messages: Iterable[OutgoingMessage]
+) -> list[uuid.UUID]:
+    """``write`` for an asyncio connection."""
+    rows = [row_params(m) for m in messages]
+    if rows:
+        await insert(rows)
+    return [row[0] for row in rows]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_FIELDS = [
+    inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type)
+    if f.default is dataclasses.MISSING
+    else inspect.Parameter(
+        f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+    )
+    for f in dataclasses.fields(OutgoingMessage)
+]
+
+
+def _fields_for(json: bool) -> list[inspect.Parameter]:
+    if not json:
+        return _FIELDS
+    body = inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY, annotation="Any")
+    return [body if p.name == "payload" else p for p in _FIELDS if p.name != "content_type"]
+
+
+def spelled_out(function: _F) -> _F:
+    """Show ``OutgoingMessage``'s fields in ``function``'s signature in place of its
+    ``**message`` (``body`` in place of the payload for a ``**message`` typed
+    ``JsonFields``), where they stood when each was written out, so ``help()`` and the
+    API reference list them; the fields themselves are declared once, here."""
+    signature = inspect.signature(function)
+    own = list(signature.parameters.values())
+    [message] = [p for p in own if p.kind is inspect.Parameter.VAR_KEYWORD]
+    fields = _fields_for(json="JsonFields" in str(message.annotation))
+    before = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY and p != message]
+    after = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    function.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*before, *fields, *after]
+    )
+    return function
+
+
+def _insert_on(conn: psycopg.Connection[Any], table: str) -> Callable[[list[Row]], None]:
+    def insert(rows: list[Row]) -> None:
+        if len(rows) == 1:
+            conn.execute(_insert(table), rows[0])
+        else:
+            with conn.cursor() as cur:
+                cur.executemany(_insert(table), rows)
+
+    return insert
+
+
+def _insert_on_async(
+    conn: psycopg.AsyncConnection[Any], table: str
+) -> Callable[[list[Row]], Awaitable[None]]:
+    async def insert(rows: list[Row]) -> None:
+        if len(rows) == 1:
+            await conn.execute(_insert(table), rows[0])
+        else:
+            async with conn.cursor() as cur:
+                await cur.executemany(_insert(table), rows)
+
+    return insert
+
+
+@spelled_out
 def enqueue(
-    conn: psycopg.Connection[Any],
-    *,
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None = None,
-    content_type: str | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    conn: psycopg.Connection[Any], *, table: str = "outbox", **message: Unpack[MessageFields]
 ) -> uuid.UUID:
     """Write one message in the caller's transaction; returns its ``message_id``."""
-    message = OutgoingMessage(
-        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
-    )
-    params = row_params(message)
-    conn.execute(_insert(table, returning=False), params)
-    return params[0]  # type: ignore[no-any-return]
+    return write(_insert_on(conn, table), [OutgoingMessage(**message)])[0]
 
 
 def enqueue_many(
     conn: psycopg.Connection[Any], messages: Iterable[OutgoingMessage], *, table: str = "outbox"
 ) -> list[uuid.UUID]:
     """Write several messages in the caller's transaction (one round trip per batch)."""
-    params = [row_params(m) for m in messages]
-    if params:
-        with conn.cursor() as cur:
-            cur.executemany(_insert(table, returning=False), params)
-    return [p[0] for p in params]
+    return write(_insert_on(conn, table), messages)
 
 
+@spelled_out
 def enqueue_json(
-    conn: psycopg.Connection[Any],
-    *,
-    exchange: str,
-    routing_key: str,
-    body: Any,
-    headers: Mapping[str, Any] | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    conn: psycopg.Connection[Any], *, table: str = "outbox", **message: Unpack[JsonFields]
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
-    return enqueue(
-        conn,
-        exchange=exchange,
-        routing_key=routing_key,
-        payload=json_payload(body),
-        headers=headers,
-        content_type="application/json",
-        message_id=message_id,
-        ordering_key=ordering_key,
-        table=table,
-    )
+    return write(_insert_on(conn, table), [json_message(**message)])[0]
 
 
+@spelled_out
 async def enqueue_async(
-    conn: psycopg.AsyncConnection[Any],
-    *,
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None = None,
-    content_type: str | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    conn: psycopg.AsyncConnection[Any], *, table: str = "outbox", **message: Unpack[MessageFields]
 ) -> uuid.UUID:
     """``enqueue`` for an ``AsyncConnection``."""
-    message = OutgoingMessage(
-        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
-    )
-    params = row_params(message)
-    await conn.execute(_insert(table, returning=False), params)
-    return params[0]  # type: ignore[no-any-return]
+    return (await write_async(_insert_on_async(conn, table), [OutgoingMessage(**message)]))[0]
 
 
 async def enqueue_many_async(
@@ -194,32 +261,13 @@ async def enqueue_many_async(
     *,
     table: str = "outbox",
 ) -> list[uuid.UUID]:
-    params = [row_params(m) for m in messages]
-    if params:
-        async with conn.cursor() as cur:
-            await cur.executemany(_insert(table, returning=False), params)
-    return [p[0] for p in params]
+    """``enqueue_many`` for an ``AsyncConnection``."""
+    return await write_async(_insert_on_async(conn, table), messages)
 
 
+@spelled_out
 async def enqueue_json_async(
-    conn: psycopg.AsyncConnection[Any],
-    *,
-    exchange: str,
-    routing_key: str,
-    body: Any,
-    headers: Mapping[str, Any] | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    conn: psycopg.AsyncConnection[Any], *, table: str = "outbox", **message: Unpack[JsonFields]
 ) -> uuid.UUID:
-    return await enqueue_async(
-        conn,
-        exchange=exchange,
-        routing_key=routing_key,
-        payload=json_payload(body),
-        headers=headers,
-        content_type="application/json",
-        message_id=message_id,
-        ordering_key=ordering_key,
-        table=table,
-    )
+    """``enqueue_json`` for an ``AsyncConnection``."""
+    return (await write_async(_insert_on_async(conn, table), [json_message(**message)]))[0]

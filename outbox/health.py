@@ -1,4 +1,5 @@
-"""Liveness and readiness of a relay process (pure decisions).
+"""Liveness and readiness of a relay process (pure decisions; the consumer's
+readiness is ``outbox.inbox.metrics``'s, its liveness is this one).
 
 - Liveness (``/healthz``): the relay loop still goes round.  It stays true during
   a database or broker outage (the loop is then backing off, which is progress):
@@ -43,12 +44,12 @@ def liveness_limit(settings: Settings) -> float:
     )
 
 
-def liveness(*, seconds_since_progress: float, limit: float) -> Check:
+def liveness(*, seconds_since_progress: float, limit: float, loop: str = "the relay loop") -> Check:
     if seconds_since_progress <= limit:
         return Check(True)
     return Check(
         False,
-        (f"the relay loop has not gone round for {seconds_since_progress:.0f}s (> {limit:.0f}s)",),
+        (f"{loop} has not gone round for {seconds_since_progress:.0f}s (> {limit:.0f}s)",),
     )
 
 

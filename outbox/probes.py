@@ -1,20 +1,33 @@
 """What a process serves to its probes and scrapers: ``/metrics``, ``/healthz`` and
 ``/readyz`` over one small HTTP server, and the histogram both the relay and the
-consumer export.  The relay (``outbox.ops.endpoints``) and ``outbox consume``
-(``outbox.inbox.metrics``) each run one ``HealthServer``.
+consumer export.
+
+``Endpoints`` is the one implementation for both: the relay's
+(``outbox.relay.metrics.RelayEndpoints``) and the consumer's
+(``outbox.inbox.metrics.ConsumerEndpoints``) only add their collector, their
+readiness check and how long their loop may take; ``outbox.lifecycle`` starts them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol, TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from outbox import health
 from outbox.durations import Durations
+from outbox.errors import ExitCode, OutboxError
 
 # Database figures in /metrics are at most this old: a scrape every few seconds
 # must not become a query every few seconds.
@@ -73,6 +86,78 @@ class HealthServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class PortUnavailable(OutboxError):
+    """The endpoints cannot listen on the address and port asked for (a usage error)."""
+
+    exit_code = ExitCode.USAGE
+
+
+_Served = TypeVar("_Served", bound="Endpoints")
+
+
+class Figures(Protocol):
+    """What an endpoint reads from the database on a connection of its own."""
+
+    def close(self) -> None: ...
+
+
+class Endpoints:
+    """``/metrics``, ``/healthz`` and ``/readyz`` of one process, served from a daemon
+    thread; ``port=0`` picks a free port (see ``.port``).  A subclass gives the
+    process's readiness; liveness is the same for both: the loop went round within
+    ``liveness_limit`` seconds (``last_progress``, a ``time.monotonic()``)."""
+
+    loop = "the loop"  # what liveness names
+
+    def __init__(
+        self,
+        collector: Collector,
+        figures: Figures,
+        *,
+        liveness_limit: float,
+        port: int,
+        address: str = "0.0.0.0",
+    ) -> None:
+        self.figures = figures
+        self.liveness_limit = liveness_limit
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        ProcessCollector(registry=self.registry)
+        try:
+            self._server = HealthServer(
+                self.registry, self.liveness, self.readiness, port=port, address=address
+            )
+        except OSError as exc:
+            figures.close()
+            raise PortUnavailable(
+                f"cannot listen on {address}:{port}: {exc.strerror}",
+                "choose a free --metrics-port (0 serves no endpoints)",
+            ) from exc
+        self.address = address
+        self.port = self._server.port
+
+    def start(self: _Served) -> _Served:
+        self._server.start()
+        return self
+
+    def close(self) -> None:
+        self._server.close()
+        self.figures.close()
+
+    def last_progress(self) -> float:
+        raise NotImplementedError
+
+    def liveness(self) -> health.Check:
+        return health.liveness(
+            seconds_since_progress=time.monotonic() - self.last_progress(),
+            limit=self.liveness_limit,
+            loop=self.loop,
+        )
+
+    def readiness(self) -> health.Check:
+        raise NotImplementedError
 
 
 def histogram(name: str, documentation: str, durations: Durations) -> HistogramMetricFamily:

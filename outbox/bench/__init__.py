@@ -1,7 +1,10 @@
 """``outbox bench``: the relay and the consumer measured against bare clients.
 
-``run`` is the entry point; ``load``, ``ordering``, ``memory`` and ``consume`` are
-the scenarios.  Benchmarks print figures, they never assert timings.
+``run`` is the entry point; ``load``, ``ordering``, ``memory``, ``consume`` and
+``commits`` (what the wake-up trigger costs the applications' commits) are the
+scenarios, over the ``harness`` (servers, relays as subprocesses, the bare publisher,
+one run); ``poller`` is the latency run's baseline (the relay's loop without
+two-phase commit).  Benchmarks print figures, they never assert timings.
 
 May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.

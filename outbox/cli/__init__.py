@@ -11,8 +11,10 @@ object with ``--log-format json``, with every password masked
 redacted one.
 
 One module per command group (``init``, ``relay``, ``resolve``, ``status``,
-``deadletters``, ``consume``, ``parked``, ``demo``, ``bench``), all built from the
-shared options of ``common`` and the option types of ``options``.
+``deadletters``, ``consume``, ``parked``, ``demo``, ``bench``, ``web``), all built
+from the shared options of ``common`` and the option types of ``options``.  A
+command only parses its options: what a relay or a consumer does with them, from
+its endpoints to its summary, is the library's (``outbox.lifecycle``).
 
 May import: every other package (the CLI is the top layer); nothing imports it.
 """

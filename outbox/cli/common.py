@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import sys
@@ -31,40 +30,6 @@ from outbox.errors import OutboxError
 from outbox.events import json_line
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def freeze_startup_heap() -> None:
-    """Put the objects a long-running process holds from start-up (modules, classes,
-    connections) out of the garbage collector's reach (``gc.freeze``).
-
-    The relay and the consumer keep them for life, and every full collection walked
-    them all: about 45,000 objects, 8 ms on a quiet machine; one in the middle of a
-    relay's latency run at 2,000 commits/s, on two busy cores, took 112 ms, a pause
-    every message in flight waited out.  Objects created later are collected as
-    before; a cycle frozen here is never freed, so garbage is collected first.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-# Objects a relay allocates per row of a batch and keeps while the batch is in
-# flight (the row, its message, its delivery, its confirm entry, ...), with room.
-OBJECTS_PER_ROW = 10
-
-
-def collect_young_less_often(batch_size: int) -> None:
-    """Run the collector's youngest generation only once ``OBJECTS_PER_ROW`` x
-    ``batch_size`` more objects live than after the last run (Python's default: 700).
-
-    A relay allocates a few objects per row and frees them all by reference
-    counting once their batch is committed: draining 20,000 rows left 22 objects
-    for the collector, but at 700 it ran about ten times per batch of 1,000 only to
-    walk the rows still in flight, 10-15% of the relay's CPU.  What a failed step
-    leaves in reference cycles (its batch's rows, held by the traceback's frames)
-    the relay collects itself, at once (``outbox.relay.process``).
-    """
-    young, *older = gc.get_threshold()
-    gc.set_threshold(max(young, OBJECTS_PER_ROW * batch_size), *older)
 
 
 def env_option(name: str, env: str, **kwargs: Any) -> Callable[[F], F]:

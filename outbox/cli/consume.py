@@ -12,7 +12,6 @@ from outbox.cli.common import (
     backoff_max_option,
     consumer_server_options,
     env_option,
-    freeze_startup_heap,
     known_errors,
     log_format_option,
     log_level_option,
@@ -21,10 +20,8 @@ from outbox.cli.common import (
 )
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
 from outbox.config import DAY
-from outbox.events import configure, emit
+from outbox.events import configure
 from outbox.inbox.settings import MAX_PREFETCH
-
-log = logging.getLogger("outbox.cli")
 
 
 @click.command()
@@ -137,39 +134,10 @@ def consume(
         logging.getLogger(noisy).setLevel(logging.WARNING)
     consumer = inbox.Inbox(inbox.load_handler(handler), settings)
     consumer.install_signal_handlers()
-    endpoints = None
-    try:
-        consumer.start()
-        if metrics_port:
-            from outbox.inbox.metrics import ConsumerEndpoints
-
-            try:
-                endpoints = ConsumerEndpoints(
-                    consumer, port=metrics_port, address=metrics_address
-                ).start()
-            except OSError as exc:
-                raise click.UsageError(
-                    f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
-                ) from exc
-            emit(log, "consumer.endpoints", address=metrics_address, port=endpoints.port)
-        freeze_startup_heap()
-        stats = consumer.run()
-    finally:
-        if endpoints is not None:
-            endpoints.close()
-        consumer.close()
-    summary = (
-        f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "
-        f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked"
-    )
-    if log_format == "json":
-        emit(
-            log,
-            "consumer.summary",
-            handled=stats.handled,
-            duplicates_skipped=stats.duplicates_skipped,
-            handler_failures=stats.handler_failures,
-            parked=stats.parked,
+    stats = inbox.serve(consumer, metrics_port=metrics_port, metrics_address=metrics_address)
+    if log_format != "json":  # the consumer.summary event, logged, has it all for JSON
+        click.echo(
+            f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "
+            f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked",
+            err=True,
         )
-    else:
-        click.echo(summary, err=True)

@@ -1,15 +1,12 @@
-"""``outbox relay``: the daemon."""
+"""``outbox relay``: the daemon (its life is ``Relay.serve``'s: ``outbox.lifecycle``)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import click
 
 from outbox.cli.common import (
-    collect_young_less_often,
-    freeze_startup_heap,
     known_errors,
     metrics_address_option,
     metrics_port_option,
@@ -17,9 +14,7 @@ from outbox.cli.common import (
     settings_from,
     tuning_options,
 )
-from outbox.events import configure, emit
-
-log = logging.getLogger("outbox.cli")
+from outbox.events import configure
 
 
 @click.command()
@@ -38,44 +33,16 @@ def relay(
     **options: Any,
 ) -> None:
     """Publish committed outbox rows to RabbitMQ until SIGTERM/SIGINT."""
-    from outbox.ops.endpoints import Endpoints
     from outbox.relay.process import Relay, StopFlag
 
     configure(log_level, log_format)
     settings = settings_from(**options)
     stop = StopFlag()
     stop.install_signal_handlers()
-    runner = Relay(settings, stop=stop)
-    endpoints = None
-    if metrics_port:
-        try:
-            endpoints = Endpoints(runner, port=metrics_port, address=metrics_address).start()
-        except OSError as exc:
-            raise click.UsageError(
-                f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}"
-            ) from exc
-        emit(log, "relay.endpoints", address=metrics_address, port=endpoints.port)
-    try:
-        runner.start()
-        freeze_startup_heap()
-        collect_young_less_often(settings.batch_size)
-        stats = runner.run(drain=drain)
-    finally:
-        if endpoints is not None:
-            endpoints.close()
-    if log_format == "json":  # log shippers want every stderr line to be JSON
-        emit(
-            log,
-            "relay.stopped",
-            published=stats.messages_published,
-            committed=stats.batches_committed,
-            rolled_back=stats.batches_rolled_back,
-            dead_letters=stats.dead_letters,
-            duplicates_possible=stats.duplicates_possible,
-            slowest_claim_ms=round(stats.slowest_claim * 1000, 1),
-            largest_claim=stats.largest_claim,
-        )
-    else:
+    stats = Relay(settings, stop=stop).serve(
+        drain=drain, metrics_port=metrics_port, metrics_address=metrics_address
+    )
+    if log_format != "json":  # the relay.stopped event, logged, has it all for JSON
         click.echo(
             f"relay stopped: {stats.messages_published} published, "
             f"{stats.batches_committed} batches committed, {stats.dead_letters} dead letters",

@@ -1,7 +1,7 @@
 """One PostgreSQL session mechanism for every store: connect, bound statements,
 tell a lost session from a refused statement, and translate driver errors.
 
-Driver exceptions never leave ``outbox.db``: ``Session.translated`` turns them into
+Driver exceptions never leave ``outbox.db``: ``translated`` turns them into
 ``outbox.errors`` types (``DatabaseUnavailable`` when the session is gone,
 ``StatementTimedOut``, ``MissingPrivileges``, ``DatabaseRefused`` with the
 server's first line otherwise).
@@ -10,7 +10,7 @@ server's first line otherwise).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -238,6 +238,74 @@ def session_lost(conn: Conn, exc: Exception) -> bool:
     return sqlstate is None or sqlstate.startswith(_SESSION_GONE)
 
 
+Refusal = Callable[[str, psycopg.Error], OutboxError]
+
+
+@contextlib.contextmanager
+def translated(
+    conn: psycopg.Connection[Any],
+    what: str,
+    *,
+    who: str = "relay",
+    statement_timeout: float | None = None,
+    lock_timeout: float | None = None,
+    tables: Sequence[str] = (),
+    refused: Refusal | None = None,
+) -> Iterator[None]:
+    """The one translation of driver errors, for every store: a psycopg error raised
+    inside becomes an ``outbox.errors`` type, saying ``what`` was being done, after
+    ending any transaction the error left open on a live session.
+
+    ``DatabaseUnavailable`` when the session is gone or the server failed on it
+    (``StatementTimedOut`` for a cancelled statement); a statement the server
+    refused becomes ``refused(what, exc)`` if given, else ``MissingPrivileges`` or
+    ``DatabaseRefused``.  ``who`` (relay, consumer) is the process the hints name.
+    """
+    try:
+        yield
+    except OutboxError:
+        raise
+    except psycopg.Error as exc:
+        if session_lost(conn, exc):
+            raise DatabaseUnavailable(
+                f"lost the PostgreSQL connection while {what}: {first_line(exc)}",
+                f"the {who} reconnects by itself; check the server if this repeats",
+            ) from exc
+        if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+            # The session lives: end any open transaction so the retry starts clean.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
+            raise timed_out(
+                conn,
+                exc,
+                what,
+                tables,
+                statement_timeout=statement_timeout,
+                lock_timeout=lock_timeout,
+            ) from exc
+        if isinstance(exc, psycopg.OperationalError):
+            # Transient trouble on a live session (resources, a lock timeout).
+            raise DatabaseUnavailable(
+                f"PostgreSQL failed while {what}: {first_line(exc)}",
+                f"the {who} retries with backoff; check the server if this repeats",
+            ) from exc
+        if refused is not None:
+            raise refused(what, exc) from exc
+        if isinstance(exc, pgerrors.InsufficientPrivilege):
+            raise MissingPrivileges(
+                f"PostgreSQL refused {what}: {first_line(exc)}",
+                "grant the privileges listed in docs/reference/privileges.md",
+            ) from exc
+        # A constraint, a trigger, a value the server cannot store: a known
+        # condition too, never a traceback (and the relay retries it).
+        raise DatabaseRefused(
+            f"PostgreSQL refused {what}: {first_line(exc)}",
+            "look for a constraint or trigger added to the outbox tables; "
+            "the relay retries with backoff",
+        ) from exc
+
+
 class Session:
     def __init__(
         self,
@@ -262,46 +330,14 @@ class Session:
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
-        try:
+        with translated(
+            self.conn,
+            what,
+            statement_timeout=self.statement_timeout,
+            lock_timeout=self.lock_timeout,
+            tables=[self.table, f"{self.table}_dead_letters", f"{self.table}_relays"],
+        ):
             yield
-        except OutboxError:
-            raise
-        except psycopg.Error as exc:
-            if session_lost(self.conn, exc):
-                raise DatabaseUnavailable(
-                    f"lost the PostgreSQL connection while {what}: {first_line(exc)}",
-                    "the relay reconnects by itself; check the server if this repeats",
-                ) from exc
-            if self.conn.info.transaction_status != pq.TransactionStatus.IDLE:
-                # The session lives: end any open claim so the retry starts clean.
-                with contextlib.suppress(psycopg.Error):
-                    self.conn.execute("ROLLBACK")
-            if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
-                raise timed_out(
-                    self.conn,
-                    exc,
-                    what,
-                    [self.table, f"{self.table}_dead_letters", f"{self.table}_relays"],
-                    statement_timeout=self.statement_timeout,
-                    lock_timeout=self.lock_timeout,
-                ) from exc
-            if isinstance(exc, pgerrors.InsufficientPrivilege):
-                raise MissingPrivileges(
-                    f"PostgreSQL refused {what}: {first_line(exc)}",
-                    "grant the privileges listed in docs/reference/privileges.md",
-                ) from exc
-            if isinstance(exc, psycopg.OperationalError):
-                raise DatabaseUnavailable(
-                    f"PostgreSQL failed while {what}: {first_line(exc)}",
-                    "the relay retries with backoff; check the server if this repeats",
-                ) from exc
-            # A constraint, a trigger, a value the server cannot store: a known
-            # condition too, never a traceback (and the relay retries it).
-            raise DatabaseRefused(
-                f"PostgreSQL refused {what}: {first_line(exc)}",
-                "look for a constraint or trigger added to the outbox tables; "
-                "the relay retries with backoff",
-            ) from exc
 
     def check_privileges(self, needs: privileges.Needs, who: str) -> None:
         """Raise ``MissingPrivileges`` with the GRANTs if the role lacks any of ``needs``.

@@ -147,7 +147,7 @@ from typing import Any, Protocol
 
 import psycopg
 
-from outbox import backoff
+from outbox import backoff, lifecycle
 from outbox import fault_injection as faults
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
@@ -165,6 +165,7 @@ from outbox.inbox.message import (
     text_safe,
     to_inbox_message,
 )
+from outbox.inbox.metrics import ConsumerEndpoints
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
@@ -1028,6 +1029,35 @@ def _connect_store(settings: ConsumerSettings) -> InboxStore:
     )
 
 
+def serve(
+    inbox: Inbox, *, metrics_port: int = 0, metrics_address: str = "0.0.0.0"
+) -> ConsumerStats:
+    """What ``outbox consume`` and ``consume()`` run (``outbox.lifecycle.serve``): the
+    endpoints on ``metrics_port`` (0: none), ``start``, ``run`` until stopped,
+    ``close``, and the ``consumer.summary`` event.  Signals are the caller's."""
+
+    def endpoints() -> ConsumerEndpoints:
+        return ConsumerEndpoints(inbox, port=metrics_port, address=metrics_address)
+
+    def summary(stats: ConsumerStats) -> dict[str, int]:
+        return {
+            "handled": stats.handled,
+            "duplicates_skipped": stats.duplicates_skipped,
+            "handler_failures": stats.handler_failures,
+            "parked": stats.parked,
+        }
+
+    return lifecycle.serve(
+        "consumer",
+        start=inbox.start,
+        run=inbox.run,
+        close=inbox.close,
+        endpoints=endpoints if metrics_port else None,
+        stopped="consumer.summary",
+        summary=summary,
+    )
+
+
 def consume(
     handler: Handler,
     *,
@@ -1035,9 +1065,13 @@ def consume(
     dsn: str = DEFAULT_DSN,
     amqp_url: str = DEFAULT_AMQP_URL,
     install_signal_handlers: bool = True,
+    metrics_port: int = 0,
+    metrics_address: str = "0.0.0.0",
     **options: Any,
 ) -> ConsumerStats:
-    """Consume ``queue`` with exactly-once effects until SIGTERM/SIGINT.
+    """Consume ``queue`` with exactly-once effects until SIGTERM/SIGINT, as
+    ``outbox consume`` does (``serve``), with ``/metrics``, ``/healthz`` and ``/readyz``
+    on ``metrics_port`` when it is not 0.
 
     ``handler(conn, message)`` runs inside the transaction that records the
     message id; it must not commit.  ``options`` are ``ConsumerSettings`` fields.
@@ -1045,8 +1079,4 @@ def consume(
     inbox = Inbox(handler, ConsumerSettings(queue=queue, dsn=dsn, amqp_url=amqp_url, **options))
     if install_signal_handlers:
         inbox.install_signal_handlers()
-    try:
-        inbox.start()
-        return inbox.run()
-    finally:
-        inbox.close()
+    return serve(inbox, metrics_port=metrics_port, metrics_address=metrics_address)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,12 +22,31 @@ from prometheus_client.registry import Collector
 
 from outbox import health
 from outbox.errors import OutboxError
-from outbox.inbox.loop import PARK_REASONS
 from outbox.inbox.store import InboxStore
-from outbox.probes import DATABASE_CACHE_SECONDS, HealthServer, histogram
+from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, histogram
 
 if TYPE_CHECKING:
-    from outbox.inbox.loop import ConsumerSettings, Inbox
+    from outbox.inbox.settings import ConsumerSettings
+
+
+class Inbox(Protocol):
+    """What the metrics and endpoints read of an ``outbox.inbox.loop.Inbox`` (which
+    starts them: a protocol, so that neither module imports the other's)."""
+
+    @property
+    def settings(self) -> ConsumerSettings: ...
+
+    @property
+    def stats(self) -> Any: ...  # loop.ConsumerStats
+
+    @property
+    def broker(self) -> Any: ...  # loop.BrokerPort: .connected
+
+    @property
+    def store(self) -> Any: ...  # loop.StorePort or None: .broken
+
+    @property
+    def stopping(self) -> bool: ...
 
 
 class ParkedFigure:
@@ -101,8 +119,8 @@ class ConsumerCollector(Collector):
             "properties).",
             labels=["reason"],
         )
-        for reason in PARK_REASONS:
-            parked.add_metric([reason], stats.parked_by[reason])
+        for reason, count in stats.parked_by.items():  # every reason, 0 included
+            parked.add_metric([reason], count)
         yield parked
         yield histogram(
             "outbox_consumer_handler_duration_seconds",
@@ -158,8 +176,10 @@ def readiness(
     return health.Check(not problems, tuple(problems))
 
 
-class ConsumerEndpoints:
-    """``/metrics``, ``/healthz``, ``/readyz`` of an ``Inbox`` (``port=0``: any free port)."""
+class ConsumerEndpoints(Endpoints):
+    """``/metrics``, ``/healthz``, ``/readyz`` of an ``Inbox`` (``outbox.probes``)."""
+
+    loop = "the consume loop"
 
     def __init__(
         self,
@@ -171,30 +191,16 @@ class ConsumerEndpoints:
     ) -> None:
         self.inbox = inbox
         self.parked = ParkedFigure(inbox.settings, cache_seconds)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ConsumerCollector(inbox, self.parked))
-        ProcessCollector(registry=self.registry)
-        self.liveness_limit = liveness_limit(inbox.settings)
-        self._server = HealthServer(
-            self.registry, self.liveness, self.readiness, port=port, address=address
+        super().__init__(
+            ConsumerCollector(inbox, self.parked),
+            self.parked,
+            liveness_limit=liveness_limit(inbox.settings),
+            port=port,
+            address=address,
         )
-        self.port = self._server.port
 
-    def start(self) -> ConsumerEndpoints:
-        self._server.start()
-        return self
-
-    def close(self) -> None:
-        self._server.close()
-        self.parked.close()
-
-    def liveness(self) -> health.Check:
-        since, limit = time.monotonic() - self.inbox.stats.last_progress, self.liveness_limit
-        if since <= limit:
-            return health.Check(True)
-        return health.Check(
-            False, (f"the consume loop has not gone round for {since:.0f}s (> {limit:.0f}s)",)
-        )
+    def last_progress(self) -> float:
+        return float(self.inbox.stats.last_progress)
 
     def readiness(self) -> health.Check:
         store = self.inbox.store

@@ -52,7 +52,7 @@ from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
 from outbox.db.queries import load_blocks, search_terms
-from outbox.db.session import connect, first_line, session_lost, timed_out
+from outbox.db.session import connect, first_line, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
 
@@ -160,6 +160,13 @@ class StatementRefused(OutboxError):
     """PostgreSQL refused a statement on a live session (a deadlock between two
     consumers' batches, a deferred constraint at COMMIT, a serialization failure).
     The transaction is over; the session is fine."""
+
+
+def _refused(what: str, exc: Exception) -> StatementRefused:
+    return StatementRefused(
+        f"PostgreSQL refused {what}: {first_line(exc)}",
+        "check the inbox tables (outbox consume --print-sql) and the role's rights",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,37 +308,16 @@ class InboxStore:
 
     @contextlib.contextmanager
     def _translated(self, what: str) -> Iterator[None]:
-        try:
+        with translated(
+            self.conn,
+            what,
+            who="consumer",
+            statement_timeout=self.statement_timeout,
+            lock_timeout=self.lock_timeout,
+            tables=[self.table, f"{self.table}_attempts", f"{self.table}_parked"],
+            refused=_refused,
+        ):
             yield
-        except OutboxError:
-            raise
-        except psycopg.Error as exc:
-            if session_lost(self.conn, exc):
-                raise DatabaseUnavailable(
-                    f"lost the consumer's PostgreSQL connection while {what}: {first_line(exc)}",
-                    "the consumer reconnects by itself; check the server if this repeats",
-                ) from exc
-            with contextlib.suppress(psycopg.Error):
-                self.conn.execute("ROLLBACK")
-            if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
-                raise timed_out(
-                    self.conn,
-                    exc,
-                    what,
-                    [self.table, f"{self.table}_attempts", f"{self.table}_parked"],
-                    statement_timeout=self.statement_timeout,
-                    lock_timeout=self.lock_timeout,
-                ) from exc
-            if isinstance(exc, psycopg.OperationalError):
-                # Transient trouble on a live session (resources).
-                raise DatabaseUnavailable(
-                    f"PostgreSQL failed while {what}: {first_line(exc)}",
-                    "the consumer retries with backoff; check the server if this repeats",
-                ) from exc
-            raise StatementRefused(
-                f"PostgreSQL refused {what}: {first_line(exc)}",
-                "check the inbox tables (outbox consume --print-sql) and the role's rights",
-            ) from exc
 
     @contextlib.contextmanager
     def _transaction(self, what: str) -> Iterator[psycopg.Connection[Any]]:

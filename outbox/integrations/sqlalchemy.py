@@ -25,7 +25,7 @@ returns; pass ``session.connection(bind_arguments=…)`` to choose another.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -36,11 +36,22 @@ except ImportError as exc:
         "outbox.integrations.sqlalchemy needs SQLAlchemy 2: pip install 'outbox-relay[sqlalchemy]'"
     ) from exc
 
-from outbox.enqueue import OutgoingMessage, insert_sql, json_payload, row_params
+from outbox.enqueue import (
+    OutgoingMessage,
+    Row,
+    insert_sql,
+    json_message,
+    spelled_out,
+    write,
+    write_async,
+)
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from typing_extensions import Unpack
+
+    from outbox.enqueue import JsonFields, MessageFields
 
 __all__ = [
     "enqueue",
@@ -82,93 +93,55 @@ async def _async_connection(target: AsyncSession | AsyncConnection) -> AsyncConn
     return conn
 
 
-def _message(
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None,
-    content_type: str | None,
-    message_id: uuid.UUID | None,
-    ordering_key: str | None,
-) -> OutgoingMessage:
-    return OutgoingMessage(
-        exchange, routing_key, payload, headers, content_type, message_id, ordering_key
-    )
+def _insert_on(target: Session | Connection, table: str) -> Callable[[list[Row]], None]:
+    def insert(rows: list[Row]) -> None:
+        _connection(target).exec_driver_sql(insert_sql(table), rows[0] if len(rows) == 1 else rows)
+
+    return insert
 
 
+def _insert_on_async(
+    target: AsyncSession | AsyncConnection, table: str
+) -> Callable[[list[Row]], Awaitable[None]]:
+    async def insert(rows: list[Row]) -> None:
+        conn = await _async_connection(target)
+        await conn.exec_driver_sql(insert_sql(table), rows[0] if len(rows) == 1 else rows)
+
+    return insert
+
+
+@spelled_out
 def enqueue(
-    target: Session | Connection,
-    *,
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None = None,
-    content_type: str | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    target: Session | Connection, *, table: str = "outbox", **message: Unpack[MessageFields]
 ) -> uuid.UUID:
     """Write one message in ``target``'s transaction; returns its ``message_id``."""
-    params = row_params(
-        _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
-    )
-    _connection(target).exec_driver_sql(insert_sql(table), params)
-    return params[0]  # type: ignore[no-any-return]
+    return write(_insert_on(target, table), [OutgoingMessage(**message)])[0]
 
 
 def enqueue_many(
     target: Session | Connection, messages: Iterable[OutgoingMessage], *, table: str = "outbox"
 ) -> list[uuid.UUID]:
     """Write several messages in ``target``'s transaction (one executemany)."""
-    params = [row_params(m) for m in messages]
-    if params:
-        _connection(target).exec_driver_sql(insert_sql(table), params)
-    return [p[0] for p in params]
+    return write(_insert_on(target, table), messages)
 
 
+@spelled_out
 def enqueue_json(
-    target: Session | Connection,
-    *,
-    exchange: str,
-    routing_key: str,
-    body: Any,
-    headers: Mapping[str, Any] | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str = "outbox",
+    target: Session | Connection, *, table: str = "outbox", **message: Unpack[JsonFields]
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
-    return enqueue(
-        target,
-        exchange=exchange,
-        routing_key=routing_key,
-        payload=json_payload(body),
-        headers=headers,
-        content_type="application/json",
-        message_id=message_id,
-        ordering_key=ordering_key,
-        table=table,
-    )
+    return write(_insert_on(target, table), [json_message(**message)])[0]
 
 
+@spelled_out
 async def enqueue_async(
     target: AsyncSession | AsyncConnection,
     *,
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None = None,
-    content_type: str | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
     table: str = "outbox",
+    **message: Unpack[MessageFields],
 ) -> uuid.UUID:
     """``enqueue`` for an ``AsyncSession`` or ``AsyncConnection``."""
-    params = row_params(
-        _message(exchange, routing_key, payload, headers, content_type, message_id, ordering_key)
-    )
-    await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
-    return params[0]  # type: ignore[no-any-return]
+    return (await write_async(_insert_on_async(target, table), [OutgoingMessage(**message)]))[0]
 
 
 async def enqueue_many_async(
@@ -177,31 +150,16 @@ async def enqueue_many_async(
     *,
     table: str = "outbox",
 ) -> list[uuid.UUID]:
-    params = [row_params(m) for m in messages]
-    if params:
-        await (await _async_connection(target)).exec_driver_sql(insert_sql(table), params)
-    return [p[0] for p in params]
+    """``enqueue_many`` for an ``AsyncSession`` or ``AsyncConnection``."""
+    return await write_async(_insert_on_async(target, table), messages)
 
 
+@spelled_out
 async def enqueue_json_async(
     target: AsyncSession | AsyncConnection,
     *,
-    exchange: str,
-    routing_key: str,
-    body: Any,
-    headers: Mapping[str, Any] | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
     table: str = "outbox",
+    **message: Unpack[JsonFields],
 ) -> uuid.UUID:
-    return await enqueue_async(
-        target,
-        exchange=exchange,
-        routing_key=routing_key,
-        payload=json_payload(body),
-        headers=headers,
-        content_type="application/json",
-        message_id=message_id,
-        ordering_key=ordering_key,
-        table=table,
-    )
+    """``enqueue_json`` for an ``AsyncSession`` or ``AsyncConnection``."""
+    return (await write_async(_insert_on_async(target, table), [json_message(**message)]))[0]

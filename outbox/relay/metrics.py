@@ -1,4 +1,4 @@
-"""Prometheus metrics of one relay process.
+"""Prometheus metrics of one relay process, and its HTTP endpoints (``RelayEndpoints``).
 
 Counters and the batch-duration histogram come from the relay's ``Stats`` and are
 read when Prometheus scrapes, so the relay's hot path pays nothing for them.
@@ -17,9 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,13 +26,37 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from outbox import health
 from outbox.db.batches import BatchStore
 from outbox.errors import OutboxError
 from outbox.events import emit
-from outbox.probes import DATABASE_CACHE_SECONDS, histogram
+from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, histogram
 
 if TYPE_CHECKING:
-    from outbox.relay.process import Relay
+    from outbox.amqp.publisher import Publisher
+    from outbox.config import Settings
+    from outbox.relay.stats import Stats
+
+
+class Relay(Protocol):
+    """What the metrics and endpoints read of a ``outbox.relay.process.Relay`` (which
+    starts them: a protocol, so that neither module imports the other's)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+    @property
+    def store(self) -> BatchStore | None: ...
+
+    @property
+    def stop(self) -> object: ...  # true once stopping
+
+    @property
+    def publisher(self) -> Publisher: ...
+
 
 log = logging.getLogger("outbox.metrics")
 
@@ -181,8 +204,49 @@ class RelayCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))
 
 
-def registry_for(relay: Relay, database: DatabaseFigures) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RelayCollector(relay, database))
-    ProcessCollector(registry=registry)
-    return registry
+class RelayEndpoints(Endpoints):
+    """The relay's ``/metrics``, ``/healthz`` and ``/readyz`` (``outbox.probes``).
+
+    It only reads the relay's state; the one database query it makes runs on a
+    connection of its own (``DatabaseFigures``), never on the relay's.
+    """
+
+    loop = "the relay loop"
+
+    def __init__(
+        self,
+        relay: Relay,
+        *,
+        port: int,
+        address: str = "0.0.0.0",
+        cache_seconds: float = DATABASE_CACHE_SECONDS,
+    ) -> None:
+        self.relay = relay
+        settings = relay.settings
+        self.database = DatabaseFigures(
+            settings.dsn,
+            settings.table,
+            connect_timeout=settings.connect_timeout,
+            ttl=cache_seconds,
+        )
+        super().__init__(
+            RelayCollector(relay, self.database),
+            self.database,
+            liveness_limit=health.liveness_limit(settings),
+            port=port,
+            address=address,
+        )
+
+    def last_progress(self) -> float:
+        return self.relay.stats.last_progress
+
+    def readiness(self) -> health.Check:
+        self.database.refresh()
+        relay = self.relay
+        return health.readiness(
+            started=relay.store is not None,
+            stopping=bool(relay.stop),
+            broker_connected=relay.publisher.connected,
+            last_error=relay.stats.last_error,
+            database_error=self.database.error,
+        )

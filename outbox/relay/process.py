@@ -5,6 +5,8 @@ state machine, its crash table and what a failing write costs are in
 ``outbox/relay/batches.py``; this module is
 the process around it, in the spirit of dramatiq's ``Worker``:
 
+- ``serve`` is the whole life, as ``outbox relay`` runs it (``outbox.lifecycle``):
+  the endpoints, ``start``, the collector tuned, ``run``, ``close``, the summary;
 - ``start`` connects both servers and checks the database (a bad configuration
   fails fast, with a clear message and an exit code);
 - ``run`` goes round: reconnect what is broken (ending a lost work session's
@@ -42,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from outbox import lifecycle
 from outbox.amqp import failover
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
@@ -58,6 +61,7 @@ from outbox.errors import (
 from outbox.events import emit
 from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
+from outbox.relay.metrics import RelayEndpoints
 from outbox.relay.stats import Stats
 from resolver.apply import resolve
 
@@ -254,6 +258,29 @@ class Relay:
         self.wakeups = None
         self.store = self.batches.store = None
 
+    # -- the process's life ------------------------------------------------------
+    def serve(
+        self, *, drain: bool = False, metrics_port: int = 0, metrics_address: str = "0.0.0.0"
+    ) -> Stats:
+        """What ``outbox relay`` runs (``outbox.lifecycle.serve``): the endpoints on
+        ``metrics_port`` (0: none), ``start``, the collector tuned for the batch
+        size, ``run`` until stopped, ``close``, and the ``relay.stopped`` event.
+        Signals are the caller's (``StopFlag.install_signal_handlers``)."""
+
+        def endpoints() -> RelayEndpoints:
+            return RelayEndpoints(self, port=metrics_port, address=metrics_address)
+
+        return lifecycle.serve(
+            "relay",
+            start=self.start,
+            run=lambda: self.run(drain=drain),
+            close=self.close,
+            endpoints=endpoints if metrics_port else None,
+            stopped="relay.stopped",
+            summary=Stats.summary,
+            young_objects=self.settings.batch_size,
+        )
+
     # -- the loop --------------------------------------------------------------
     def run(self, *, drain: bool = False) -> Stats:
         """Relay until stopped (or, with ``drain``, until nothing is claimable)."""
@@ -267,7 +294,7 @@ class Relay:
                 if failed:
                     # The failed step's traceback held its frames, and they its
                     # batches' rows: reference cycles.  Free them now, not whenever
-                    # the collector next runs (``cli.common.collect_young_less_often``):
+                    # the collector next runs (``lifecycle.collect_young_less_often``):
                     # a failure repeated must not hold a batch of large rows each.
                     gc.collect(1)
                     failed = False

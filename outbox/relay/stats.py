@@ -33,3 +33,15 @@ class Stats:
     # For health checks: when the loop last went round, and why its last pass failed.
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str | None = None
+
+    def summary(self) -> dict[str, object]:
+        """The fields of the ``relay.stopped`` event."""
+        return {
+            "published": self.messages_published,
+            "committed": self.batches_committed,
+            "rolled_back": self.batches_rolled_back,
+            "dead_letters": self.dead_letters,
+            "duplicates_possible": self.duplicates_possible,
+            "slowest_claim_ms": round(self.slowest_claim * 1000, 1),
+            "largest_claim": self.largest_claim,
+        }

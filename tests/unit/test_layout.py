@@ -3,13 +3,15 @@
 - No import cycle between modules, counting imports inside functions and under
   ``TYPE_CHECKING`` (a cycle hidden there is still a cycle for the reader).
 - No private name (``_x``) imported across modules.
-- Each subpackage's ``__init__`` says what it owns and what it may import.
+- Each package's ``__init__`` (``resolver`` too) names every module it holds and
+  says what it may import.
 - The layer contract itself (``pyproject.toml``) holds, run through import-linter.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,18 +117,48 @@ def test_layout__private_import_finder_sees_one() -> None:
     assert private_imports(source, "bad.py") == ["bad.py:1 _hidden"]
 
 
-@pytest.mark.parametrize(
-    "package",
-    sorted(
-        str(p.parent.relative_to(ROOT))
-        for p in (ROOT / "outbox").glob("*/__init__.py")
-        if p.parent.name != "__pycache__"
-    ),
+PACKAGE_DIRS = sorted(
+    [
+        *(
+            str(p.parent.relative_to(ROOT))
+            for p in (ROOT / "outbox").glob("*/__init__.py")
+            if p.parent.name != "__pycache__"
+        ),
+        "resolver",
+    ]
 )
-def test_layout__each_package_says_what_it_owns_and_may_import(package: str) -> None:
+
+
+def package_doc(package: str) -> str:
     doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
     assert doc, f"{package}/__init__.py has no docstring"
+    return doc
+
+
+def held(package: str) -> list[str]:
+    """The modules and subpackages ``package`` holds (entry points aside)."""
+    folder = ROOT / package
+    return sorted(
+        [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        + [p.parent.name for p in folder.glob("*/__init__.py")]
+    )
+
+
+def unnamed(doc: str, names: list[str]) -> list[str]:
+    """The names a docstring does not mention as ``name`` (or ``name.thing``, ``x.name``)."""
+    return [n for n in names if not re.search(rf"``([\w.]*\.)?{n}(\.[\w.]*)?``", doc)]
+
+
+@pytest.mark.parametrize("package", PACKAGE_DIRS)
+def test_layout__each_package_says_what_it_owns_and_may_import(package: str) -> None:
+    doc = package_doc(package)
     assert "May import" in doc, f"{package}/__init__.py does not say what it may import"
+    assert unnamed(doc, held(package)) == [], f"{package}/__init__.py does not name these"
+
+
+def test_layout__the_module_list_check_sees_a_missing_one() -> None:
+    doc = "Owns ``load`` and ``outbox.bench.run``; ``harness.Run`` too.\n\nMay import: x."
+    assert unnamed(doc, ["load", "run", "harness", "memory", "loa"]) == ["memory", "loa"]
 
 
 def test_layout__layers_hold() -> None:

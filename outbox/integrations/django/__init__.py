@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 try:
     from django.conf import settings
@@ -42,8 +42,13 @@ except ImportError as exc:
 import psycopg
 
 from outbox.db import migrate
-from outbox.enqueue import OutgoingMessage, insert_sql, json_payload, row_params
+from outbox.enqueue import OutgoingMessage, Row, insert_sql, json_message, spelled_out, write
 from outbox.errors import OutboxError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from outbox.enqueue import JsonFields, MessageFields
 
 __all__ = ["enqueue", "enqueue_json", "enqueue_many", "migrate_schema", "outbox_table"]
 
@@ -85,27 +90,24 @@ def _in_transaction(using: str) -> BaseDatabaseWrapper:
     return connection
 
 
+def _insert_on(using: str, table: str | None) -> Callable[[list[Row]], None]:
+    def insert(rows: list[Row]) -> None:
+        with _in_transaction(using).cursor() as cursor:
+            statement = insert_sql(table or outbox_table())
+            if len(rows) == 1:
+                cursor.execute(statement, rows[0])
+            else:
+                cursor.executemany(statement, rows)
+
+    return insert
+
+
+@spelled_out
 def enqueue(
-    *,
-    exchange: str,
-    routing_key: str,
-    payload: bytes,
-    headers: Mapping[str, Any] | None = None,
-    content_type: str | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str | None = None,
-    using: str = DEFAULT_DB_ALIAS,
+    *, table: str | None = None, using: str = DEFAULT_DB_ALIAS, **message: Unpack[MessageFields]
 ) -> uuid.UUID:
     """Write one message in the current ``atomic()`` block of ``using``; returns its id."""
-    params = row_params(
-        OutgoingMessage(
-            exchange, routing_key, payload, headers, content_type, message_id, ordering_key
-        )
-    )
-    with _in_transaction(using).cursor() as cursor:
-        cursor.execute(insert_sql(table or outbox_table()), params)
-    return params[0]  # type: ignore[no-any-return]
+    return write(_insert_on(using, table), [OutgoingMessage(**message)])[0]
 
 
 def enqueue_many(
@@ -115,36 +117,15 @@ def enqueue_many(
     using: str = DEFAULT_DB_ALIAS,
 ) -> list[uuid.UUID]:
     """Write several messages in the current ``atomic()`` block (one executemany)."""
-    params = [row_params(m) for m in messages]
-    if params:
-        with _in_transaction(using).cursor() as cursor:
-            cursor.executemany(insert_sql(table or outbox_table()), params)
-    return [p[0] for p in params]
+    return write(_insert_on(using, table), messages)
 
 
+@spelled_out
 def enqueue_json(
-    *,
-    exchange: str,
-    routing_key: str,
-    body: Any,
-    headers: Mapping[str, Any] | None = None,
-    message_id: uuid.UUID | None = None,
-    ordering_key: str | None = None,
-    table: str | None = None,
-    using: str = DEFAULT_DB_ALIAS,
+    *, table: str | None = None, using: str = DEFAULT_DB_ALIAS, **message: Unpack[JsonFields]
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
-    return enqueue(
-        exchange=exchange,
-        routing_key=routing_key,
-        payload=json_payload(body),
-        headers=headers,
-        content_type="application/json",
-        message_id=message_id,
-        ordering_key=ordering_key,
-        table=table,
-        using=using,
-    )
+    return write(_insert_on(using, table), [json_message(**message)])[0]
 
 
 def migrate_schema(

@@ -17,7 +17,7 @@ from outbox.db import privileges
 from outbox.errors import ExitCode, MissingPrivileges
 from outbox.relay.process import Relay
 from tests.acceptance.test_cli import assert_one_clear_error
-from tests.fixtures.faults import both_modes, prepared_left
+from tests.fixtures.faults import both_modes, prepared_left, wait_for
 from tests.fixtures.servers import DbRole, Topology, run_cli, settings_env
 from tests.integration.relay.test_bad_rows import RunningRelay, dead_letter_rows
 from tests.integration.relay.test_relay import relay_drain, remaining_rows
@@ -122,8 +122,7 @@ def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
     restricted = as_role(settings, db_role)
     good = [f"good-{i}".encode() for i in range(6)]
     with RunningRelay(restricted) as running:
-        while running.relay.relay_id == "":
-            time.sleep(0.05)
+        wait_for(lambda: running.relay.relay_id != "", 30, "the relay to start")
         db_role.grant("REVOKE INSERT ON outbox_dead_letters FROM {role}")
         with psycopg.connect(settings.dsn) as conn:
             conn.cursor().executemany(
@@ -134,12 +133,16 @@ def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
                     ("", f"nowhere.{time.time_ns()}", b"unroutable"),
                 ],
             )
-        time.sleep(4)
+        inserted = time.monotonic()
+        stats = running.relay.stats
+        wait_for(lambda: stats.batches_rolled_back >= 6, 30, "six tries of the batch")
+        took = time.monotonic() - inserted
 
         assert running.alive
-        stats = running.relay.stats
-        # Backoff 0.05 s doubling to 0.5 s: about ten tries in 4 s, not a busy loop.
-        assert 3 <= stats.batches_rolled_back <= 20, stats.batches_rolled_back
+        # Backoff 0.05 s doubling to 0.5 s, each wait at least half of that: the five
+        # waits between six tries take 0.625 s or more, however fast the machine (a
+        # busy loop takes milliseconds).
+        assert took >= 0.025 + 0.05 + 0.1 + 0.2 + 0.25, f"six tries in {took:.3f} s"
         assert remaining_rows(settings.dsn) == 8, "no row left the outbox"
         assert len(prepared_left(settings.dsn)) <= 1  # at most the batch being tried
         first = Counter(body for _, _, body in topology.messages())

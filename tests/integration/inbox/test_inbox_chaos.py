@@ -43,10 +43,11 @@ CHAOS_SECONDS = 20
 
 
 def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
-    settings: Settings, topology: Topology, consumer_dsn: str, tmp_path: Path
+    settings: Settings, topology: Topology, consumer_dsn: str, tmp_path: Path, chaos_seed: int
 ) -> None:
     chaos = dataclasses.replace(settings, batch_size=BATCH)
-    rng = random.Random()
+    rng = random.Random(chaos_seed)  # kills and crash points
+    writing = random.Random(chaos_seed + 1)  # the writer thread's own
     committed: list[str] = []
     stop_writing = threading.Event()
 
@@ -55,16 +56,24 @@ def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
         while not stop_writing.is_set():
             n += 1
             committed.extend(
-                insert_rows(chaos.dsn, topology.exchange, rng.randint(1, 20), tag=f"w{n}-")
+                insert_rows(chaos.dsn, topology.exchange, writing.randint(1, 20), tag=f"w{n}-")
             )
             time.sleep(0.05)
 
     logs: list[str] = []  # every consumer's log, read when it ends
+    started: list[ConsumeProcess] = []  # every consumer, in order
 
     def consumer() -> ConsumeProcess:
-        armed = rng.random() < 0.5
-        crash = {"OUTBOX_CRASH_AT": f"consume_after_commit:{rng.randint(5, 60)}"} if armed else {}
-        return ConsumeProcess(tmp_path, "record", consumer_dsn, topology, extra_env=crash)
+        # The first consumer is armed to crash early and spared by the kills below, so
+        # that a crash after a commit happens in every run (asserted at the end); the
+        # others are armed as the seed says.
+        first = not started
+        armed = first or rng.random() < 0.5
+        after = 2 if first else rng.randint(5, 60)
+        crash = {"OUTBOX_CRASH_AT": f"consume_after_commit:{after}"} if armed else {}
+        process = ConsumeProcess(tmp_path, "record", consumer_dsn, topology, extra_env=crash)
+        started.append(process)
+        return process
 
     def end(process: ConsumeProcess) -> int:
         if process.process.poll() is None:
@@ -94,6 +103,8 @@ def test_chaos__relays_and_consumers_killed_at_random_give_one_effect_per_row(
                 relays[victim].close()
                 relays[victim] = RelayProcess(chaos)
                 kills["relay"] += 1
+            elif consumers[victim - RELAYS] is started[0]:
+                continue  # spared until it crashes by itself
             else:
                 end(consumers[victim - RELAYS])
                 consumers[victim - RELAYS] = consumer()

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from outbox.config import Settings
-from outbox.ops.endpoints import Endpoints
 from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+from outbox.relay.metrics import RelayEndpoints as Endpoints
 from outbox.relay.process import Relay
 from tests.fixtures.servers import Topology
 from tests.integration.relay.test_dead_letters import insert

@@ -24,10 +24,10 @@ CHAOS_SECONDS = 15
 
 @both_modes
 def test_chaos__relays_killed_at_random_lose_nothing(
-    settings: Settings, topology: Topology
+    settings: Settings, topology: Topology, chaos_seed: int
 ) -> None:
     chaos = dataclasses.replace(settings, batch_size=BATCH)
-    rng = random.Random()
+    rng = random.Random(chaos_seed + 1)  # the writer's; chaos_run's kills use chaos_seed
     committed: list[str] = []
     stop_writing = threading.Event()
 
@@ -46,6 +46,7 @@ def test_chaos__relays_killed_at_random_lose_nothing(
         stop_writing,
         relays=RELAYS,
         seconds=CHAOS_SECONDS,
+        seed=chaos_seed,
     )
     # Each kill can leave at most one batch (pipelined: two) published but rolled back.
     bound = kills * in_flight(chaos) * BATCH

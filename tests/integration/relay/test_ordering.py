@@ -31,6 +31,8 @@ import psycopg
 import pytest
 
 import outbox
+from outbox import gid as gids
+from outbox.amqp import ledger
 from outbox.config import Settings
 from outbox.db.batches import BatchStore
 from tests.fixtures.faults import (
@@ -38,6 +40,7 @@ from tests.fixtures.faults import (
     both_modes,
     chaos_run,
     in_flight,
+    relay_sessions,
     wait_for,
 )
 from tests.fixtures.servers import Topology, run_cli, settings_env
@@ -248,6 +251,12 @@ def write_sequence(
     return ids
 
 
+def relays_that_committed(settings: Settings) -> set[str]:
+    """The relays whose batches the ledger recorded (a gid names its relay)."""
+    recorded = ledger.finished_gids(settings.amqp_url, settings.ledger_queue, since=None)
+    return {g.relay_id for g in map(gids.parse, recorded) if g is not None}
+
+
 def assert_in_order(order: dict[str, list[int]], counters: dict[str, int]) -> None:
     assert set(order) == set(counters)
     for key, numbers in order.items():
@@ -265,6 +274,9 @@ def test_relays__keys_written_in_sequence_arrive_in_order_with_three_relays(
     counters: dict[str, int] = {}
     committed: list[str] = []
     try:
+        # Every relay waiting (work, control and wake-up sessions) before the first
+        # commit, so that its NOTIFY wakes them all and they claim side by side.
+        wait_for(lambda: relay_sessions(small.dsn) == 3 * len(relays), 30, "three relays")
         for _ in range(25):
             committed += write_sequence(
                 small.dsn, topology.exchange, [[f"k{n}" for n in range(40)]], counters
@@ -277,6 +289,8 @@ def test_relays__keys_written_in_sequence_arrive_in_order_with_three_relays(
     assert repeats == 0
     assert_in_order(order, counters)
     assert sum(len(v) for v in order.values()) == len(committed)
+    # The order held while relays shared the keys, not because one relay did it all.
+    assert len(relays_that_committed(small)) > 1
 
 
 CHAOS_SECONDS = 15
@@ -285,7 +299,9 @@ BATCH = 20
 
 
 @both_modes
-def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: Topology) -> None:
+def test_chaos__killed_relays_never_reorder_a_key(
+    settings: Settings, topology: Topology, chaos_seed: int
+) -> None:
     chaos = dataclasses.replace(settings, batch_size=BATCH)
     counters: dict[str, int] = {}
     committed: list[str] = []
@@ -293,7 +309,7 @@ def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: 
     keys = [f"order-{n}" for n in range(60)]
 
     def writer(seed: int) -> None:
-        local = random.Random(seed)
+        local = random.Random(chaos_seed + 1 + seed)
         mine = keys[seed::2]  # each writer owns its keys: a key's rows commit in id order
         while not stop_writing.is_set():
             groups = [
@@ -307,7 +323,9 @@ def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: 
             time.sleep(0.01)
 
     writers = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
-    kills = chaos_run(chaos, writers, stop_writing, relays=RELAYS, seconds=CHAOS_SECONDS)
+    kills = chaos_run(
+        chaos, writers, stop_writing, relays=RELAYS, seconds=CHAOS_SECONDS, seed=chaos_seed
+    )
     assert prepared_left(chaos.dsn) == [] and remaining_rows(chaos.dsn) == 0
     messages = topology.messages(idle=1.0)
     order, repeats = per_key(messages)
@@ -315,3 +333,5 @@ def test_chaos__killed_relays_never_reorder_a_key(settings: Settings, topology: 
     assert {str(p.message_id) for _, p, _ in messages} == set(committed)
     bound = kills * in_flight(chaos) * BATCH
     assert repeats <= bound, f"{repeats} duplicates > bound {bound}"
+    # Killed relays' successors and the final drain: the keys went through many relays.
+    assert len(relays_that_committed(chaos)) > 1

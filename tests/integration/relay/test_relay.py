@@ -179,25 +179,32 @@ def test_relay__records_every_committed_batch_in_the_ledger(
 
 
 def test_relay__wakes_on_notify_without_waiting_for_the_poll(
-    settings: Settings, topology: Topology
+    settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import dataclasses
     import time
 
-    # The fallback poll rides on the heartbeat: make both slower than the deadline
-    # below, so only the NOTIFY from the application's commit can wake the relay.
+    # The fallback poll rides on the heartbeat, and an idle relay also polls early
+    # and then less often (``WakeupListener.poll_pause``): make the polls slow and
+    # blind, so only the NOTIFY from the application's commit can wake the relay.
     slow_poll = dataclasses.replace(
         settings, poll_interval=30.0, heartbeat_interval=30.0, relay_timeout=90.0
     )
     relay = Relay(slow_poll)
     relay.start()
+    assert relay.wakeups is not None
+    wakeups = relay.wakeups
+    monkeypatch.setattr(wakeups, "rows_waiting", lambda: False)
     thread = threading.Thread(target=relay.run)
     thread.start()
     try:
-        time.sleep(0.5)  # the relay is idle, waiting
+        deadline = time.monotonic() + 15
+        while not wakeups.wanting and time.monotonic() < deadline:  # idle, waiting
+            time.sleep(0.01)
+        assert wakeups.wanting
         with psycopg.connect(settings.dsn) as conn:
             outbox.enqueue(conn, exchange=topology.exchange, routing_key="k", payload=b"1")
-        deadline = time.monotonic() + 15  # far below the 30 s poll, even on a loaded machine
+        deadline = time.monotonic() + 15
         while relay.stats.messages_published == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert relay.stats.messages_published == 1

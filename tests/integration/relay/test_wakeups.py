@@ -107,25 +107,38 @@ def test_relay__busy_lets_commits_go_without_notify(
     topology: Topology,
     listener: psycopg.Connection[tuple[object, ...]],
 ) -> None:
-    backlog = insert_rows(settings.dsn, topology.exchange, 300)
-    relay = Relay(dataclasses.replace(settings, batch_size=1, pipeline=False))
+    # The relay is held between two batches of its backlog while the late row is
+    # committed: certainly busy then, however fast the machine drains 300 rows.
+    held, release = threading.Event(), threading.Event()
+
+    def hold_at_the_fifth(gid: str, stats: object) -> None:
+        if relay.stats.messages_published == 5:
+            held.set()
+            release.wait(30)
+
+    relay = Relay(
+        dataclasses.replace(settings, batch_size=1, pipeline=False), on_batch=hold_at_the_fifth
+    )
     relay.start()
     thread = threading.Thread(target=relay.run)
     thread.start()
     try:
-        wait_for(lambda: relay.stats.messages_published >= 5, 30, "the relay to be busy")
+        # Idle first (holding the lock), then woken by a backlog: busy, it lets go.
+        wait_for(lambda: wakeup_lock_holders(settings.dsn) == 1, 10, "the relay to wait")
+        backlog = insert_rows(settings.dsn, topology.exchange, 300)
+        assert held.wait(30), "the relay did not get busy"
+        assert notified(listener) == 1, "the backlog's commit did not wake the relay"
         assert wakeup_lock_holders(settings.dsn) == 0, "a busy relay holds the wake-up lock"
         late = insert_rows(settings.dsn, topology.exchange, 1)
-        busy = relay.stats.messages_published < len(backlog)
-        received = notified(listener, timeout=0.2)
-        if busy:  # the machine may be fast enough to drain 300 rows meanwhile
-            assert received == 0, "a commit notified while the relay was busy"
+        assert notified(listener, timeout=0.2) == 0, "a commit notified while the relay was busy"
+        release.set()
         wait_for(
             lambda: relay.stats.messages_published == len(backlog) + 1, 60, "the relay to drain"
         )
         # Idle again: it waits, holding the lock, and a commit wakes it.
         wait_for(lambda: wakeup_lock_holders(settings.dsn) == 1, 10, "the relay to wait")
     finally:
+        release.set()
         relay.stop.set()
         thread.join(timeout=30)
     check_delivery(settings.dsn, topology, backlog + late, max_duplicates=0)
