@@ -187,6 +187,7 @@ def timed_out(
     *,
     statement_timeout: float | None,
     lock_timeout: float | None,
+    who: str | None = None,
 ) -> StatementTimedOut:
     """``StatementTimedOut`` for a statement PostgreSQL cancelled (``lock_timeout``,
     55P03, or ``statement_timeout``, 57014), naming what held it (``holders``).  The
@@ -197,11 +198,12 @@ def timed_out(
         return StatementTimedOut(
             f"PostgreSQL cancelled the statement {what} after {statement_timeout or 0:g} s "
             f"({first_line(exc)})",
-            "try again; if this repeats, look for what slows the server "
-            "(pg_stat_activity) or raise --statement-timeout",
+            f"{f'the {who} retries with backoff' if who else 'try again'}; if this "
+            "repeats, look for what slows the server (pg_stat_activity) or raise "
+            "--statement-timeout",
         )
     seconds = lock_timeout if lock_timeout is not None else statement_timeout or 0.0
-    found = holders(conn, tables, seconds)
+    found = holders(conn, tables, seconds) if tables else []
     if not found:
         return StatementTimedOut(
             f"PostgreSQL gave up waiting for a lock while {what} after {seconds:g} s; "
@@ -283,6 +285,7 @@ def translated(
                 tables,
                 statement_timeout=statement_timeout,
                 lock_timeout=lock_timeout,
+                who=who,
             ) from exc
         if isinstance(exc, psycopg.OperationalError):
             # Transient trouble on a live session (resources, a lock timeout).

@@ -83,6 +83,7 @@ def test_inbox_store__translates_through_the_one_mechanism() -> None:
     ``DatabaseUnavailable`` ("PostgreSQL failed while …")."""
     store = InboxStore.__new__(InboxStore)
     store.conn = FakeConn()  # type: ignore[assignment]
+    store.table, store.statement_timeout, store.lock_timeout = "inbox", None, 5.0
     with pytest.raises(StatementTimedOut), store._translated("recording message ids"):
         raise pgerrors.QueryCanceled("canceling statement due to user request")
     with pytest.raises(StatementRefused), store._translated("committing"):
