@@ -20,9 +20,8 @@ from outbox.cli.common import (
     metrics_port_option,
 )
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
-from outbox.config import DAY
 from outbox.events import configure, emit
-from outbox.inbox.settings import MAX_PREFETCH
+from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY
 
 log = logging.getLogger("outbox.cli")
 
@@ -64,15 +63,24 @@ log = logging.getLogger("outbox.cli")
     "--retry-delay",
     "OUTBOX_RETRY_DELAY",
     default=0.1,
-    type=FiniteFloatRange(0, 3600),
-    help="Seconds before a failed message goes back to the queue; doubles per attempt.",
+    type=FiniteFloatRange(0, MAX_RETRY_DELAY),
+    help="Seconds a failed message waits (in hand, the others going on) before its next "
+    "attempt; doubles per attempt.",
 )
 @env_option(
     "--retry-delay-max",
     "OUTBOX_RETRY_DELAY_MAX",
     default=5.0,
-    type=FiniteFloatRange(0, DAY),
-    help="Longest retry delay (s).",
+    type=FiniteFloatRange(0, MAX_RETRY_DELAY),
+    help="Longest retry delay (s), at least --retry-delay.",
+)
+@env_option(
+    "--delivery-limit",
+    "OUTBOX_DELIVERY_LIMIT",
+    default=None,
+    type=click.IntRange(0, None),
+    help="The queue's delivery limit when a policy sets it (an x-delivery-limit argument "
+    "is read from the queue).",
 )
 @env_option(
     "--inbox-retention",

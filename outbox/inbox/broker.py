@@ -53,6 +53,13 @@ from outbox.inbox.message import (
     InboxMessage,
     to_inbox_message,
 )
+from outbox.inbox.policy import (
+    PROBE_TYPE,
+    QueuePolicy,
+    inequivalent,
+    policy_from,
+    refusal,
+)
 from outbox.inbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
@@ -293,6 +300,30 @@ class QueueMissing(OutboxError):
     exit_code = ExitCode.NOT_READY
 
 
+class QueueRefused(OutboxError):
+    """The queue's own policy would lose messages (a stream, a delivery limit of 0)."""
+
+    exit_code = ExitCode.USAGE
+
+
+def refuse(queue: str, why: str) -> QueueRefused:
+    return QueueRefused(
+        f"cannot consume queue {queue!r}: {why}",
+        "consume a classic or quorum queue (bind one to the same exchange); see "
+        "'Queue types and their policies' in the consumer's documentation",
+    )
+
+
+# The arguments the consumer asks a refused declare about, each with a value no
+# queue of ours has; what the broker answers replaces it (``read_policy``).
+_PROBED: dict[str, Any] = {
+    "x-queue-type": PROBE_TYPE,
+    "x-delivery-limit": -7,
+    "x-message-ttl": 2**31 - 7,
+    "x-dead-letter-exchange": "\x00outbox-probe",
+}
+
+
 def broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
     return (
         OSError,
@@ -312,6 +343,7 @@ class Broker:
         self._consumer: Consumer | None = None
         self._received: list[Any] | None = None
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
+        self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -354,6 +386,10 @@ class Broker:
             if s.bindings:
                 self._declare(channel)
             self._check_queue(channel)
+            self.policy = self.read_policy(conn)
+            why = refusal(self.policy)
+            if why is not None:
+                raise refuse(s.queue, why)
             consumer = Consumer(
                 channel,
                 queues=[Queue(s.queue, no_declare=True)],
@@ -362,12 +398,52 @@ class Broker:
                 auto_declare=False,
             )
             consumer.consume()
-        except QueueMissing:
+        except (QueueMissing, QueueRefused):
             self.close()
             raise
         except errors as exc:
             raise self._translate("connecting", exc) from exc
         self._consumer = consumer
+
+    def read_policy(self, conn: Connection) -> QueuePolicy:
+        """The queue's type and the arguments that can drop a message, learnt from
+        declares the broker refuses (see ``outbox.inbox.policy``): each refusal
+        names one argument that differs and its value, which the next declare
+        carries, until a declare is equivalent.  A declare that is refused for
+        another reason (no ``configure`` permission) leaves the policy unknown;
+        ``--delivery-limit`` still counts."""
+        s = self.settings
+        version = str((conn.connection.server_properties or {}).get("version", ""))
+        asked = dict(_PROBED)
+        learnt: dict[str, Any] = {}
+        flags = {"durable": True, "auto_delete": False}
+        unknown = QueuePolicy(delivery_limit=s.delivery_limit)
+        for _ in range(2 * (len(_PROBED) + len(flags))):
+            channel = conn.channel()
+            try:
+                channel.queue_declare(
+                    queue=s.queue, arguments={**asked, **learnt}, **flags
+                )
+            except Exception as exc:  # a refusal closes the channel
+                found = inequivalent(str(getattr(exc, "reply_text", "") or exc))
+                if found is None:
+                    emit(log, "consumer.queue_policy_unknown", logging.WARNING, error=repr(exc))
+                    return unknown
+                name, value = found
+                asked.pop(name, None)
+                if name in flags:
+                    flags[name] = value == "true"
+                elif value is None:
+                    learnt.pop(name, None)
+                else:
+                    learnt[name] = value
+                continue
+            with contextlib.suppress(*broker_errors(conn)):
+                channel.close()
+            policy = policy_from(learnt, stated_limit=s.delivery_limit, broker_version=version)
+            emit(log, "consumer.queue_policy", queue=s.queue, policy=policy.describe())
+            return policy
+        return unknown
 
     def _check_queue(self, channel: Any) -> None:
         try:
