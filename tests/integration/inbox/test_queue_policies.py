@@ -30,6 +30,7 @@ from tests.integration.inbox.support import (
     publish,
     queue_depth,
     rows,
+    scalar,
     wait_settled,
 )
 
@@ -88,13 +89,14 @@ def test_policy__a_crash_loop_on_a_quorum_queue_loses_no_healthy_message(
                 assert deaths <= 4, f"the killer loops:\n{process.output()[-3000:]}"
                 process.close()
                 process = Consumer(tmp_path, consumer_dsn, topology, max_attempts=5, prefetch=10)
-            settled = set(effect_bodies(consumer_dsn)) | set(parked_bodies(consumer_dsn))
+            tables = scalar(consumer_dsn, "SELECT to_regclass(%s) IS NOT NULL", [f"{INBOX}_parked"])
+            settled = set(effect_bodies(consumer_dsn)) | set(
+                parked_bodies(consumer_dsn) if tables else []
+            )
             if set(bodies) <= settled and queue_depth(topology) == 0:
                 break
-            assert queue_depth(topology) > 0 or process.alive() or settled, "lost"
             assert time.monotonic() < deadline, (
-                f"not settled after {deaths} deaths: {sorted(settled)}\n"
-                f"{process.output()[-3000:]}"
+                f"not settled after {deaths} deaths: {sorted(settled)}\n{process.output()[-3000:]}"
             )
             time.sleep(0.05)
         assert process.terminate() == 0, process.output()[-3000:]
@@ -126,9 +128,10 @@ def test_policy__a_failing_message_with_a_ttl_is_parked_not_dead_lettered(
         properties["expiration"] = "300"
     redeclare(topology, arguments)
     try:
-        publish(topology, [(ids(1)[0], b"raise:always"), (ids(1)[0], b"ok:1")], **properties)
         env = {"OUTBOX_RETRY_DELAY": "0.5", "OUTBOX_RETRY_DELAY_MAX": "0.5"}
         with consumer(tmp_path, consumer_dsn, topology, max_attempts=3, env=env):
+            # Published once the consumer runs: a TTL of 300 ms is shorter than its start.
+            publish(topology, [(ids(1)[0], b"raise:always"), (ids(1)[0], b"ok:1")], **properties)
             wait_settled(consumer_dsn, topology, [b"raise:always", b"ok:1"], timeout=15)
         ch = topology.channel()
         dead_letters = ch.queue_declare(dead, passive=True).method.message_count
