@@ -421,9 +421,7 @@ class Broker:
         for _ in range(2 * (len(_PROBED) + len(flags))):
             channel = conn.channel()
             try:
-                channel.queue_declare(
-                    queue=s.queue, arguments={**asked, **learnt}, **flags
-                )
+                channel.queue_declare(queue=s.queue, arguments={**asked, **learnt}, **flags)
             except Exception as exc:  # a refusal closes the channel
                 found = inequivalent(str(getattr(exc, "reply_text", "") or exc))
                 if found is None:

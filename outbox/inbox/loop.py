@@ -31,7 +31,9 @@ a result it fetches or a cursor property it reads (``rowcount``, ...) is waited 
 (``store.PipelinedCursor``); an error of its statement may only show at the sync,
 which breaks the batch, applied again one by one without pipelining.  A handler
 whose batch fails pipelined and succeeds one by one (COPY, an error caught where it
-was raised) turns pipelining off for the process (``consumer.pipeline_off``).
+was raised) turns pipelining off for the process (``consumer.pipeline_off``); a
+session lost meanwhile (a server restart, ``pg_terminate_backend``) is no such sign
+and leaves it on (``Broken.lost``).
 
 The handler contract, enforced after each call: a handler that raises (any
 ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
@@ -55,7 +57,7 @@ in an application) it may be Ctrl-C, so it also stops the consumer once the
 batch in hand is settled.
 
 Redelivered messages (AMQP ``redelivered``: delivered before and not acked, after
-a consumer died or lost its connection with them in hand, or a requeue) are
+a consumer died or lost its connection with them in hand) are
 applied one at a time after the others (``Processor.alone``)::
 
     start_attempt   lock the message's id (session advisory lock), then in its own
@@ -113,13 +115,23 @@ the database is back (parked with it at ``--max-attempts``); else parked unseen,
 with "the outcome of the last attempt unknown".
 
 A failed attempt is counted in ``<inbox>_attempts`` (once: a redelivered
-message's was counted before the call) and the message goes back to
-the queue after a short capped backoff (``--retry-delay``, doubling up to
-``--retry-delay-max``).  At ``--max-attempts`` it is parked in ``<inbox>_parked``
-(with its id recorded, in one transaction) and acked, so it never blocks the
-queue; ``outbox parked retry`` puts it back (as a new delivery, its count reset).
-A message without a ``message_id`` (or whose properties cannot be read) cannot be
-deduplicated: it is parked at once and the handler never sees it.
+message's was counted before the call) and the message waits in the consumer's
+hands, unacked, for a short capped backoff (``--retry-delay``, doubling up to
+``--retry-delay-max``), while the messages behind it go on, except those of its
+ordering key, which wait behind it (``Inbox._hold``).  It never goes back to the
+queue for a retry: a quorum queue would count a delivery against its
+``x-delivery-limit``, and a TTL would run.  At ``--max-attempts`` it is parked in
+``<inbox>_parked`` (with its id recorded, in one transaction) and acked, so it
+never blocks the queue; ``outbox parked retry`` puts it back (as a new delivery,
+its count reset).  A message without a ``message_id`` (or whose properties cannot
+be read) cannot be deduplicated: it is parked at once and the handler never sees it.
+
+The queue's own policy (``policy``, read at start-up): a stream is refused; on a
+quorum queue with a delivery limit, a crash of the consumer returns every message
+in hand and counts a delivery against each, so a message at its last delivery
+(``x-delivery-count`` at the limit) is applied before the others, alone, and acked
+at once, and one whose earlier attempt failed or did not finish is parked unseen
+(``plan``): the broker would drop it if this attempt killed the process too.
 
 Roles: ``Processor`` is one transaction of messages (the steps above; the
 database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
@@ -336,7 +348,7 @@ def unfinished_reason(attempts: int, last_error: str) -> str:
 def retry_delay(
     attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
 ) -> float:
-    """Seconds to hold a failed message before requeueing it (pure, capped)."""
+    """Seconds a failed message waits in hand for its next attempt (pure, capped)."""
     return backoff.delay(
         max(0, attempts - 1),
         initial=settings.retry_delay,
@@ -493,7 +505,7 @@ Dispositions = list[tuple[Disposition, float]]
 # -- one transaction of messages ------------------------------------------------------------
 class Processor:
     """Apply messages through the inbox; no broker I/O.  Returns each message's
-    outcome and, for ``RETRY``, how long to wait before requeueing it.
+    outcome and, for ``RETRY``, how long to wait before its next attempt.
     ``DatabaseUnavailable`` means: an outage; do not ack; the messages come back and
     the inbox decides then."""
 
@@ -963,6 +975,7 @@ class Inbox:
             inbox=s.inbox_table,
             prefetch=s.prefetch,
             batch=s.batch_size,
+            queue_policy=self.broker.policy.describe(),
         )
 
     def run(self) -> ConsumerStats:

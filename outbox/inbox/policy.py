@@ -149,8 +149,3 @@ def last_delivery(headers: Mapping[Any, Any], policy: QueuePolicy) -> bool:
 
 def from_stream(headers: Mapping[Any, Any]) -> bool:
     return STREAM_OFFSET_HEADER in headers
-
-
-def can_expire(properties: Mapping[str, Any], policy: QueuePolicy) -> bool:
-    """A TTL runs for this message while it waits in the queue."""
-    return bool(properties.get("expiration")) or policy.message_ttl is not None

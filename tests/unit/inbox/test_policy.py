@@ -20,7 +20,6 @@ from outbox.inbox.loop import (
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.policy import (
     QueuePolicy,
-    can_expire,
     inequivalent,
     last_delivery,
     policy_from,
@@ -97,12 +96,6 @@ def test_last_delivery__when_the_count_reaches_the_limit(count: int | None, last
     headers = {} if count is None else {"x-delivery-count": count}
     assert last_delivery(headers, QueuePolicy("quorum", delivery_limit=3)) is last
     assert last_delivery(headers, QueuePolicy("quorum")) is False  # no known limit
-
-
-def test_can_expire__a_message_expiration_or_a_queue_ttl() -> None:
-    assert can_expire({"expiration": "300"}, QueuePolicy("classic"))
-    assert can_expire({}, QueuePolicy("classic", message_ttl=300))
-    assert not can_expire({}, QueuePolicy("classic"))
 
 
 @pytest.mark.parametrize(
