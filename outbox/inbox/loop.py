@@ -1103,18 +1103,24 @@ class Inbox:
             if key is not None and key in self._behind:
                 self._behind[key].append(delivery)
             elif last_delivery(delivery.message.headers, policy):
-                self._settle([delivery], [processor.process(delivery.message, last_delivery=True)])
+                outcome = processor.process(delivery.message, last_delivery=True)
+                # Acked alone: a multiple ack would also ack the earlier ones not applied yet.
+                self._settle([delivery], [outcome], multiple=False)
             else:
                 ready.append(delivery)
         if ready:
             self._settle(ready, processor.process_batch([d.message for d in ready]))
         self.stats.last_progress = time.monotonic()
 
-    def _settle(self, deliveries: Sequence[Any], outcomes: Dispositions) -> None:
+    def _settle(
+        self, deliveries: Sequence[Any], outcomes: Dispositions, *, multiple: bool = True
+    ) -> None:
+        """Ack, hold or put behind each delivery by its outcome.  ``multiple``: every
+        delivery before these is settled already (one frame may ack them all)."""
         if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))
-        if not self._held and all(
+        if multiple and not self._held and all(
             o in (Disposition.HANDLED, Disposition.DUPLICATE, Disposition.PARKED)
             for o, _ in outcomes
         ):

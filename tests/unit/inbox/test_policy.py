@@ -194,3 +194,22 @@ def test_processor__a_lost_session_leaves_pipelining_on() -> None:
     outcomes = processor.process_batch([message("a"), message("b")])
     assert [o for o, _ in outcomes] == [Disposition.HANDLED] * 2
     assert processor.pipelining
+
+
+def test_inbox__a_message_at_its_last_delivery_is_acked_alone() -> None:
+    """Applied before an earlier delivery of the same drain, it is acked by itself:
+    a multiple ack would also ack the earlier one before it is applied."""
+    store = FakeStore()
+    broker = quorum(3)
+    broker.ready = [message("a", b"ok"), redelivered("b", b"ok", 3)]
+    acked_when_called: dict[str, list[str]] = {}
+
+    def handler(conn: FakeConnection, msg: InboxMessage) -> None:
+        acked_when_called[str(msg.message_id)] = list(broker.journal)
+        conn.apply(str(msg.message_id))
+
+    inbox = Inbox(handler, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 2)
+    assert acked_when_called["a"] == ["ack b"]
+    assert broker.journal == ["ack b", "ack a"]
