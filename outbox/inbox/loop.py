@@ -1120,9 +1120,13 @@ class Inbox:
         if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))
-        if multiple and not self._held and all(
-            o in (Disposition.HANDLED, Disposition.DUPLICATE, Disposition.PARKED)
-            for o, _ in outcomes
+        if (
+            multiple
+            and not self._held
+            and all(
+                o in (Disposition.HANDLED, Disposition.DUPLICATE, Disposition.PARKED)
+                for o, _ in outcomes
+            )
         ):
             # Every earlier delivery is settled already: one frame acks the batch.
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
