@@ -30,6 +30,8 @@ import datetime
 import errno
 import logging
 import socket
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from struct import unpack_from
@@ -276,6 +278,58 @@ def to_delivery(received: Any, queue: str) -> Delivery:
     return Delivery(message, received)
 
 
+class Heartbeats:
+    """Sends the connection's heartbeats from a thread while the loop applies
+    messages (``Broker.busy``).  py-amqp sends them only when asked (``drain``
+    does), so a handler that ran for two heartbeat intervals got the connection
+    closed by the broker: an outage, every message in hand redelivered.
+
+    The thread only writes heartbeat frames, and only between ``start`` and
+    ``stop``, while the loop's thread makes no broker call; ``stop`` waits for a
+    frame being written.  It never reads: what the broker sends meanwhile (its
+    own heartbeats) waits in the socket for the next ``drain``, which reads it
+    before py-amqp checks that heartbeats arrived."""
+
+    def __init__(self, connection: Any, interval: float) -> None:
+        self._connection = connection
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._closed = False
+        self.sent = 0
+        threading.Thread(target=self._run, name="outbox-heartbeats", daemon=True).start()
+
+    def start(self) -> None:
+        self._busy.set()
+
+    def stop(self) -> None:
+        self._busy.clear()
+        with self._lock:  # a frame being written is written
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._busy.set()  # wakes the thread, which then ends
+
+    def _run(self) -> None:
+        while True:
+            self._busy.wait()
+            if self._closed:
+                return
+            # Every half interval: the broker closes a connection silent for two.
+            time.sleep(self._interval / 2)
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._busy.is_set():
+                    continue
+                try:
+                    self._connection.send_heartbeat()
+                except Exception:  # the loop's next broker call sees the connection gone
+                    return
+                self.sent += 1
+
+
 @contextlib.contextmanager
 def _nonblocking(conn: Connection) -> Iterator[None]:
     """The socket in non-blocking mode for a run of ``drain_events(timeout=0)``:
@@ -344,6 +398,7 @@ class Broker:
         self._received: list[Any] | None = None
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
         self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
+        self._heartbeats: Heartbeats | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -382,6 +437,9 @@ class Broker:
                 interval_max=0,
             )
             self._frames = BufferedFrames.install(getattr(conn.connection, "transport", None))
+            interval = float(getattr(conn.connection, "heartbeat", 0) or 0)
+            if interval > 0:
+                self._heartbeats = Heartbeats(conn.connection, interval)
             channel = conn.channel()
             if s.bindings:
                 self._declare(channel)
@@ -532,6 +590,20 @@ class Broker:
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The loop applies messages and makes no broker call meanwhile: the
+        connection's heartbeats are sent from a thread (``Heartbeats``)."""
+        heartbeats = self._heartbeats
+        if heartbeats is None:
+            yield
+            return
+        heartbeats.start()
+        try:
+            yield
+        finally:
+            heartbeats.stop()
+
     def stop_consuming(self) -> None:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""
         if self._consumer is not None and self.conn is not None:
@@ -542,6 +614,9 @@ class Broker:
     def close(self) -> None:
         self._consumer = None
         self._frames = None
+        if self._heartbeats is not None:
+            self._heartbeats.close()
+            self._heartbeats = None
         if self.conn is not None:
             # Closing a dead connection must not hide the error that killed it.
             with contextlib.suppress(Exception):

@@ -443,6 +443,10 @@ class BrokerPort(Protocol):
 
     def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None: ...
 
+    # Around the loop's handler calls, which make no broker call: the connection's
+    # heartbeats go on meanwhile.
+    def busy(self) -> contextlib.AbstractContextManager[None]: ...
+
     def stop_consuming(self) -> None: ...
 
     def close(self) -> None: ...
@@ -1094,7 +1098,9 @@ class Inbox:
             # A stream that the start-up check could not see (no configure permission).
             raise refuse(self.settings.queue, "its deliveries come from a stream")
         if not self._behind and policy.delivery_limit is None:  # the hot path
-            self._settle(deliveries, processor.process_batch([d.message for d in deliveries]))
+            with self.broker.busy():
+                outcomes = processor.process_batch([d.message for d in deliveries])
+            self._settle(deliveries, outcomes)
             self.stats.last_progress = time.monotonic()
             return
         ready: list[Any] = []
@@ -1103,13 +1109,16 @@ class Inbox:
             if key is not None and key in self._behind:
                 self._behind[key].append(delivery)
             elif last_delivery(delivery.message.headers, policy):
-                outcome = processor.process(delivery.message, last_delivery=True)
+                with self.broker.busy():
+                    outcome = processor.process(delivery.message, last_delivery=True)
                 # Acked alone: a multiple ack would also ack the earlier ones not applied yet.
                 self._settle([delivery], [outcome], multiple=False)
             else:
                 ready.append(delivery)
         if ready:
-            self._settle(ready, processor.process_batch([d.message for d in ready]))
+            with self.broker.busy():
+                outcomes = processor.process_batch([d.message for d in ready])
+            self._settle(ready, outcomes)
         self.stats.last_progress = time.monotonic()
 
     def _settle(
@@ -1181,9 +1190,10 @@ class Inbox:
         now = time.monotonic()
         for held in [h for h in self._held if h.due <= now]:
             delivery = held.delivery
-            outcome = processor.process_batch([delivery.message])[0]
-            if outcome[0] is Disposition.RETRY and now + outcome[1] - held.since > MAX_HOLD:
-                outcome = processor.give_up(delivery.message, outcome_reason(held, now))
+            with self.broker.busy():
+                outcome = processor.process_batch([delivery.message])[0]
+                if outcome[0] is Disposition.RETRY and now + outcome[1] - held.since > MAX_HOLD:
+                    outcome = processor.give_up(delivery.message, outcome_reason(held, now))
             if outcome[0] is Disposition.RETRY:
                 self._hold(delivery, outcome[1])
                 continue

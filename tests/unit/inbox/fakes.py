@@ -316,6 +316,9 @@ class FakeBroker:
             self.ready.insert(0, dataclasses.replace(delivery.message, redelivered=True))
             self.journal.append(f"reject {delivery.message.message_id}")
 
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def stop_consuming(self) -> None:
         pass
 
