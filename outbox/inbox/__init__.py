@@ -5,8 +5,9 @@ broker ports, and the process around them), its settings (``settings``), the
 kombu broker code (``broker``) and the AMQP property list read as it arrived
 (``properties``), the inbox and parked tables (``store``: statements only,
 ``inbox.sql``), what a handler sees of a delivery and what is kept of a parked
-one (``message``), the consumer's metrics and health endpoints (``metrics``) and
-``outbox parked`` (``parked``).
+one (``message``), what the queue's own policy (type, delivery limit, TTL) means
+for a message in hand (``policy``), the consumer's metrics and health endpoints
+(``metrics``) and ``outbox parked`` (``parked``).
 
 May import: ``outbox.db`` (connections and the shared SQL loader) and the plain
 modules of ``outbox``; never the relay.
