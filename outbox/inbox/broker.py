@@ -363,8 +363,8 @@ class QueueRefused(OutboxError):
 def refuse(queue: str, why: str) -> QueueRefused:
     return QueueRefused(
         f"cannot consume queue {queue!r}: {why}",
-        "consume a classic or quorum queue (bind one to the same exchange); see "
-        "'Queue types and their policies' in the consumer's documentation",
+        "consume a classic or quorum queue bound to the same exchange: "
+        "docs/how-to/consuming.md#queue-types-and-their-policies",
     )
 
 
