@@ -213,3 +213,24 @@ def test_inbox__a_message_at_its_last_delivery_is_acked_alone() -> None:
     passes(inbox, broker, 2)
     assert acked_when_called["a"] == ["ack b"]
     assert broker.journal == ["ack b", "ack a"]
+
+
+def test_inbox__a_message_still_failing_near_the_consumer_timeout_is_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held message whose next attempt would come after ``MAX_HOLD`` in hand (15
+    minutes; 0 here) is parked with the reason, not held into RabbitMQ's
+    consumer_timeout (which would close the channel and return everything in hand)."""
+    from outbox.inbox import loop
+
+    monkeypatch.setattr(loop, "MAX_HOLD", 0.0)
+    store = FakeStore()
+    broker = FakeBroker([message("bad", b"raise"), message("a", b"ok")])
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 3)
+    assert store.effects == ["a"]
+    assert [p.message_id for p in store.parked] == ["bad"]
+    assert "consumer_timeout" in store.parked[0].error
+    assert store.attempts.get("bad") is None  # parked: its count is gone with it
+    assert broker.unacked == []
