@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -118,8 +119,10 @@ def consume(
 ) -> None:
     """Consume QUEUE with exactly-once effects: HANDLER (MODULE:FUNCTION, or
     OUTBOX_HANDLER) is called as FUNCTION(conn, message) inside the transaction that
-    records message.message_id in the inbox; a message already there is acked and
-    skipped.  Runs until SIGTERM/SIGINT, then finishes the message in hand."""
+    records message.message_id in the inbox (awaited, with a psycopg AsyncConnection,
+    if it is an async def); a message already there is acked and skipped.  Runs until
+    SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox.inbox import aio
     from outbox.inbox import loop as inbox
     from outbox.inbox.store import render_sql
     from outbox.ops.deadletters import parse_age
@@ -143,11 +146,18 @@ def consume(
     configure(log_level, log_format)
     for noisy in ("amqp", "kombu"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    consumer = inbox.Inbox(inbox.load_handler(handler), settings)
+    loaded = inbox.load_handler(handler)
+    # An async def handler: the same consumer, its statements and handler awaited
+    # on an event loop of this process (outbox.inbox.aio).
+    loop = asyncio.new_event_loop() if aio.is_async(loaded) else None
+    consumer = (
+        inbox.Inbox(loaded, settings) if loop is None else aio.async_inbox(loaded, settings, loop)
+    )
     consumer.install_signal_handlers()
     endpoints = None
     try:
-        consumer.start()
+        if loop is None:
+            consumer.start()
         if metrics_port:
             from outbox.inbox.metrics import ConsumerEndpoints
 
@@ -161,11 +171,13 @@ def consume(
                 ) from exc
             emit(log, "consumer.endpoints", address=metrics_address, port=endpoints.port)
         freeze_startup_heap()
-        stats = consumer.run()
+        stats = consumer.run() if loop is None else loop.run_until_complete(aio.run_async(consumer))
     finally:
         if endpoints is not None:
             endpoints.close()
         consumer.close()
+        if loop is not None:
+            loop.close()
     summary = (
         f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "
         f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked"

@@ -12,7 +12,8 @@ for a message in hand (``policy``), the consumer's metrics and health endpoints
 May import: ``outbox.db`` (connections and the shared SQL loader) and the plain
 modules of ``outbox``; never the relay.
 
-``from outbox.inbox import consume`` is the public entry point.
+``from outbox.inbox import consume`` is the public entry point (``consume_async``
+for ``async def`` handlers inside an application's event loop: ``aio``).
 """
 
 # The public names load the loop (and kombu, which imports Django when it is
@@ -21,6 +22,7 @@ modules of ``outbox``; never the relay.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox.inbox.aio import consume_async
     from outbox.inbox.loop import (
         DEFAULT_INBOX_TABLE,
         ConsumerSettings,
@@ -40,11 +42,16 @@ __all__ = [
     "Inbox",
     "InboxMessage",
     "consume",
+    "consume_async",
     "load_handler",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "consume_async":
+        from outbox.inbox import aio
+
+        return aio.consume_async
     if name in __all__:
         from outbox.inbox import loop
 
