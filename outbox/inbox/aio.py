@@ -66,10 +66,19 @@ class Bridge:
         self.loop = loop
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self.loop.is_closed():
+        # Waiting on the loop's own thread, or for a loop that does not run, would
+        # wait for ever: refuse (the callers treat it as the session being gone).
+        if not self.loop.is_running() or _running_loop() is self.loop:
             coro.close()
-            raise DatabaseUnavailable("the application's event loop is closed")
+            raise DatabaseUnavailable("the application's event loop is not running")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 # Settings an AsyncConnection changes with a coroutine, not an attribute.
