@@ -191,11 +191,20 @@ def async_inbox(
         )
     bridge = Bridge(loop)
 
-    def awaited(conn: Any, message: InboxMessage) -> object:
-        async def on_loop() -> object:
-            return await handler(conn, message)
+    def awaited(conn: Any, message: InboxMessage) -> None:
+        async def on_loop() -> BaseException | None:
+            try:
+                await handler(conn, message)
+            except (SystemExit, KeyboardInterrupt) as exc:
+                # asyncio lets these out of the task into the loop's runner: they
+                # would end the application's loop.  They are this message's
+                # failure (the BaseException policy in ``loop``): raised below.
+                return exc
+            return None
 
-        return bridge.run(on_loop())
+        raised = bridge.run(on_loop())
+        if raised is not None:
+            raise raised
 
     sync_face: Handler = awaited
     return Inbox(sync_face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge))

@@ -215,6 +215,29 @@ def test_async__a_cancelled_handler_is_a_failed_attempt_and_the_consumer_goes_on
     assert inbox.stats.handler_failures == 1 and cancelled == [first]
 
 
+def test_async__system_exit_in_a_handler_fails_its_message_not_the_applications_loop(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """asyncio lets SystemExit and KeyboardInterrupt out of a task into the loop's
+    runner; a handler's must stay its message's failure (the BaseException policy)."""
+    [message_id] = new_ids(1)
+    calls: list[int] = []
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemExit(3)
+        await record_async(conn, message)
+
+    publish(topology, [(message_id, b"once")])
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == 1, 20, "the second attempt")
+        assert app_loop.thread.is_alive()
+    assert effects(consumer_dsn) == [(message_id, b"once")]
+    assert inbox.stats.handler_failures == 1
+
+
 def test_async__cancelling_consume_async_finishes_the_message_in_hand_and_takes_no_more(
     topology: Topology, consumer_dsn: str
 ) -> None:
