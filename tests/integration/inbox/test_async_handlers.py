@@ -189,8 +189,9 @@ def test_async__a_failing_handler_is_parked_as_the_sync_one_is(
     assert entry["headers"] == {"tenant": "acme"}
 
 
+@pytest.mark.parametrize("where", ["between_statements", "in_a_statement"])
 def test_async__a_cancelled_handler_is_a_failed_attempt_and_the_consumer_goes_on(
-    topology: Topology, consumer_dsn: str, app_loop: Loop
+    topology: Topology, consumer_dsn: str, app_loop: Loop, where: str
 ) -> None:
     first, second = new_ids(2)
     cancelled: list[str] = []
@@ -199,9 +200,12 @@ def test_async__a_cancelled_handler_is_a_failed_attempt_and_the_consumer_goes_on
         await record_async(conn, message)
         if message.message_id == first and not cancelled:
             cancelled.append(message.message_id)
+            if where == "in_a_statement":  # a timeout cancels the statement in flight
+                async with asyncio.timeout(0.2):
+                    await conn.execute("SELECT pg_sleep(5)")
             task = asyncio.current_task()
             assert task is not None
-            task.cancel()  # as a timeout or a shutdown of the application would
+            task.cancel()  # as a shutdown of the application would
             await asyncio.sleep(0)
 
     publish(topology, [(first, b"first"), (second, b"second")])
