@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -19,9 +20,8 @@ from outbox.cli.common import (
     metrics_port_option,
 )
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
-from outbox.config import DAY
 from outbox.events import configure
-from outbox.inbox.settings import MAX_PREFETCH
+from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY
 
 
 @click.command()
@@ -61,15 +61,24 @@ from outbox.inbox.settings import MAX_PREFETCH
     "--retry-delay",
     "OUTBOX_RETRY_DELAY",
     default=0.1,
-    type=FiniteFloatRange(0, 3600),
-    help="Seconds before a failed message goes back to the queue; doubles per attempt.",
+    type=FiniteFloatRange(0, MAX_RETRY_DELAY),
+    help="Seconds a failed message waits (in hand, the others going on) before its next "
+    "attempt; doubles per attempt.",
 )
 @env_option(
     "--retry-delay-max",
     "OUTBOX_RETRY_DELAY_MAX",
     default=5.0,
-    type=FiniteFloatRange(0, DAY),
-    help="Longest retry delay (s).",
+    type=FiniteFloatRange(0, MAX_RETRY_DELAY),
+    help="Longest retry delay (s), at least --retry-delay.",
+)
+@env_option(
+    "--delivery-limit",
+    "OUTBOX_DELIVERY_LIMIT",
+    default=None,
+    type=click.IntRange(0, None),
+    help="The queue's delivery limit when a policy sets it (an x-delivery-limit argument "
+    "is read from the queue).",
 )
 @env_option(
     "--inbox-retention",
@@ -107,8 +116,10 @@ def consume(
 ) -> None:
     """Consume QUEUE with exactly-once effects: HANDLER (MODULE:FUNCTION, or
     OUTBOX_HANDLER) is called as FUNCTION(conn, message) inside the transaction that
-    records message.message_id in the inbox; a message already there is acked and
-    skipped.  Runs until SIGTERM/SIGINT, then finishes the message in hand."""
+    records message.message_id in the inbox (awaited, with a psycopg AsyncConnection,
+    if it is an async def); a message already there is acked and skipped.  Runs until
+    SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox.inbox import aio
     from outbox.inbox import loop as inbox
     from outbox.inbox.store import render_sql
     from outbox.ops.deadletters import parse_age
@@ -132,9 +143,24 @@ def consume(
     configure(log_level, log_format)
     for noisy in ("amqp", "kombu"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    consumer = inbox.Inbox(inbox.load_handler(handler), settings)
+    loaded = inbox.load_handler(handler)
+    # An async def handler: the same consumer, its statements and handler awaited
+    # on an event loop of this process (outbox.inbox.aio).
+    loop = asyncio.new_event_loop() if aio.is_async(loaded) else None
+    consumer = (
+        inbox.Inbox(loaded, settings) if loop is None else aio.async_inbox(loaded, settings, loop)
+    )
     consumer.install_signal_handlers()
-    stats = inbox.serve(consumer, metrics_port=metrics_port, metrics_address=metrics_address)
+    try:
+        stats = inbox.serve(
+            consumer,
+            metrics_port=metrics_port,
+            metrics_address=metrics_address,
+            run=None if loop is None else lambda: loop.run_until_complete(aio.run_async(consumer)),
+        )
+    finally:
+        if loop is not None:
+            loop.close()
     if log_format != "json":  # the consumer.summary event, logged, has it all for JSON
         click.echo(
             f"consumer stopped: {stats.handled} handled, {stats.duplicates_skipped} duplicates "

@@ -46,7 +46,13 @@ def _parked_store(
 @consumer_server_options
 @operator_session_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
+@click.option(
+    "--limit",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, None),
+    help="Show at most this many.",
+)
 @known_errors
 def parked_list(
     as_json: bool,

@@ -53,26 +53,10 @@ def connect(
     """
     try:
         conn = psycopg.connect(
-            dsn,
-            autocommit=True,
-            row_factory=dict_row,
-            application_name=application_name,
-            connect_timeout=max(1, round(connect_timeout)),
-            # Notice a dead server or a cut network in seconds, not hours.
-            keepalives=1,
-            keepalives_idle=10,
-            keepalives_interval=5,
-            keepalives_count=3,
+            dsn, **connect_options(application_name=application_name, timeout=connect_timeout)
         )
     except psycopg.OperationalError as exc:
-        reason = first_line(exc)
-        raise DatabaseUnavailable(
-            f"cannot connect to PostgreSQL: {reason}",
-            "the server's certificate must be signed by the CA in sslrootcert= and name "
-            "the DSN's host (sslmode=verify-full)"
-            if "certificate" in reason
-            else "check --dsn / OUTBOX_DSN and that the server is running",
-        ) from exc
+        raise cannot_connect(exc) from exc
     if statement_timeout is not None or lock_timeout is not None:
         try:
             bound_statements(conn, statement_timeout, lock_timeout)
@@ -82,6 +66,33 @@ def connect(
                 f"cannot configure the PostgreSQL session: {first_line(exc)}"
             ) from exc
     return conn
+
+
+def connect_options(*, application_name: str, timeout: float) -> dict[str, Any]:
+    """The keyword arguments of every session's connect, sync (``psycopg.connect``)
+    or async (``psycopg.AsyncConnection.connect``)."""
+    return {
+        "autocommit": True,
+        "row_factory": dict_row,
+        "application_name": application_name,
+        "connect_timeout": max(1, round(timeout)),
+        # Notice a dead server or a cut network in seconds, not hours.
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+    }
+
+
+def cannot_connect(exc: psycopg.OperationalError) -> DatabaseUnavailable:
+    reason = first_line(exc)
+    return DatabaseUnavailable(
+        f"cannot connect to PostgreSQL: {reason}",
+        "the server's certificate must be signed by the CA in sslrootcert= and name "
+        "the DSN's host (sslmode=verify-full)"
+        if "certificate" in reason
+        else "check --dsn / OUTBOX_DSN and that the server is running",
+    )
 
 
 # How often a backend running one of our statements checks that we are still there.

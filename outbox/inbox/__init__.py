@@ -5,13 +5,15 @@ broker ports, and the process around them), its settings (``settings``), the
 kombu broker code (``broker``) and the AMQP property list read as it arrived
 (``properties``), the inbox and parked tables (``store``: statements only,
 ``inbox.sql``), what a handler sees of a delivery and what is kept of a parked
-one (``message``), the consumer's metrics and health endpoints (``metrics``) and
-``outbox parked`` (``parked``).
+one (``message``), what the queue's own policy (type, delivery limit, TTL) means
+for a message in hand (``policy``), the consumer's metrics and health endpoints
+(``metrics``) and ``outbox parked`` (``parked``).
 
 May import: ``outbox.db`` (connections and the shared SQL loader) and the plain
 modules of ``outbox``; never the relay.
 
-``from outbox.inbox import consume`` is the public entry point.
+``from outbox.inbox import consume`` is the public entry point (``consume_async``
+for ``async def`` handlers inside an application's event loop: ``aio``).
 """
 
 # The public names load the loop (and kombu, which imports Django when it is
@@ -20,6 +22,7 @@ modules of ``outbox``; never the relay.
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox.inbox.aio import consume_async
     from outbox.inbox.loop import (
         DEFAULT_INBOX_TABLE,
         ConsumerSettings,
@@ -39,11 +42,16 @@ __all__ = [
     "Inbox",
     "InboxMessage",
     "consume",
+    "consume_async",
     "load_handler",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "consume_async":
+        from outbox.inbox import aio
+
+        return aio.consume_async
     if name in __all__:
         from outbox.inbox import loop
 

@@ -30,6 +30,8 @@ import datetime
 import errno
 import logging
 import socket
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from struct import unpack_from
@@ -52,6 +54,13 @@ from outbox.inbox.message import (
     UNREADABLE_PROPERTIES,
     InboxMessage,
     to_inbox_message,
+)
+from outbox.inbox.policy import (
+    PROBE_TYPE,
+    QueuePolicy,
+    inequivalent,
+    policy_from,
+    refusal,
 )
 from outbox.inbox.settings import ConsumerSettings
 
@@ -269,6 +278,58 @@ def to_delivery(received: Any, queue: str) -> Delivery:
     return Delivery(message, received)
 
 
+class Heartbeats:
+    """Sends the connection's heartbeats from a thread while the loop applies
+    messages (``Broker.busy``).  py-amqp sends them only when asked (``drain``
+    does), so a handler that ran for two heartbeat intervals got the connection
+    closed by the broker: an outage, every message in hand redelivered.
+
+    The thread only writes heartbeat frames, and only between ``start`` and
+    ``stop``, while the loop's thread makes no broker call; ``stop`` waits for a
+    frame being written.  It never reads: what the broker sends meanwhile (its
+    own heartbeats) waits in the socket for the next ``drain``, which reads it
+    before py-amqp checks that heartbeats arrived."""
+
+    def __init__(self, connection: Any, interval: float) -> None:
+        self._connection = connection
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._closed = False
+        self.sent = 0
+        threading.Thread(target=self._run, name="outbox-heartbeats", daemon=True).start()
+
+    def start(self) -> None:
+        self._busy.set()
+
+    def stop(self) -> None:
+        self._busy.clear()
+        with self._lock:  # a frame being written is written
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._busy.set()  # wakes the thread, which then ends
+
+    def _run(self) -> None:
+        while True:
+            self._busy.wait()
+            if self._closed:
+                return
+            # Every half interval: the broker closes a connection silent for two.
+            time.sleep(self._interval / 2)
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._busy.is_set():
+                    continue
+                try:
+                    self._connection.send_heartbeat()
+                except Exception:  # the loop's next broker call sees the connection gone
+                    return
+                self.sent += 1
+
+
 @contextlib.contextmanager
 def _nonblocking(conn: Connection) -> Iterator[None]:
     """The socket in non-blocking mode for a run of ``drain_events(timeout=0)``:
@@ -293,6 +354,30 @@ class QueueMissing(OutboxError):
     exit_code = ExitCode.NOT_READY
 
 
+class QueueRefused(OutboxError):
+    """The queue's own policy would lose messages (a stream, a delivery limit of 0)."""
+
+    exit_code = ExitCode.USAGE
+
+
+def refuse(queue: str, why: str) -> QueueRefused:
+    return QueueRefused(
+        f"cannot consume queue {queue!r}: {why}",
+        "consume a classic or quorum queue bound to the same exchange: "
+        "docs/how-to/consuming.md#queue-types-and-their-policies",
+    )
+
+
+# The arguments the consumer asks a refused declare about, each with a value no
+# queue of ours has; what the broker answers replaces it (``read_policy``).
+_PROBED: dict[str, Any] = {
+    "x-queue-type": PROBE_TYPE,
+    "x-delivery-limit": -7,
+    "x-message-ttl": 2**31 - 7,
+    "x-dead-letter-exchange": "\x00outbox-probe",
+}
+
+
 def broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
     return (
         OSError,
@@ -312,6 +397,8 @@ class Broker:
         self._consumer: Consumer | None = None
         self._received: list[Any] | None = None
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
+        self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
+        self._heartbeats: Heartbeats | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -350,10 +437,17 @@ class Broker:
                 interval_max=0,
             )
             self._frames = BufferedFrames.install(getattr(conn.connection, "transport", None))
+            interval = float(getattr(conn.connection, "heartbeat", 0) or 0)
+            if interval > 0:
+                self._heartbeats = Heartbeats(conn.connection, interval)
             channel = conn.channel()
             if s.bindings:
                 self._declare(channel)
             self._check_queue(channel)
+            self.policy = self.read_policy(conn)
+            why = refusal(self.policy)
+            if why is not None:
+                raise refuse(s.queue, why)
             consumer = Consumer(
                 channel,
                 queues=[Queue(s.queue, no_declare=True)],
@@ -362,12 +456,50 @@ class Broker:
                 auto_declare=False,
             )
             consumer.consume()
-        except QueueMissing:
+        except (QueueMissing, QueueRefused):
             self.close()
             raise
         except errors as exc:
             raise self._translate("connecting", exc) from exc
         self._consumer = consumer
+
+    def read_policy(self, conn: Connection) -> QueuePolicy:
+        """The queue's type and the arguments that can drop a message, learnt from
+        declares the broker refuses (see ``outbox.inbox.policy``): each refusal
+        names one argument that differs and its value, which the next declare
+        carries, until a declare is equivalent.  A declare that is refused for
+        another reason (no ``configure`` permission) leaves the policy unknown;
+        ``--delivery-limit`` still counts."""
+        s = self.settings
+        version = str((conn.connection.server_properties or {}).get("version", ""))
+        asked = dict(_PROBED)
+        learnt: dict[str, Any] = {}
+        flags = {"durable": True, "auto_delete": False}
+        unknown = QueuePolicy(delivery_limit=s.delivery_limit)
+        for _ in range(2 * (len(_PROBED) + len(flags))):
+            channel = conn.channel()
+            try:
+                channel.queue_declare(queue=s.queue, arguments={**asked, **learnt}, **flags)
+            except Exception as exc:  # a refusal closes the channel
+                found = inequivalent(str(getattr(exc, "reply_text", "") or exc))
+                if found is None:
+                    emit(log, "consumer.queue_policy_unknown", logging.WARNING, error=repr(exc))
+                    return unknown
+                name, value = found
+                asked.pop(name, None)
+                if name in flags:
+                    flags[name] = value == "true"
+                elif value is None:
+                    learnt.pop(name, None)
+                else:
+                    learnt[name] = value
+                continue
+            with contextlib.suppress(*broker_errors(conn)):
+                channel.close()
+            policy = policy_from(learnt, stated_limit=s.delivery_limit, broker_version=version)
+            emit(log, "consumer.queue_policy", queue=s.queue, policy=policy.describe())
+            return policy
+        return unknown
 
     def _check_queue(self, channel: Any) -> None:
         try:
@@ -458,6 +590,20 @@ class Broker:
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The loop applies messages and makes no broker call meanwhile: the
+        connection's heartbeats are sent from a thread (``Heartbeats``)."""
+        heartbeats = self._heartbeats
+        if heartbeats is None:
+            yield
+            return
+        heartbeats.start()
+        try:
+            yield
+        finally:
+            heartbeats.stop()
+
     def stop_consuming(self) -> None:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""
         if self._consumer is not None and self.conn is not None:
@@ -468,6 +614,9 @@ class Broker:
     def close(self) -> None:
         self._consumer = None
         self._frames = None
+        if self._heartbeats is not None:
+            self._heartbeats.close()
+            self._heartbeats = None
         if self.conn is not None:
             # Closing a dead connection must not hide the error that killed it.
             with contextlib.suppress(Exception):

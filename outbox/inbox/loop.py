@@ -31,7 +31,9 @@ a result it fetches or a cursor property it reads (``rowcount``, ...) is waited 
 (``store.PipelinedCursor``); an error of its statement may only show at the sync,
 which breaks the batch, applied again one by one without pipelining.  A handler
 whose batch fails pipelined and succeeds one by one (COPY, an error caught where it
-was raised) turns pipelining off for the process (``consumer.pipeline_off``).
+was raised) turns pipelining off for the process (``consumer.pipeline_off``); a
+session lost meanwhile (a server restart, ``pg_terminate_backend``) is no such sign
+and leaves it on (``Broken.lost``).
 
 The handler contract, enforced after each call: a handler that raises (any
 ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
@@ -55,7 +57,7 @@ in an application) it may be Ctrl-C, so it also stops the consumer once the
 batch in hand is settled.
 
 Redelivered messages (AMQP ``redelivered``: delivered before and not acked, after
-a consumer died or lost its connection with them in hand, or a requeue) are
+a consumer died or lost its connection with them in hand) are
 applied one at a time after the others (``Processor.alone``)::
 
     start_attempt   lock the message's id (session advisory lock), then in its own
@@ -113,13 +115,23 @@ the database is back (parked with it at ``--max-attempts``); else parked unseen,
 with "the outcome of the last attempt unknown".
 
 A failed attempt is counted in ``<inbox>_attempts`` (once: a redelivered
-message's was counted before the call) and the message goes back to
-the queue after a short capped backoff (``--retry-delay``, doubling up to
-``--retry-delay-max``).  At ``--max-attempts`` it is parked in ``<inbox>_parked``
-(with its id recorded, in one transaction) and acked, so it never blocks the
-queue; ``outbox parked retry`` puts it back (as a new delivery, its count reset).
-A message without a ``message_id`` (or whose properties cannot be read) cannot be
-deduplicated: it is parked at once and the handler never sees it.
+message's was counted before the call) and the message waits in the consumer's
+hands, unacked, for a short capped backoff (``--retry-delay``, doubling up to
+``--retry-delay-max``), while the messages behind it go on, except those of its
+ordering key, which wait behind it (``Inbox._hold``).  It never goes back to the
+queue for a retry: a quorum queue would count a delivery against its
+``x-delivery-limit``, and a TTL would run.  At ``--max-attempts`` it is parked in
+``<inbox>_parked`` (with its id recorded, in one transaction) and acked, so it
+never blocks the queue; ``outbox parked retry`` puts it back (as a new delivery,
+its count reset).  A message without a ``message_id`` (or whose properties cannot
+be read) cannot be deduplicated: it is parked at once and the handler never sees it.
+
+The queue's own policy (``policy``, read at start-up): a stream is refused; on a
+quorum queue with a delivery limit, a crash of the consumer returns every message
+in hand and counts a delivery against each, so a message at its last delivery
+(``x-delivery-count`` at the limit) is applied before the others, alone, and acked
+at once, and one whose earlier attempt failed or did not finish is parked unseen
+(``plan``): the broker would drop it if this attempt killed the process too.
 
 Roles: ``Processor`` is one transaction of messages (the steps above; the
 database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
@@ -153,7 +165,7 @@ from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.durations import Durations
 from outbox.errors import DatabaseUnavailable, ExitCode, OutboxError
 from outbox.events import emit
-from outbox.inbox.broker import Broker, QueueMissing, QueuePublisher
+from outbox.inbox.broker import Broker, QueueMissing, QueuePublisher, QueueRefused, refuse
 from outbox.inbox.message import (
     KEPT_PROPERTIES,
     ORIGINAL_EXCHANGE_HEADER,
@@ -166,6 +178,7 @@ from outbox.inbox.message import (
     to_inbox_message,
 )
 from outbox.inbox.metrics import ConsumerEndpoints
+from outbox.inbox.policy import QueuePolicy, from_stream, last_delivery
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
@@ -196,7 +209,9 @@ __all__ = [
     "Plan",
     "Processor",
     "QueueMissing",
+    "QueuePolicy",
     "QueuePublisher",
+    "QueueRefused",
     "StorePort",
     "consume",
     "handler_left",
@@ -278,8 +293,9 @@ class ConsumerStats:
 class Disposition(enum.Enum):
     HANDLED = "handled"  # effect committed: ack
     DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
-    RETRY = "retry"  # handler failed: requeue after a delay
+    RETRY = "retry"  # handler failed: kept unacked, applied again after a delay
     PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
+    BEHIND = "behind"  # not applied: an earlier message of its ordering key waits to retry
 
 
 class Plan(enum.Enum):
@@ -288,13 +304,30 @@ class Plan(enum.Enum):
     PARK = "park"  # redelivered, its earlier attempts reached --max-attempts: parked unseen
 
 
-def plan(redelivered: bool, attempts: int, max_attempts: int) -> Plan:
+def plan(
+    redelivered: bool, attempts: int, max_attempts: int, *, last_delivery: bool = False
+) -> Plan:
     """How a message is applied (pure).  ``attempts``: the committed count of its
     earlier attempts, failed or unfinished (read only for a redelivered message:
-    a first delivery never costs a read)."""
+    a first delivery never costs a read).  ``last_delivery``: the queue drops the
+    message if it comes back once more (``policy.last_delivery``), so one that
+    failed or did not finish before is parked rather than risked: if its handler
+    kills the process, the broker would drop it."""
     if not redelivered:
         return Plan.BATCH
-    return Plan.PARK if attempts >= max_attempts else Plan.ALONE
+    if attempts >= max_attempts or (last_delivery and attempts >= 1):
+        return Plan.PARK
+    return Plan.ALONE
+
+
+def last_delivery_reason(attempts: int, policy: QueuePolicy, last_error: str) -> str:
+    """Why a message at the queue's last delivery is parked (``plan``)."""
+    why = (
+        f"its last delivery under the queue's delivery limit ({policy.delivery_limit}): "
+        f"{attempts} earlier attempt(s) failed or did not finish, and if this one killed "
+        "the consumer the broker would drop the message"
+    )
+    return f"{why}; the last error recorded: {last_error}" if last_error else why
 
 
 def unfinished_reason(attempts: int, last_error: str) -> str:
@@ -317,7 +350,7 @@ def unfinished_reason(attempts: int, last_error: str) -> str:
 def retry_delay(
     attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
 ) -> float:
-    """Seconds to hold a failed message before requeueing it (pure, capped)."""
+    """Seconds a failed message waits in hand for its next attempt (pure, capped)."""
     return backoff.delay(
         max(0, attempts - 1),
         initial=settings.retry_delay,
@@ -402,11 +435,19 @@ class BrokerPort(Protocol):
     @property
     def connected(self) -> bool: ...
 
+    # What the consumer knows of the queue's policy (read when the queue is opened).
+    @property
+    def policy(self) -> QueuePolicy: ...
+
     def open(self) -> None: ...
 
     def drain(self, timeout: float) -> Sequence[Any]: ...
 
     def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None: ...
+
+    # Around the loop's handler calls, which make no broker call: the connection's
+    # heartbeats go on meanwhile.
+    def busy(self) -> contextlib.AbstractContextManager[None]: ...
 
     def stop_consuming(self) -> None: ...
 
@@ -460,6 +501,8 @@ class Broken:
 
     message: InboxMessage | None
     reason: str
+    # The session was lost and replaced meanwhile: not the handler's doing.
+    lost: bool = False
 
 
 Dispositions = list[tuple[Disposition, float]]
@@ -468,7 +511,7 @@ Dispositions = list[tuple[Disposition, float]]
 # -- one transaction of messages ------------------------------------------------------------
 class Processor:
     """Apply messages through the inbox; no broker I/O.  Returns each message's
-    outcome and, for ``RETRY``, how long to wait before requeueing it.
+    outcome and, for ``RETRY``, how long to wait before its next attempt.
     ``DatabaseUnavailable`` means: an outage; do not ack; the messages come back and
     the inbox decides then."""
 
@@ -493,7 +536,10 @@ class Processor:
         # Batches run their handlers in pipeline mode (see ``transaction``) until a
         # handler shows it cannot (a batch fails there and every message of it
         # succeeds one by one: e.g. COPY, or logic on an error caught at once).
+        # A lost session is no such sign: pipelining stays on through outages.
         self.pipelining = store.pipelining
+        # The queue's policy (``Inbox`` sets it once the broker has read it).
+        self.policy = QueuePolicy()
 
     def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
@@ -506,7 +552,10 @@ class Processor:
         outcomes: list[tuple[Disposition, float]] = []
         first = [m for m in messages if not m.redelivered]
         applied = iter(self._batch(first) if first else [])
-        again = {i: self.process(m) for i, m in enumerate(messages) if m.redelivered}
+        redelivered = [i for i, m in enumerate(messages) if m.redelivered]
+        again = dict(
+            zip(redelivered, self.one_by_one([messages[i] for i in redelivered]), strict=True)
+        )
         for i in range(len(messages)):
             outcomes.append(again[i] if i in again else next(applied))
         return outcomes
@@ -519,10 +568,11 @@ class Processor:
         done = self.transaction(usable, pipelined=pipelined)
         if isinstance(done, Broken):
             emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=done.reason)
-            replayed = [self.process(m) for m in messages]
+            replayed = self.one_by_one(messages)
             if (
                 pipelined
                 and done.message is not None
+                and not done.lost
                 and all(o in (Disposition.HANDLED, Disposition.DUPLICATE) for o, _ in replayed)
             ):
                 # Failed in pipeline mode, applied without it: this handler needs
@@ -533,19 +583,41 @@ class Processor:
         applied = iter(done)
         return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
 
-    def process(self, message: InboxMessage) -> tuple[Disposition, float]:
-        """Apply one message in its own transaction (a redelivered one: ``alone``)."""
+    def one_by_one(self, messages: Sequence[InboxMessage]) -> Dispositions:
+        """``process`` each message in turn, except those of an ordering key whose
+        earlier message failed here: they stay ``BEHIND`` it, unapplied, so that
+        the key keeps its order."""
+        outcomes: Dispositions = []
+        failed: set[str] = set()
+        for message in messages:
+            key = message.ordering_key
+            if key is not None and key in failed:
+                outcomes.append((Disposition.BEHIND, 0.0))
+                continue
+            outcome = self.process(message)
+            if outcome[0] is Disposition.RETRY and key is not None:
+                failed.add(key)
+            outcomes.append(outcome)
+        return outcomes
+
+    def process(
+        self, message: InboxMessage, *, last_delivery: bool = False
+    ) -> tuple[Disposition, float]:
+        """Apply one message in its own transaction (a redelivered one: ``alone``;
+        ``last_delivery``: see ``plan``)."""
         self.settle_owed()
         if _unusable(message):
             return self._park_unusable(message)
         if message.redelivered:
-            return self.alone(message)
+            return self.alone(message, last_delivery=last_delivery)
         done = self.transaction([message])
         if isinstance(done, Broken):
             return self._failed(message, done.reason)
         return done[0]
 
-    def alone(self, message: InboxMessage) -> tuple[Disposition, float]:
+    def alone(
+        self, message: InboxMessage, *, last_delivery: bool = False
+    ) -> tuple[Disposition, float]:
         """A redelivered message: it may be the one that killed the consumer that
         held it (a segfault, the OOM killer, ``os._exit`` in its handler), which no
         ``except`` can count.  So its attempt is committed before the handler is
@@ -563,8 +635,8 @@ class Processor:
         if started.duplicate:  # lock released already
             return self._duplicate(message)
         try:
-            if plan(True, started.earlier, max_attempts) is Plan.PARK:
-                outcome = self._park_unfinished(message, started)
+            if plan(True, started.earlier, max_attempts, last_delivery=last_delivery) is Plan.PARK:
+                outcome = self._park_unfinished(message, started, last_delivery=last_delivery)
             else:
                 self._counted = message
                 try:
@@ -718,7 +790,22 @@ class Processor:
                 self.stats.handler_failures += 1  # its error is recorded later
                 self._owe(message, reason, counted=message is self._counted)
                 raise
+            return Broken(message, reason, lost=True)
         return Broken(message, reason)
+
+    def give_up(self, message: InboxMessage, reason: str) -> tuple[Disposition, float]:
+        """Park a message whose failed attempts are counted already, now."""
+        message_id = str(message.message_id)
+        failure = self.store.record_failure(
+            message_id,
+            text_safe(reason),
+            max_attempts=1,
+            parking=parking_for(message, reason),
+            counted=True,
+        )
+        if failure.duplicate:
+            return self._duplicate(message)
+        return self._parked(message_id, failure.attempts, reason, why="failed")
 
     def _owe(self, message: InboxMessage, reason: str, *, counted: bool) -> None:
         self.owed.append((message, f"{reason} (then the database was unreachable)", counted))
@@ -747,16 +834,23 @@ class Processor:
         return Disposition.PARKED, 0.0
 
     def _park_unfinished(
-        self, message: InboxMessage, started: Started
+        self, message: InboxMessage, started: Started, *, last_delivery: bool = False
     ) -> tuple[Disposition, float]:
         """``Plan.PARK``: the attempts counted reached the limit and the last one
-        never finished; parked (id recorded, one transaction) without a call."""
+        never finished (or, ``last_delivery``, the queue would drop the message if
+        it came back once more); parked (id recorded, one transaction) without a
+        call."""
         message_id = str(message.message_id)
-        reason = unfinished_reason(started.earlier, started.last_error)
+        if last_delivery and started.earlier < self.settings.max_attempts:
+            reason = last_delivery_reason(started.earlier, self.policy, started.last_error)
+            limit = 1  # park it now, whatever its count
+        else:
+            reason = unfinished_reason(started.earlier, started.last_error)
+            limit = self.settings.max_attempts
         failure = self.store.record_failure(
             message_id,
             text_safe(reason),
-            max_attempts=self.settings.max_attempts,
+            max_attempts=limit,
             parking=parking_for(message, reason),
             counted=True,
         )
@@ -865,6 +959,10 @@ class Inbox:
         self.broker: BrokerPort = broker if broker is not None else Broker(settings)
         self._connect_store = connect_store or _connect_store
         self._next_prune = 0.0
+        # Failed messages waiting, unacked, for their next attempt (``_hold``), and
+        # per ordering key of one of them, the later messages of that key.
+        self._held: list[_Held] = []
+        self._behind: dict[str, list[Any]] = {}
 
     # -- control --------------------------------------------------------------
     def stop(self) -> None:
@@ -891,6 +989,7 @@ class Inbox:
             self._connect_database()
         if not self.broker.connected:
             self.broker.open()
+        self._adopt_policy()
         self._maybe_prune()
         s = self.settings
         emit(
@@ -901,6 +1000,7 @@ class Inbox:
             inbox=s.inbox_table,
             prefetch=s.prefetch,
             batch=s.batch_size,
+            queue_policy=self.broker.policy.describe(),
         )
 
     def run(self) -> ConsumerStats:
@@ -914,13 +1014,17 @@ class Inbox:
                     self._connect_database()
                 if not self.broker.connected:
                     self.broker.open()
+                    self._adopt_policy()
                 self._maybe_prune()
-                deliveries = self.broker.drain(timeout=1.0)
+                deliveries = self.broker.drain(timeout=self._drain_timeout())
                 if deliveries:
                     self._handle(deliveries)
+                self._retry_due()
                 self.stats.last_progress = time.monotonic()
                 self.stats.last_error = None
                 failures = 0
+            except QueueRefused:
+                raise
             except OutboxError as exc:  # an outage, or a statement the server refused
                 self._outage(exc, failures)
                 failures += 1
@@ -946,7 +1050,9 @@ class Inbox:
         self.stats.last_error = exc.message
         self.stats.last_progress = time.monotonic()  # backing off is progress
         # Unacked messages go back to the queue; the inbox decides when they return.
+        # Those held for a retry too: their deliveries end with the channel.
         self.broker.close()
+        self._held, self._behind = [], {}
         # A new session as well, also after a refused statement: one of the consumer's
         # own statements fails on a session whose settings a handler changed for good
         # (a plain SET search_path that committed); a new session starts clean.
@@ -975,6 +1081,7 @@ class Inbox:
                 self.stats,
                 on_interrupt=None if self._signal_handlers else self.stop,
             )
+            self.processor.policy = self.broker.policy
         else:  # the same processor: it may owe attempts from before the outage
             self.processor.store = store
 
@@ -994,30 +1101,145 @@ class Inbox:
         self._next_prune = now + (1.0 if full else self.settings.prune_interval)
 
     # -- the deliveries in hand -----------------------------------------------------
+    def _adopt_policy(self) -> None:
+        if self.processor is not None:
+            self.processor.policy = self.broker.policy
+
     def _handle(self, deliveries: Sequence[Any]) -> None:
-        """Apply, then settle: ack what committed (or was skipped or parked); hold
-        failed ones for their retry delay and put them back on the queue."""
+        """Apply, then settle: ack what committed (or was skipped or parked); keep
+        failed ones in hand for their next attempt (``_hold``).  A message of an
+        ordering key whose earlier message waits for a retry waits behind it.  A
+        message at the queue's last delivery is applied first, alone, and acked at
+        once: a later handler that kills the process would make the broker drop it."""
         processor = self.processor
         if processor is None:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
-        messages = [d.message for d in deliveries]
-        outcomes = processor.process_batch(messages)
+        policy = self.broker.policy
+        if not policy.queue_type and any(from_stream(d.message.headers) for d in deliveries):
+            # A stream that the start-up check could not see (no configure permission).
+            raise refuse(self.settings.queue, "its deliveries come from a stream")
+        if not self._behind and policy.delivery_limit is None:  # the hot path
+            with self.broker.busy():
+                outcomes = processor.process_batch([d.message for d in deliveries])
+            self._settle(deliveries, outcomes)
+            self.stats.last_progress = time.monotonic()
+            return
+        ready: list[Any] = []
+        for delivery in deliveries:
+            key = delivery.message.ordering_key
+            if key is not None and key in self._behind:
+                self._behind[key].append(delivery)
+            elif last_delivery(delivery.message.headers, policy):
+                with self.broker.busy():
+                    outcome = processor.process(delivery.message, last_delivery=True)
+                # Acked alone: a multiple ack would also ack the earlier ones not applied yet.
+                self._settle([delivery], [outcome], multiple=False)
+            else:
+                ready.append(delivery)
+        if ready:
+            with self.broker.busy():
+                outcomes = processor.process_batch([d.message for d in ready])
+            self._settle(ready, outcomes)
+        self.stats.last_progress = time.monotonic()
+
+    def _settle(
+        self, deliveries: Sequence[Any], outcomes: Dispositions, *, multiple: bool = True
+    ) -> None:
+        """Ack, hold or put behind each delivery by its outcome.  ``multiple``: every
+        delivery before these is settled already (one frame may ack them all)."""
         if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
             faults.reached("consume_after_commit")
         settled = list(zip(deliveries, outcomes, strict=True))
-        retries = [(d, delay) for d, (outcome, delay) in settled if outcome is Disposition.RETRY]
-        if not retries:
+        if (
+            multiple
+            and not self._held
+            and all(
+                o in (Disposition.HANDLED, Disposition.DUPLICATE, Disposition.PARKED)
+                for o, _ in outcomes
+            )
+        ):
             # Every earlier delivery is settled already: one frame acks the batch.
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
-        else:
-            for delivery, (outcome, _) in settled:
-                if outcome is not Disposition.RETRY:
-                    self.broker.settle(delivery, ack=True)
-            self.stats.retried += len(retries)
-            self._stop.wait(max(delay for _, delay in retries))  # a stop cuts it short
-            for delivery, _ in retries:
-                self.broker.settle(delivery, ack=False)
-        self.stats.last_progress = time.monotonic()
+            return
+        for delivery, (outcome, delay) in settled:
+            if outcome is Disposition.RETRY:
+                self._hold(delivery, delay)
+            elif outcome is Disposition.BEHIND:
+                self._behind[delivery.message.ordering_key].append(delivery)
+            else:
+                self.broker.settle(delivery, ack=True)
+                self._release(delivery)
+
+    def _hold(self, delivery: Any, delay: float) -> None:
+        """Keep a failed message in hand, unacked, until its next attempt, while the
+        others go on.  Nothing goes back to the queue: no delivery is counted
+        against a quorum queue's limit, no TTL runs, and the message keeps its
+        place.  Its ordering key, if any, waits with it."""
+        now = time.monotonic()
+        previous = next((h for h in self._held if h.delivery is delivery), None)
+        since = previous.since if previous is not None else now
+        self._held = [h for h in self._held if h.delivery is not delivery]
+        self._held.append(_Held(delivery, now + delay, since))
+        self.stats.retried += 1
+        key = delivery.message.ordering_key
+        if key is not None:
+            self._behind.setdefault(key, [])
+
+    def _release(self, delivery: Any) -> None:
+        """``delivery`` is settled: the messages of its key waiting behind it go on."""
+        key = delivery.message.ordering_key
+        if key is None or key not in self._behind:
+            return
+        if any(h.delivery.message.ordering_key == key for h in self._held):
+            return
+        waiting = self._behind.pop(key)
+        if waiting:
+            self._handle(waiting)
+
+    def _drain_timeout(self) -> float:
+        if not self._held:
+            return 1.0
+        due = min(h.due for h in self._held)
+        return min(1.0, max(0.0, due - time.monotonic()))
+
+    def _retry_due(self) -> None:
+        """The next attempt of each held message whose delay is over (on a stop,
+        those still held go back to the queue when the channel closes)."""
+        processor = self.processor
+        if processor is None:
+            return
+        now = time.monotonic()
+        for held in [h for h in self._held if h.due <= now]:
+            delivery = held.delivery
+            with self.broker.busy():
+                outcome = processor.process_batch([delivery.message])[0]
+                if outcome[0] is Disposition.RETRY and now + outcome[1] - held.since > MAX_HOLD:
+                    outcome = processor.give_up(delivery.message, outcome_reason(held, now))
+            if outcome[0] is Disposition.RETRY:
+                self._hold(delivery, outcome[1])
+                continue
+            self._held.remove(held)
+            self.broker.settle(delivery, ack=True)
+            self._release(delivery)
+
+
+# A failed message is kept in hand (unacked) for at most this long: RabbitMQ closes
+# the channel of a delivery unacked for ``consumer_timeout`` (30 min by default).
+MAX_HOLD = 15 * 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    delivery: Any
+    due: float  # monotonic time of its next attempt
+    since: float  # when it first failed in this delivery
+
+
+def outcome_reason(held: _Held, now: float) -> str:
+    return (
+        f"still failing after {now - held.since:.0f} s in the consumer's hands; its next "
+        f"attempt would come after {MAX_HOLD:.0f} s, near RabbitMQ's consumer_timeout"
+    )
 
 
 def _connect_store(settings: ConsumerSettings) -> InboxStore:
@@ -1030,11 +1252,19 @@ def _connect_store(settings: ConsumerSettings) -> InboxStore:
 
 
 def serve(
-    inbox: Inbox, *, metrics_port: int = 0, metrics_address: str = "0.0.0.0"
+    inbox: Inbox,
+    *,
+    metrics_port: int = 0,
+    metrics_address: str = "0.0.0.0",
+    run: Callable[[], ConsumerStats] | None = None,
 ) -> ConsumerStats:
     """What ``outbox consume`` and ``consume()`` run (``outbox.lifecycle.serve``): the
     endpoints on ``metrics_port`` (0: none), ``start``, ``run`` until stopped,
-    ``close``, and the ``consumer.summary`` event.  Signals are the caller's."""
+    ``close``, and the ``consumer.summary`` event.  Signals are the caller's.
+
+    ``run``: what starts and runs the consumer instead of ``inbox.start`` and
+    ``inbox.run`` (an async handler's, ``outbox.inbox.aio.run_async`` on the
+    command's event loop, which starts the inbox on a thread of its own)."""
 
     def endpoints() -> ConsumerEndpoints:
         return ConsumerEndpoints(inbox, port=metrics_port, address=metrics_address)
@@ -1049,8 +1279,8 @@ def serve(
 
     return lifecycle.serve(
         "consumer",
-        start=inbox.start,
-        run=inbox.run,
+        start=inbox.start if run is None else lambda: None,
+        run=inbox.run if run is None else run,
         close=inbox.close,
         endpoints=endpoints if metrics_port else None,
         stopped="consumer.summary",

@@ -13,6 +13,13 @@ from outbox.tables import TABLE_NAME
 
 # basic.qos carries the prefetch count in 16 bits.
 MAX_PREFETCH = 65535
+# A failed message waits for its next attempt in the consumer's hands (``Inbox``),
+# unacked; RabbitMQ closes the channel of a delivery unacked for ``consumer_timeout``
+# (30 min by default).  One delay stays well below that.
+MAX_RETRY_DELAY = 600.0
+# Ids younger than this are never pruned: the relay's duplicates arrive within seconds
+# of the original, and a shorter window would apply them again.
+MIN_INBOX_RETENTION = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +47,9 @@ class ConsumerSettings:
     backoff_max: float = 30.0
     connect_timeout: float = 10.0
     heartbeat: int = 60
+    # The queue's delivery limit when a policy sets it (the consumer reads the
+    # ``x-delivery-limit`` argument itself, not policies: ``broker.read_policy``).
+    delivery_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.queue:
@@ -57,8 +67,24 @@ class ConsumerSettings:
                 raise ValueError(f"{name}: the name {problem}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.inbox_retention <= 0:
-            raise ValueError("inbox_retention must be positive")
+        if not self.inbox_retention >= MIN_INBOX_RETENTION:
+            raise ValueError(
+                f"inbox retention must be at least {MIN_INBOX_RETENTION:g} s (1m): a shorter "
+                "window applies the relay's duplicates again"
+            )
+        if not 0 <= self.retry_delay <= self.retry_delay_max <= MAX_RETRY_DELAY:
+            raise ValueError(
+                "retry delays must be 0 <= --retry-delay <= --retry-delay-max <= "
+                f"{MAX_RETRY_DELAY:g} s (a failed message waits unacked, below RabbitMQ's "
+                f"consumer_timeout); got {self.retry_delay:g} and {self.retry_delay_max:g}"
+            )
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(
+                f"--backoff-max ({self.backoff_max:g}) must be at least --backoff-initial "
+                f"({self.backoff_initial:g})"
+            )
+        if self.delivery_limit is not None and self.delivery_limit < 0:
+            raise ValueError("delivery_limit must be 0 or more")
 
     @property
     def consumer(self) -> str:

@@ -259,7 +259,8 @@ class InboxStore:
         self._attempt_session: psycopg.Connection[Any] | None = None
         self.conn = self._connect()
 
-    def _connect(self) -> psycopg.Connection[Any]:
+    def _open(self) -> psycopg.Connection[Any]:
+        """A new session (``outbox.inbox.aio`` opens an ``AsyncConnection`` instead)."""
         conn: psycopg.Connection[Any] = connect(
             self._dsn,
             application_name=self._application_name,
@@ -270,6 +271,10 @@ class InboxStore:
         # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
         conn.row_factory = tuple_row
         conn.cursor_factory = PipelinedCursor
+        return conn
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = self._open()
         try:
             conn.execute("SET default_transaction_read_only = on")
             row = conn.execute(

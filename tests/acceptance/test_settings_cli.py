@@ -276,6 +276,12 @@ CONSUMER_NONSENSE = [
     (["--inbox-retention", "soon"], "--inbox-retention"),
     (["--backoff-max", "nan"], "--backoff-max"),
     (["--dsn", "host=db password=sekrit port=x:y"], "--dsn"),
+    # Issue 31, item 8: contradictory or useless values, once accepted.
+    (["--retry-delay", "10", "--retry-delay-max", "1"], "--retry-delay-max"),
+    (["--retry-delay-max", "86400"], "--retry-delay-max"),
+    (["--backoff-initial", "100", "--backoff-max", "1"], "--backoff-max"),
+    (["--inbox-retention", "0.0001s"], "retention must be at least"),
+    (["--delivery-limit", "-1"], "--delivery-limit"),
 ]
 
 
@@ -296,6 +302,9 @@ def test_consume__a_nonsense_option_is_one_line_and_exit_2(args: list[str], says
         ["purge", "--older-than", "soon"],
         ["purge", "--older-than", "99999999999999999999w"],
         ["list", "--connect-timeout", "nan"],
+        # Issue 31, item 8: once exit 1 with a privilege hint, and "no parked messages".
+        ["list", "--limit", "-1"],
+        ["list", "--limit", "0"],
     ],
     ids=" ".join,
 )

@@ -118,6 +118,75 @@ def act(conn, message):
         psycopg.connect("postgresql://nobody@127.0.0.1:1/nothing", connect_timeout=1)
     else:
         raise AssertionError(f"unknown behaviour {what!r}")
+
+
+async def act_async(conn, message):
+    """``act`` as an async def handler on the consumer's AsyncConnection (the
+    behaviours the property test mixes, and ``cancel``)."""
+    import asyncio
+
+    what = message.body.split(b":", 1)[0].decode()
+    insert = sql.SQL("INSERT INTO {} (message_id, body) VALUES (%s, %s)").format(EFFECTS)
+    if what in ("ok", "set_search_path", "commit", "commit_more", "rollback", "close",
+                "swallow", "row_factory", "autocommit", "read_only", "sleep", "cancel",
+                "terminate") or (what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED")):
+        await conn.execute(insert, [message.message_id, message.body])
+    if what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
+        return
+    if what == "ok":
+        return
+    if what == "raise":
+        raise RuntimeError("the handler refuses " + repr(message.body[:20]))
+    if what == "raise_nul":
+        raise ValueError("text with a NUL \x00 and a lone surrogate \udcff")
+    if what == "exit":
+        raise SystemExit(3)
+    if what == "interrupt":
+        raise KeyboardInterrupt
+    if what == "fatal":
+        raise Fatal("a BaseException")
+    if what == "cancel":  # the handler's task is cancelled (a timeout, a shutdown)
+        asyncio.current_task().cancel()
+        await asyncio.sleep(0)
+    elif what == "commit":
+        await conn.execute("COMMIT")
+    elif what == "commit_more":
+        await conn.commit()
+        await conn.execute("SELECT 1")
+    elif what == "rollback":
+        await conn.rollback()
+    elif what == "close":
+        await conn.close()
+    elif what == "swallow":
+        try:
+            await conn.execute("SELECT 1/0")
+        except psycopg.Error:
+            pass
+    elif what == "row_factory":
+        conn.row_factory = dict_row
+    elif what == "autocommit":
+        await conn.set_autocommit(not conn.autocommit)
+    elif what == "read_only":
+        await conn.set_read_only(True)
+    elif what == "sleep":
+        await asyncio.sleep(float(os.environ.get("HANDLER_SLEEP", "1.5")))
+    elif what == "statement_timeout":
+        await conn.execute("SET LOCAL statement_timeout = 100")
+        await conn.execute("SELECT pg_sleep(1)")
+    elif what == "terminate":
+        await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    elif what == "set_search_path":
+        await conn.execute("SELECT set_config('search_path', 'nowhere', false)")
+    elif what == "die":
+        os._exit(1)
+    elif what == "sigkill":
+        os.kill(os.getpid(), 9)
+    elif what == "own_connect":
+        await psycopg.AsyncConnection.connect(
+            "postgresql://nobody@127.0.0.1:1/nothing", connect_timeout=1
+        )
+    else:
+        raise AssertionError(f"unknown behaviour {what!r}")
 '''
 
 

@@ -149,3 +149,39 @@ def test_pipeline__a_handler_outliving_the_idle_timeout_fails_only_its_message(
         processor.store.close()
     assert outcomes == [Disposition.HANDLED, Disposition.RETRY, Disposition.HANDLED]
     assert sorted(m for m, _ in effects(consumer_dsn)) == sorted([ids[0], ids[2]])
+
+
+def test_pipeline__a_session_lost_in_a_batch_leaves_pipelining_on(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """Issue 31, item 8: the server ends the consumer's session in the middle of a
+    pipelined batch (``pg_terminate_backend`` from another session, as a restart or
+    an operator would).  The batch is applied again one by one and every message
+    succeeds; that is no sign of a handler that cannot run pipelined, so the next
+    batch is pipelined again (before: pipelining stayed off for the process)."""
+    modes: list[PipelineStatus] = []
+    terminated: list[int] = []
+
+    def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
+        modes.append(conn.pgconn.pipeline_status)
+        record(conn, message)
+        if not terminated:
+            terminated.append(conn.info.backend_pid)
+            with psycopg.connect(consumer_dsn, autocommit=True) as other:
+                other.execute("SELECT pg_terminate_backend(%s)", [conn.info.backend_pid])
+
+    processor = _processor(consumer_dsn, topology, handler)
+    try:
+        first = [
+            o for o, _ in processor.process_batch([_message(m, topology.queue) for m in new_ids(3)])
+        ]
+        modes.clear()
+        second = [
+            o for o, _ in processor.process_batch([_message(m, topology.queue) for m in new_ids(3)])
+        ]
+    finally:
+        processor.store.close()
+    assert first == second == [Disposition.HANDLED] * 3
+    assert processor.pipelining
+    assert modes == [PipelineStatus.ON] * 3
+    assert len(effects(consumer_dsn)) == 6

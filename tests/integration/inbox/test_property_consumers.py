@@ -144,20 +144,23 @@ def _rows(dsn: str, query: sql.Composable) -> list[tuple[Any, ...]]:
         return conn.execute(query).fetchall()
 
 
-@hypothesis_settings(
-    max_examples=EXAMPLES,
+PROPERTY_SETTINGS = hypothesis_settings(
     deadline=None,
     # No shrinking: each example runs live processes for seconds; the failing mix is
     # printed as generated.
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(
+EXAMPLE = given(
     mix=mixes(),
     prefetch=st.sampled_from([1, 4, 10]),
     kills=st.lists(st.floats(0.1, 2.5), max_size=3),
     seed=st.integers(0, 2**32),
 )
+
+
+@hypothesis_settings(PROPERTY_SETTINGS, max_examples=EXAMPLES)
+@EXAMPLE
 def test_property__every_message_in_exactly_one_place_whatever_it_holds_and_does(
     topology: Topology,
     consumer_db: str,
@@ -167,6 +170,37 @@ def test_property__every_message_in_exactly_one_place_whatever_it_holds_and_does
     kills: list[float],
     seed: int,
 ) -> None:
+    check_property(topology, consumer_db, tmp_path, mix, prefetch, kills, seed, "act")
+
+
+@hypothesis_settings(PROPERTY_SETTINGS, max_examples=max(1, EXAMPLES // 2))
+@EXAMPLE
+def test_property__the_same_with_an_async_def_handler(
+    topology: Topology,
+    consumer_db: str,
+    tmp_path: Path,
+    mix: list[Sent],
+    prefetch: int,
+    kills: list[float],
+    seed: int,
+) -> None:
+    """Issue 31, item 5: ``support.act_async``, the same behaviours on the consumer's
+    AsyncConnection, and ``cancel`` (the handler's task cancelled) among them."""
+    mix = [dataclasses.replace(m, behaviour="cancel") if m.number == 0 else m for m in mix]
+    check_property(topology, consumer_db, tmp_path, mix, prefetch, kills, seed, "act_async")
+
+
+def check_property(
+    topology: Topology,
+    consumer_db: str,
+    tmp_path: Path,
+    mix: list[Sent],
+    prefetch: int,
+    kills: list[float],
+    seed: int,
+    function: str,
+) -> None:
+    print(f"seed {seed}, handler {function}")
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]
     queue, inbox, effects = f"{topology.queue}.{run}", f"inbox_{run}", f"effects_{run}"
@@ -184,6 +218,7 @@ def test_property__every_message_in_exactly_one_place_whatever_it_holds_and_does
     dsn = f"{consumer_db} options='-c idle_in_transaction_session_timeout=300'"
     per_queue = dataclasses.replace(topology, queue=queue)
     options: dict[str, Any] = {
+        "function": function,
         "max_attempts": 2,
         "prefetch": prefetch,
         "env": {"OUTBOX_INBOX_TABLE": inbox, "EFFECTS_TABLE": effects, "HANDLER_SLEEP": "0.5"},

@@ -19,6 +19,7 @@ from typing import Any
 
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.inbox.message import InboxMessage, Parking
+from outbox.inbox.policy import QueuePolicy
 from outbox.inbox.store import SETTINGS, Failure, SessionState, Started
 
 Journal = list[str]
@@ -280,6 +281,7 @@ class FakeBroker:
         self.acked: list[InboxMessage] = []
         self.prefetch = prefetch
         self.connected = False
+        self.policy = QueuePolicy()
         self._tag = 0
         self.journal: Journal = []
         self.fail_next: dict[str, OutboxError] = {}
@@ -313,6 +315,9 @@ class FakeBroker:
             self.unacked.remove(delivery)
             self.ready.insert(0, dataclasses.replace(delivery.message, redelivered=True))
             self.journal.append(f"reject {delivery.message.message_id}")
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def stop_consuming(self) -> None:
         pass

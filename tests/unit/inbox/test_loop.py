@@ -257,16 +257,26 @@ def test_handler_left__nothing_when_the_transaction_is_as_it_was() -> None:
 
 
 # -- the process on fakes ---------------------------------------------------------------------
-def test_inbox__acks_handled_requeues_failed_and_parks_at_max_attempts() -> None:
+def passes(inbox: Inbox, broker: FakeBroker, count: int) -> None:
+    """What ``Inbox.run`` does per pass (drain, apply, retry held messages that are
+    due), ``count`` times at most, until nothing is delivered or held."""
+    for _ in range(count):
+        deliveries = broker.drain(0)
+        if deliveries:
+            inbox._handle(deliveries)
+        inbox._retry_due()
+        if not deliveries and not inbox._held:
+            return
+
+
+def test_inbox__acks_handled_holds_failed_and_parks_at_max_attempts() -> None:
     store = FakeStore()
     broker = FakeBroker([message("a", b"ok"), message("b", b"raise"), message("c", b"ok")])
     inbox = Inbox(act, SETTINGS_FOR_TESTS, broker=broker, connect_store=lambda _: store)
     inbox.start()
-    for _ in range(4):
-        deliveries = broker.drain(0)
-        if deliveries:
-            inbox._handle(deliveries)
+    passes(inbox, broker, 4)
     assert broker.ready == [] and broker.unacked == []
+    assert not [j for j in broker.journal if j.startswith("reject")]  # never returned
     assert sorted(store.effects) == ["a", "c"]
     assert [p.message_id for p in store.parked] == ["b"]
     assert inbox.stats.retried == 1 and inbox.stats.parked == 1
@@ -295,11 +305,7 @@ def test_property__every_message_ends_in_exactly_one_place(
     broker = FakeBroker(messages, prefetch=prefetch)
     inbox = Inbox(act, SETTINGS_FOR_TESTS, broker=broker, connect_store=lambda _: store)
     inbox.start()
-    for _ in range(10 * len(messages)):
-        deliveries = broker.drain(0)
-        if not deliveries:
-            break
-        inbox._handle(deliveries)
+    passes(inbox, broker, 10 * len(messages))
     assert broker.ready == [] and broker.unacked == []
     parked = [p.message_id for p in store.parked]
     for key, behaviour in behaviour_of.items():

@@ -1,0 +1,269 @@
+"""``async def`` handlers: the same consumer, its database I/O on the application's loop.
+
+There is one consume loop (``loop.Inbox`` and ``loop.Processor``: planning, batches,
+retries, parking, the queue's policies) and it is not written twice.  What differs
+for an async handler is only where the I/O runs:
+
+- the loop runs on a thread of its own, with its kombu broker (heartbeats and all,
+  as in ``outbox consume``);
+- its store is ``InboxStore`` over the same statements (``inbox.sql``), but its
+  session is a psycopg ``AsyncConnection`` that lives on the application's event
+  loop: each of the store's statements is awaited there (``Bridge``), and so is
+  the handler, with that same ``AsyncConnection``.
+
+So the inbox row and the handler's effects are written on one session in one
+transaction and commit together, exactly as with a plain handler, and the handler
+contract is checked the same way (``loop.handler_left``).  The application's loop
+is never blocked: it only runs the awaited statements and the handler, while the
+thread waits for them.  Pipeline mode is off for async handlers (each statement is
+one round trip; the batch still commits once).
+
+``consume_async`` runs it from inside an application's loop (a FastAPI lifespan
+task, say); ``outbox consume`` runs it when the handler is an ``async def``.
+Cancelling the task that awaits ``consume_async`` stops taking messages, lets the
+message in hand finish (committed and acked, or rolled back and left to the
+broker), closes both connections, then raises ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar, cast
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.db.session import cannot_connect, connect_options
+from outbox.errors import DatabaseUnavailable
+from outbox.inbox.loop import ConsumerStats, Handler, HandlerNotFound, Inbox
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.store import InboxStore
+
+T = TypeVar("T")
+
+AsyncHandler = Callable[["psycopg.AsyncConnection[Any]", InboxMessage], Awaitable[object]]
+
+
+def is_async(handler: object) -> bool:
+    """Whether ``handler`` is an ``async def`` function (or an object whose
+    ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - the method, not callable()
+    )
+
+
+class Bridge:
+    """Runs coroutines on the application's loop from the consumer's thread and
+    waits for their outcome (their exception is raised here as it was there)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        # Waiting on the loop's own thread, or for a loop that does not run, would
+        # wait for ever: refuse (the callers treat it as the session being gone).
+        if not self.loop.is_running() or _running_loop() is self.loop:
+            coro.close()
+            raise DatabaseUnavailable("the application's event loop is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+# Settings an AsyncConnection changes with a coroutine, not an attribute.
+_ASYNC_SETTERS = {
+    "autocommit": "set_autocommit",
+    "isolation_level": "set_isolation_level",
+    "read_only": "set_read_only",
+    "deferrable": "set_deferrable",
+}
+
+
+class LoopCursor:
+    """What ``InboxStore`` reads of a statement's result."""
+
+    def __init__(self, cursor: psycopg.AsyncCursor[Any], bridge: Bridge) -> None:
+        self._cursor, self._bridge = cursor, bridge
+
+    def fetchone(self) -> Any:
+        return self._bridge.run(self._cursor.fetchone())
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
+
+
+class LoopConnection:
+    """The synchronous face of an ``AsyncConnection`` that ``InboxStore`` drives from
+    the consumer's thread: every statement is awaited on the application's loop.
+    Anything else (``closed``, ``broken``, ``pgconn``, ``info``, the settings) is
+    the ``AsyncConnection``'s own."""
+
+    def __init__(self, aconn: psycopg.AsyncConnection[Any], bridge: Bridge) -> None:
+        object.__setattr__(self, "aconn", aconn)
+        object.__setattr__(self, "_bridge", bridge)
+
+    aconn: psycopg.AsyncConnection[Any]
+    _bridge: Bridge
+
+    def execute(self, query: Any, params: Any = None) -> LoopCursor:
+        return LoopCursor(self._bridge.run(self.aconn.execute(query, params)), self._bridge)
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[None]:
+        """No pipeline mode here: the statements of the block run one by one."""
+        yield
+
+    def close(self) -> None:
+        self._bridge.run(self.aconn.close())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.aconn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setter = _ASYNC_SETTERS.get(name)
+        if setter is None:
+            setattr(self.aconn, name, value)
+        else:
+            self._bridge.run(getattr(self.aconn, setter)(value))
+
+
+class AsyncInboxStore(InboxStore):
+    """``InboxStore`` on an ``AsyncConnection`` of the application's loop; the
+    handler is handed that ``AsyncConnection``."""
+
+    def __init__(self, settings: ConsumerSettings, bridge: Bridge) -> None:
+        self._bridge = bridge
+        super().__init__(
+            settings.dsn,
+            settings.inbox_table,
+            settings.consumer,
+            connect_timeout=settings.connect_timeout,
+        )
+
+    def _open(self) -> psycopg.Connection[Any]:
+        async def opened() -> psycopg.AsyncConnection[Any]:
+            options = connect_options(
+                application_name=self._application_name, timeout=self._connect_timeout
+            )
+            try:
+                aconn = await psycopg.AsyncConnection.connect(self._dsn, **options)
+            except psycopg.OperationalError as exc:
+                raise cannot_connect(exc) from exc
+            aconn.row_factory = tuple_row  # handlers get psycopg's default rows
+            return aconn
+
+        # InboxStore uses only what LoopConnection offers of a Connection.
+        return cast(
+            "psycopg.Connection[Any]", LoopConnection(self._bridge.run(opened()), self._bridge)
+        )
+
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any]:  # type: ignore[override]
+        """The ``AsyncConnection`` handed to handlers (the store's own session)."""
+        return cast(LoopConnection, self.conn).aconn
+
+    @property
+    def pipelining(self) -> bool:
+        return False
+
+
+def async_inbox(
+    handler: Callable[..., Any], settings: ConsumerSettings, loop: asyncio.AbstractEventLoop
+) -> Inbox:
+    """An ``Inbox`` whose handler is awaited on ``loop`` with the ``AsyncConnection``
+    its transaction runs on; run it with ``run_async`` on that loop."""
+    if not is_async(handler):
+        raise HandlerNotFound(
+            f"{getattr(handler, '__name__', handler)!r} is not an async def function",
+            "pass it to outbox.inbox.consume instead",
+        )
+    bridge = Bridge(loop)
+
+    def awaited(conn: Any, message: InboxMessage) -> None:
+        async def on_loop() -> BaseException | None:
+            try:
+                await handler(conn, message)
+            except (SystemExit, KeyboardInterrupt) as exc:
+                # asyncio lets these out of the task into the loop's runner: they
+                # would end the application's loop.  They are this message's
+                # failure (the BaseException policy in ``loop``): raised below.
+                return exc
+            return None
+
+        raised = bridge.run(on_loop())
+        if raised is not None:
+            raise raised
+
+    sync_face: Handler = awaited
+    return Inbox(sync_face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge))
+
+
+async def run_async(inbox: Inbox) -> ConsumerStats:
+    """Run ``inbox`` (from ``async_inbox``) on a thread until it stops or the task
+    awaiting this is cancelled; both servers' connections are closed on return."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[ConsumerStats] = loop.create_future()
+
+    def settle(outcome: ConsumerStats | BaseException) -> None:
+        if done.done():
+            return
+        if isinstance(outcome, BaseException):
+            done.set_exception(outcome)
+        else:
+            done.set_result(outcome)
+
+    def work() -> None:
+        outcome: ConsumerStats | BaseException
+        try:
+            inbox.start()
+            outcome = inbox.run()
+        except BaseException as exc:  # handed to the awaiting task as it is
+            outcome = exc
+        finally:
+            # Closed before the task learns the outcome: its loop may end right after.
+            with contextlib.suppress(Exception):
+                inbox.close()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=work, name="outbox-consume-async", daemon=True).start()
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        # Take no more messages; the one in hand ends (committed and acked, or
+        # rolled back) and the connections close, on this loop, before we go.
+        # A second cancellation stops waiting for that.
+        inbox.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(done)
+        raise
+
+
+async def consume_async(
+    handler: AsyncHandler,
+    *,
+    queue: str,
+    dsn: str = DEFAULT_DSN,
+    amqp_url: str = DEFAULT_AMQP_URL,
+    **options: Any,
+) -> ConsumerStats:
+    """Consume ``queue`` with exactly-once effects from inside a running event loop
+    until the awaiting task is cancelled.
+
+    ``await handler(conn, message)`` runs inside the transaction that records the
+    message id, on ``conn``, a psycopg ``AsyncConnection``; it must not commit.
+    ``options`` are ``ConsumerSettings`` fields."""
+    settings = ConsumerSettings(queue=queue, dsn=dsn, amqp_url=amqp_url, **options)
+    return await run_async(async_inbox(handler, settings, asyncio.get_running_loop()))

@@ -1,0 +1,70 @@
+"""``outbox.inbox.aio`` without servers: the bridge between the consumer's thread and
+the application's loop, and which handlers take the async path."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from typing import Any
+
+import pytest
+
+from outbox.errors import DatabaseUnavailable
+from outbox.inbox.aio import Bridge, is_async
+
+
+async def double(x: int) -> int:
+    return 2 * x
+
+
+def plain(conn: Any, message: Any) -> None:
+    pass
+
+
+class AsyncCall:
+    async def __call__(self, conn: Any, message: Any) -> None:
+        pass
+
+
+def test_is_async__coroutine_functions_partials_and_async_callables() -> None:
+    assert is_async(double) and is_async(functools.partial(double)) and is_async(AsyncCall())
+    assert not is_async(plain) and not is_async(print)
+
+
+def test_bridge__runs_on_the_loop_and_raises_there_what_was_raised_there() -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        bridge = Bridge(loop)
+
+        async def where() -> int | None:
+            return threading.get_ident()
+
+        async def fail() -> None:
+            raise ValueError("there")
+
+        assert bridge.run(double(21)) == 42
+        assert bridge.run(where()) == thread.ident
+        with pytest.raises(ValueError, match="there"):
+            bridge.run(fail())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def test_bridge__refuses_to_wait_for_ever_on_a_stopped_loop_or_on_its_own_thread() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(DatabaseUnavailable, match="not running"):
+            Bridge(loop).run(double(1))  # nothing runs the loop: it would hang
+
+        async def inside() -> None:
+            with pytest.raises(DatabaseUnavailable, match="not running"):
+                Bridge(loop).run(double(1))  # waiting here would block the loop itself
+
+        loop.run_until_complete(inside())
+    finally:
+        loop.close()

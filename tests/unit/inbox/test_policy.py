@@ -1,0 +1,236 @@
+"""Issue 31: the queue's own policies (pure decisions in ``outbox.inbox.policy`` and
+``loop.plan``), failed messages held in hand instead of holding the queue, and
+pipelining that survives a lost session, on the in-memory fakes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from outbox.inbox.loop import (
+    ConsumerSettings,
+    ConsumerStats,
+    Disposition,
+    Inbox,
+    Plan,
+    Processor,
+    plan,
+)
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.policy import (
+    QueuePolicy,
+    inequivalent,
+    last_delivery,
+    policy_from,
+    refusal,
+)
+from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
+from tests.unit.inbox.test_loop import act, passes
+
+SETTINGS = ConsumerSettings(queue="q", max_attempts=5, retry_delay=0.0)
+
+
+# -- reading the queue's arguments from a refused declare ------------------------------------
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost "
+            "'/': received '-7' but current is '2'",
+            ("x-delivery-limit", 2),
+        ),
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost "
+            "'/': received none but current is the value '2' of type 'signedint'",
+            ("x-delivery-limit", 2),
+        ),
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': "
+            "received 'outbox-probe' but current is 'stream'",
+            ("x-queue-type", "stream"),
+        ),
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': "
+            "received the value 'outbox-probe' of type 'longstr' but current is none",
+            ("x-queue-type", None),
+        ),
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'q' in "
+            "vhost '/': received none but current is the value '' of type 'longstr'",
+            ("x-dead-letter-exchange", ""),
+        ),
+        (
+            "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/': "
+            "received 'true' but current is 'false'",
+            ("durable", "false"),
+        ),
+        ("ACCESS_REFUSED - access to queue 'q' in vhost '/' refused for user 'app'", None),
+    ],
+)
+def test_inequivalent__names_the_argument_and_its_current_value(
+    text: str, found: tuple[str, object] | None
+) -> None:
+    assert inequivalent(text) == found
+
+
+def test_policy_from__rabbitmq_4_gives_quorum_queues_a_limit_of_20() -> None:
+    quorum = {"x-queue-type": "quorum"}
+    assert policy_from(quorum, stated_limit=None, broker_version="3.10.8").delivery_limit is None
+    assert policy_from(quorum, stated_limit=None, broker_version="4.0.2").delivery_limit == 20
+    assert policy_from({}, stated_limit=None, broker_version="4.0.2").delivery_limit is None
+    assert policy_from(quorum, stated_limit=7, broker_version="4.0.2").delivery_limit == 7
+    limited = {**quorum, "x-delivery-limit": 3}
+    assert policy_from(limited, stated_limit=None, broker_version="4.1.0").delivery_limit == 3
+
+
+def test_refusal__a_stream_and_a_delivery_limit_of_0() -> None:
+    assert "stream" in (refusal(QueuePolicy("stream")) or "")
+    assert "0" in (refusal(QueuePolicy("quorum", delivery_limit=0)) or "")
+    assert refusal(QueuePolicy("quorum", delivery_limit=1)) is None
+    assert refusal(QueuePolicy("classic", message_ttl=10)) is None
+
+
+@pytest.mark.parametrize(("count", "last"), [(None, False), (0, False), (2, False), (3, True)])
+def test_last_delivery__when_the_count_reaches_the_limit(count: int | None, last: bool) -> None:
+    headers = {} if count is None else {"x-delivery-count": count}
+    assert last_delivery(headers, QueuePolicy("quorum", delivery_limit=3)) is last
+    assert last_delivery(headers, QueuePolicy("quorum")) is False  # no known limit
+
+
+@pytest.mark.parametrize(
+    ("attempts", "last", "expected"),
+    [(0, False, Plan.ALONE), (1, False, Plan.ALONE), (0, True, Plan.ALONE), (1, True, Plan.PARK)],
+)
+def test_plan__a_message_that_failed_before_is_parked_at_its_last_delivery(
+    attempts: int, last: bool, expected: Plan
+) -> None:
+    assert plan(True, attempts, 5, last_delivery=last) is expected
+
+
+# -- the process --------------------------------------------------------------------------------
+def quorum(limit: int) -> FakeBroker:
+    broker = FakeBroker([], prefetch=20)
+    broker.policy = QueuePolicy("quorum", delivery_limit=limit)
+    return broker
+
+
+def redelivered(message_id: str, body: bytes, count: int) -> InboxMessage:
+    return message(message_id, body, redelivered=True, headers={"x-delivery-count": count})
+
+
+def test_inbox__a_message_at_its_last_delivery_is_applied_first_and_acked_at_once() -> None:
+    """In a crash loop every message in hand comes back and counts; one at its
+    last delivery is applied (and acked) before any other handler can kill the
+    process, and the killer, whose earlier attempt never finished, is parked."""
+    store = FakeStore()
+    store.attempts["killer"] = 1  # counted before the call that killed the consumer
+    broker = quorum(3)
+    broker.ready = [
+        redelivered("a", b"ok", 3),
+        redelivered("killer", b"fatal", 3),
+        redelivered("b", b"ok", 3),
+    ]
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 2)
+    assert sorted(store.effects) == ["a", "b"]
+    assert [p.message_id for p in store.parked] == ["killer"]
+    assert "last delivery" in store.parked[0].error
+    assert broker.journal == ["ack a", "ack killer", "ack b"]  # each at once
+
+
+def test_inbox__a_failed_message_is_held_in_hand_while_the_others_go_on() -> None:
+    store = FakeStore()
+    broker = FakeBroker([message("bad", b"raise"), message("a", b"ok")])
+    settings = dataclasses.replace(SETTINGS, retry_delay=60.0, retry_delay_max=60.0)
+    inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    inbox._handle(broker.drain(0))
+    broker.ready.append(message("b", b"ok"))
+    inbox._handle(broker.drain(0))
+    inbox._retry_due()  # not due for a minute
+    assert store.effects == ["a", "b"]
+    assert [d.message.message_id for d in broker.unacked] == ["bad"]
+    # Acked one by one: a multiple ack would also ack the held message.
+    assert broker.journal == ["ack a", "ack b"]
+    assert inbox._drain_timeout() == 1.0
+
+
+def test_inbox__a_keyed_failed_message_holds_its_key_only() -> None:
+    store = FakeStore()
+    keyed = {"ordering_key": "k"}
+    broker = FakeBroker(
+        [message("k1", b"raise", **keyed), message("k2", b"ok", **keyed), message("x", b"ok")]
+    )
+    settings = dataclasses.replace(SETTINGS, max_attempts=2)
+    inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    inbox._handle(broker.drain(0))
+    assert store.effects == ["x"]  # k2 waits behind k1
+    broker.ready.append(message("k3", b"ok", **keyed))
+    inbox._handle(broker.drain(0))
+    assert store.effects == ["x"]  # k3 too
+    passes(inbox, broker, 3)  # k1 fails again and is parked; k2, k3 follow in order
+    assert store.effects == ["x", "k2", "k3"]
+    assert [p.message_id for p in store.parked] == ["k1"]
+    assert broker.unacked == []
+
+
+def test_processor__a_lost_session_leaves_pipelining_on() -> None:
+    """The server ends the session in the middle of a pipelined batch (a restart,
+    pg_terminate_backend); the batch is applied one by one and every message
+    succeeds.  Before, that turned pipelining off for the rest of the process."""
+    store = FakeStore()
+    lost: list[str] = []
+
+    def handler(conn: FakeConnection, msg: InboxMessage) -> None:
+        conn.apply(str(msg.message_id))
+        if not lost:
+            lost.append(str(msg.message_id))
+            conn.lose_session()
+
+    processor = Processor(store, handler, SETTINGS, ConsumerStats())
+    outcomes = processor.process_batch([message("a"), message("b")])
+    assert [o for o, _ in outcomes] == [Disposition.HANDLED] * 2
+    assert processor.pipelining
+
+
+def test_inbox__a_message_at_its_last_delivery_is_acked_alone() -> None:
+    """Applied before an earlier delivery of the same drain, it is acked by itself:
+    a multiple ack would also ack the earlier one before it is applied."""
+    store = FakeStore()
+    broker = quorum(3)
+    broker.ready = [message("a", b"ok"), redelivered("b", b"ok", 3)]
+    acked_when_called: dict[str, list[str]] = {}
+
+    def handler(conn: FakeConnection, msg: InboxMessage) -> None:
+        acked_when_called[str(msg.message_id)] = list(broker.journal)
+        conn.apply(str(msg.message_id))
+
+    inbox = Inbox(handler, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 2)
+    assert acked_when_called["a"] == ["ack b"]
+    assert broker.journal == ["ack b", "ack a"]
+
+
+def test_inbox__a_message_still_failing_near_the_consumer_timeout_is_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held message whose next attempt would come after ``MAX_HOLD`` in hand (15
+    minutes; 0 here) is parked with the reason, not held into RabbitMQ's
+    consumer_timeout (which would close the channel and return everything in hand)."""
+    from outbox.inbox import loop
+
+    monkeypatch.setattr(loop, "MAX_HOLD", 0.0)
+    store = FakeStore()
+    broker = FakeBroker([message("bad", b"raise"), message("a", b"ok")])
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 3)
+    assert store.effects == ["a"]
+    assert [p.message_id for p in store.parked] == ["bad"]
+    assert "consumer_timeout" in store.parked[0].error
+    assert store.attempts.get("bad") is None  # parked: its count is gone with it
+    assert broker.unacked == []
