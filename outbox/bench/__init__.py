@@ -2,9 +2,10 @@
 
 ``run`` is the entry point; ``load``, ``ordering``, ``memory``, ``consume`` and
 ``commits`` (what the wake-up trigger costs the applications' commits) are the
-scenarios, ``deadrows`` the claim's cost behind dead rows a held horizon keeps, over the ``harness`` (servers, relays as subprocesses, the bare publisher,
-one run); ``poller`` is the latency run's baseline (the relay's loop without
-two-phase commit).  Benchmarks print figures, they never assert timings.
+scenarios, ``deadrows`` the claim's cost behind the dead rows a held horizon keeps,
+over the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
+``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
+Benchmarks print figures, they never assert timings.
 
 May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.

@@ -4,7 +4,8 @@ Owns the web application (``app``: Starlette routes, Jinja2 templates, htmx as a
 vendored static file), what it reads and does (``console``: the same store, parked
 and resolver calls as the CLI), who may use it and the CSRF rules (``security``),
 the last hour's samples shared by every tab (``sampler``) and their charts drawn as
-inline SVG (``charts``), and serving it (``server``: uvicorn).  The click command is ``outbox.cli.web``.
+inline SVG (``charts``), and serving it (``server``: uvicorn).  The click command
+is ``outbox.cli.web``.
 
 May import: ``outbox.ops``, ``outbox.inbox``, ``outbox.relay``, ``resolver``,
 ``outbox.db`` and the plain modules of ``outbox``; only ``outbox.cli`` imports it.
