@@ -328,14 +328,14 @@ def holder_named(horizon: Horizon) -> str:
     return f"{oldest.kind.replace('_', ' ')} {oldest.name!r}"
 
 
-def horizon_run(
-    db: Database, broker: BenchTopology, o: HorizonOptions, kind: str, echo: Echo
-) -> dict[str, Any]:
+def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[str, Any]:
     suffix = uuid.uuid4().hex[:8]
     table = f"outbox_horizon_{suffix}"
     conn = session.connect(db.dsn, application_name="outbox-bench")
     migrate.migrate(conn, table)
-    broker.purge()
+    # A topology per run: its blocking connection, idle for the whole run, would miss
+    # its heartbeats and be closed by the broker.
+    broker = BenchTopology(o.amqp_url, suffix)
     port = free_port()
     settings = Settings(dsn=db.dsn, amqp_url=o.amqp_url, table=table, ledger_queue=broker.ledger)
     reader = HorizonReader(db.dsn, table, application_name="outbox-bench-horizon")
@@ -388,6 +388,7 @@ def horizon_run(
         relays.stop()
         receiver.stop()
         reader.close()
+        broker.delete()
         for name in ("", "_relays", "_dead_letters", "_schema_version"):
             with contextlib.suppress(Exception):
                 conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
@@ -420,16 +421,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def run_horizon_bench(o: HorizonOptions, echo: Echo) -> dict[str, Any]:
     """Every holder's run, the control first; returns the figures."""
-    suffix = uuid.uuid4().hex[:8]
     with bench_database(o.dsn, echo, server_settings=LOGICAL_SETTINGS) as db:
-        broker = BenchTopology(o.amqp_url, suffix)
-        try:
-            runs = []
-            for kind in o.holders:
-                echo(f"  {kind}: {o.seconds:.0f} s at {o.rate:,.0f} rows/s ...")
-                runs.append(horizon_run(db, broker, o, kind, echo))
-        finally:
-            broker.delete()
+        runs = []
+        for kind in o.holders:
+            echo(f"  {kind}: {o.seconds:.0f} s at {o.rate:,.0f} rows/s ...")
+            runs.append(horizon_run(db, o, kind, echo))
     control = next((r for r in runs if r["holder"] == "none" and not r["skipped"]), None)
     for run in runs:
         if run["skipped"] or control is None:

@@ -156,6 +156,23 @@ from outbox.errors import ExitCode
     "rows and table size per --window-seconds (--payload defaults to 200 here).",
 )
 @click.option(
+    "--soak",
+    is_flag=True,
+    help="Instead: --soak-seconds of steady load (--rate) on a private PostgreSQL and "
+    "RabbitMQ node with a fault every twelfth of the run (relay kill -9, broker restart, "
+    "PostgreSQL restart, a snapshot held a sixth of the run): latency, throughput, "
+    "relay RSS and open files, dead rows per window; exit 1 if a row was lost or "
+    "duplicates exceed the bound.",
+)
+@click.option(
+    "--soak-seconds",
+    default=3600.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 7 * DAY, min_open=True),
+    help="Length of the soak (given alone, it asks for --soak); windows are a twelfth "
+    "of it unless --window-seconds.",
+)
+@click.option(
     "--holders",
     default=DEFAULT_HOLDERS,
     show_default=True,
@@ -172,10 +189,10 @@ from outbox.errors import ExitCode
 )
 @click.option(
     "--window-seconds",
-    default=60.0,
-    show_default=True,
+    default=None,
     type=FiniteFloatRange(0, DAY, min_open=True),
-    help="--horizon and --soak: figures per window of this length.",
+    help="--horizon and --soak: figures per window of this length "
+    "[default: 60 for --horizon, a twelfth of --soak-seconds for --soak].",
 )
 @click.option(
     "--rate",
@@ -211,9 +228,11 @@ def bench(
     prefetch: int,
     memory_backlogs: str,
     horizon: bool,
+    soak: bool,
+    soak_seconds: float,
     holders: str,
     horizon_seconds: float,
-    window_seconds: float,
+    window_seconds: float | None,
     rate: float,
     rows_per_commit: int,
     **options: Any,
@@ -225,10 +244,32 @@ def bench(
     from outbox.bench.run import render, run_bench
 
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
-    payload_given = (
-        click.get_current_context().get_parameter_source("payload")
-        != click.core.ParameterSource.DEFAULT
-    )
+
+    def given(option: str) -> bool:
+        source = click.get_current_context().get_parameter_source(option)
+        return source not in (None, click.core.ParameterSource.DEFAULT)
+
+    payload_given = given("payload")
+    if soak or given("soak_seconds"):
+        from outbox.bench import soak as bench_soak
+
+        if dsn:
+            raise click.UsageError(
+                "--soak restarts PostgreSQL and RabbitMQ: it runs servers of its own; omit --dsn"
+            )
+        soak_report = bench_soak.run_soak(
+            bench_soak.SoakOptions(
+                seconds=soak_seconds,
+                window_seconds=window_seconds,
+                rate=rate,
+                rows_per_commit=rows_per_commit,
+                payload=options["payload"] if payload_given else 200,
+            ),
+            echo,
+        )
+        click.echo(json.dumps(soak_report, indent=2) if as_json else bench_soak.render(soak_report))
+        healthy = soak_report["nothing_lost"] and soak_report["duplicates_within_bound"]
+        sys.exit(0 if healthy else int(ExitCode.FAILURE))
     if horizon:
         from outbox.bench import horizon as bench_horizon
 
@@ -242,7 +283,7 @@ def bench(
                 dsn=dsn,
                 holders=holder_kinds,
                 seconds=horizon_seconds,
-                window_seconds=window_seconds,
+                window_seconds=window_seconds or 60.0,
                 rate=rate,
                 rows_per_commit=rows_per_commit,
                 payload=options["payload"] if payload_given else 200,

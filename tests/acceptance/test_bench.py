@@ -247,3 +247,31 @@ def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names
         assert left.fetchone() == (0,)
     usage = run_cli(*common, "--holders", "snapshot,vacuum")
     assert usage.returncode == 2 and "none, snapshot, untouched" in usage.stderr
+
+
+@pytest.mark.slow
+def test_bench_soak__faults_in_turn_nothing_lost_duplicates_within_the_bound() -> None:
+    """A 30 s soak: every fault once (relay kill -9, broker restart, PostgreSQL
+    restart, a held snapshot), per-window figures, and the end-of-run checks."""
+    out = run_cli("bench", "--soak-seconds", "30", "--rate", "200", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [f["fault"] for f in report["faults"]] == [
+        "relay-kill",
+        "broker-restart",
+        "postgres-restart",
+        "snapshot",
+    ]
+    assert report["relays_killed"] == 1 and len(report["windows"]) == 12
+    assert report["nothing_lost"] and report["lost"] == report["rows_left"] == 0
+    assert report["committed"] > 0 and report["prepared_left"] == 0
+    assert report["duplicates"] <= report["duplicate_bound"] == 3 * 2 * 1000
+    for window in report["windows"]:
+        assert window["rss_bytes"] is None or window["rss_bytes"] > 0
+        assert window["open_files"] is None or window["open_files"] > 0
+    assert any(w["dead_rows"] for w in report["windows"])
+
+
+def test_bench_soak__refuses_a_server_it_would_restart(pg_server: str) -> None:
+    usage = run_cli("bench", "--soak", "--soak-seconds", "10", "--dsn", pg_server)
+    assert usage.returncode == 2 and "omit --dsn" in usage.stderr
