@@ -16,6 +16,10 @@ from outbox.db.devcluster import PostgresCluster
 from outbox.errors import StatementTimedOut
 from outbox.ops import status
 from outbox.relay.metrics import DatabaseFigures
+from outbox.web.app import WebConfig, create_app
+from outbox.web.console import ConsoleConfig
+from outbox.web.security import Credentials
+from tests.unit.web.test_app import call
 
 # A logical slot needs wal_level = logical, which the shared test server has not.
 LOGICAL = {"wal_level": "logical", "max_replication_slots": "4", "max_wal_senders": "4"}
@@ -152,3 +156,16 @@ def test_metrics__dead_rows_and_horizon_age_while_a_snapshot_is_held(
         assert figures.figures["horizon_age_xids"] > 0
     finally:
         figures.close()
+
+
+def test_console__overview_names_the_horizon_holder_and_the_dead_rows(
+    logical_dsn: str, holders: dict[str, object]
+) -> None:
+    config = WebConfig(
+        ConsoleConfig((settings_for(logical_dsn),)), "amqp://localhost", Credentials()
+    )
+    code, body = call(create_app(config), "GET", "/overview/panel", {"host": "127.0.0.1:8310"})
+    assert code == 200, body
+    text = body.decode()
+    assert 'id="horizon-outbox"' in text and "Outbox dead rows: " in text
+    assert f"by session <code>pid {holders['report_pid']}</code> (nightly-report, idle in" in text
