@@ -14,6 +14,7 @@ import psycopg
 from outbox.config import Settings
 from outbox.db import migrate
 from outbox.db.devcluster import free_port
+from tests.fixtures.docs import assert_output_as_documented, fenced_blocks
 from tests.fixtures.servers import Topology, insert_numbered_rows, run_cli, settings_env
 
 LOCAL_PG_WITHOUT_2PC = os.environ.get(
@@ -210,11 +211,16 @@ def test_usage_error_exits_2() -> None:
     assert bad_table.returncode == 2 and "table name" in bad_table.stderr
 
 
-def test_demo__runs_end_to_end(amqp_url: str) -> None:
-    result = run_cli("demo", "--rows", "200", "--amqp-url", amqp_url)
+def test_demo__runs_end_to_end_and_prints_what_the_quick_start_shows(amqp_url: str) -> None:
+    """``outbox demo`` as docs/tutorial/quickstart.md runs it (on the test broker), and
+    its output line by line as the page shows it (numbers and ids aside)."""
+    result = run_cli("demo", "--amqp-url", amqp_url)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "200/200 expected, 0 missing, 0 duplicates, 0 unexpected" in result.stdout
+    assert "1000/1000 expected, 0 missing, 0 duplicates, 0 unexpected" in result.stdout
     assert "OK: every committed row arrived exactly once" in result.stdout
+    blocks = fenced_blocks("tutorial/quickstart.md")
+    assert "outbox demo " in blocks[0][1]
+    assert_output_as_documented(result.stdout, next(t for lang, t in blocks if lang == "text"))
 
 
 def test_relay__three_processes_drain_one_table_exactly_once(

@@ -143,7 +143,7 @@ def settings_file(path: Path) -> dict[str, str]:
 
 
 def every_deploy_file() -> list[Path]:
-    """Every text file under deploy/ (not the README's screenshot of the console)."""
+    """Every text file under deploy/ (the console screenshot is in docs/images)."""
     return [p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix != ".png"]
 
 

@@ -3,7 +3,7 @@ PostgreSQL and RabbitMQ: retry, purge, a relay killed with -9 and its batch reso
 by the button, CSRF, authentication and passwords.
 
 The console runs in this process (uvicorn on a thread, on a socket bound here);
-relays run as subprocesses.  ``OUTBOX_WEB_SCREENSHOT=deploy/web/console.png`` makes
+relays run as subprocesses.  ``OUTBOX_WEB_SCREENSHOT=docs/images/console.png`` makes
 the overview test write the README's screenshot there.
 """
 
