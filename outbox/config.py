@@ -2,7 +2,7 @@
 
 Every field has a CLI option of the same name (``batch_size`` → ``--batch-size``)
 that also reads ``OUTBOX_<NAME>`` (``OUTBOX_BATCH_SIZE``); ``outbox relay --help``
-lists them.  The defaults are the values the README documents.
+lists them.  The defaults are the values docs/reference/configuration.md documents.
 
 ``LIMITS`` is the range of every number; the CLI's option types are built from it
 (``cli.py``) and ``Settings`` checks it again, so the Python API refuses what the

@@ -45,7 +45,7 @@ class OutgoingMessage:
     """A message for ``enqueue_many``; ``message_id`` is generated when omitted.
 
     Messages sharing an ``ordering_key`` reach the broker in the order they were
-    written (README, "Per-key ordering"); None puts no constraint on the message.
+    written (docs/explanation/ordering.md); None puts no constraint on the message.
     """
 
     exchange: str
@@ -75,7 +75,7 @@ def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
             raise ValueError(
                 f"ordering_key is {size:,} bytes long, more than the "
                 f"{ORDERING_KEY_MAX_BYTES:,} an outbox row may have: use the id of the "
-                "aggregate whose messages must stay in order (README, 'Per-key ordering')"
+                "aggregate whose messages must stay in order (docs/explanation/ordering.md)"
             )
     headers = with_trace_context(message.headers)
     return (

@@ -16,7 +16,7 @@ from outbox.redaction import redact
 
 
 class ExitCode(enum.IntEnum):
-    """Documented exit codes of the ``outbox`` command (see README)."""
+    """Documented exit codes of the ``outbox`` command (docs/reference/exit-codes.md)."""
 
     OK = 0
     FAILURE = 1  # unexpected error, or ``status`` found something needing attention

@@ -5,7 +5,7 @@ being consumed).  After every message of a batch is confirmed (or recorded as a
 dead letter), the relay appends ``{"gid": …}`` to it and waits for that confirm;
 only then does it run COMMIT PREPARED.  A gid in the ledger is therefore positive
 evidence that the whole batch is safe on the broker, and a resolver commits only
-gids it finds there (README, "The guarantee").
+gids it finds there (docs/explanation/guarantee.md).
 
 This module owns the ledger: the record format, the probe, and reading the
 finished gids back (``finished_gids``, over ``publisher.read_stream``, the one

@@ -1,4 +1,4 @@
-"""``outbox bench``, per-key ordering: what keys cost (README, "Per-key ordering").
+"""``outbox bench``, per-key ordering: what keys cost (docs/benchmarks.md#per-key-ordering).
 
 The same backlog (``rows`` rows of ``payload`` bytes, one relay, default settings)
 is drained three ways, in rounds so that drifts of a shared machine hit each alike:

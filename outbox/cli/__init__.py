@@ -1,6 +1,6 @@
 """The ``outbox`` command: each subcommand is thin and calls the modules below.
 
-Exit codes (also in the README): 0 ok; 1 failure, or ``status`` found something
+Exit codes (also in docs/reference/exit-codes.md): 0 ok; 1 failure, or ``status`` found something
 that needs attention; 2 usage (a bad option, value or file); 3 PostgreSQL or
 RabbitMQ unreachable; 4 database not ready (prepared transactions disabled, schema
 missing or too old); 5 schema newer than this version.

@@ -51,7 +51,7 @@ Conn = psycopg.Connection[Row]
 # How many keyed rows, in batches, a claim looks at from the front of the outbox to
 # find the keys it may take (``queries.sql``, ``claim_batch``).  Rows of keys held by
 # other batches count too: a key with a larger backlog than this delays the keys
-# behind it until it drains (README, "Per-key ordering").
+# behind it until it drains (docs/explanation/ordering.md).
 KEYED_WINDOW = 5
 
 # The claim's plan must not depend on the statistics (``queries.sql``,

@@ -8,7 +8,7 @@ outside one (``CREATE INDEX CONCURRENTLY``), each on its own; the version row is
 written after the last of them.
 
 Online means that the application's INSERTs never queue behind the migration for
-long (README, "Upgrading").  DDL waits in PostgreSQL's lock queue, and every later
+long (docs/how-to/upgrading.md).  DDL waits in PostgreSQL's lock queue, and every later
 INSERT on that table waits behind it; a prepared batch of a relay that died keeps
 its locks until a resolver finishes it.  So on a connection in autocommit mode:
 
@@ -341,7 +341,7 @@ def migrate(
         text = str(exc).strip().splitlines()[0]
         raise MissingPrivileges(
             f"PostgreSQL refused the schema change: {text}",
-            "run `outbox init` as the owner of the outbox tables (README.md, 'Privileges')",
+            "run `outbox init` as the owner of the outbox tables (docs/reference/privileges.md)",
         ) from exc
 
 

@@ -2,8 +2,8 @@
 
 Pure: ``store.check_privileges`` asks PostgreSQL (``has_table_privilege``) about
 the pairs listed here and raises ``MissingPrivileges`` with the exact GRANT
-statements, instead of a traceback half-way through a batch.  The README's
-"Privileges" section shows the same lists.
+statements, instead of a traceback half-way through a batch.  docs/reference/privileges.md
+shows the same lists.
 
 Why each one: the claim is ``DELETE … WHERE id IN (SELECT … FOR UPDATE SKIP
 LOCKED) RETURNING …`` (SELECT, UPDATE for the row lock, DELETE); dead letters are

@@ -13,7 +13,7 @@
 -- rescan locking other rows, so one claim took 50 s and deleted 19,994 rows under
 -- LIMIT 1000.  tests/integration/db/test_claim_plan.py pins this plan.
 --
--- Rows with an ordering key (README, "Per-key ordering") are taken only as a prefix
+-- Rows with an ordering key (docs/explanation/ordering.md) are taken only as a prefix
 -- of their key: a key's first row in the outbox (its head) and the rows right
 -- behind it, never a row while an earlier row of its key is held by anyone else.
 -- `keyed` is the front of the keyed rows, in id order, locked or not: a key's first

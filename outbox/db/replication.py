@@ -33,5 +33,6 @@ def warning(replication: Replication) -> str | None:
     return (
         f"the database streams to {replication.standbys} standby(s), none synchronous: a "
         "failover can lose committed outbox rows whose messages were already published; "
-        "set synchronous_standby_names on the primary (README, 'Running on clusters')"
+        "set synchronous_standby_names on the primary "
+        "(docs/how-to/clusters.md#postgresql-a-primary-with-a-synchronous-standby)"
     )

@@ -165,7 +165,7 @@ class Session:
             if isinstance(exc, pgerrors.InsufficientPrivilege):
                 raise MissingPrivileges(
                     f"PostgreSQL refused {what}: {first_line(exc)}",
-                    "grant the privileges listed in README.md, 'Privileges'",
+                    "grant the privileges listed in docs/reference/privileges.md",
                 ) from exc
             if isinstance(exc, psycopg.OperationalError):
                 raise DatabaseUnavailable(

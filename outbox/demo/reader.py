@@ -1,7 +1,7 @@
 """Consumer-side helpers (kombu): topology and duplicate-dropping consumers.
 
 The relay delivers every message at least once, and more than once only after a
-crash or broker outage mid-batch (README, "The guarantee").  Consumers drop the
+crash or broker outage mid-batch (docs/explanation/guarantee.md).  Consumers drop the
 duplicates by ``message_id``; ``Deduplicator`` is the in-memory version of that,
 and ``receive`` collects messages for scripts, demos and tests.
 """

@@ -120,7 +120,7 @@ def judge(
     if oldest_prepared > max_prepared_age:
         problems.append(
             f"a prepared batch is {oldest_prepared:.0f}s old (> {max_prepared_age:.0f}s): "
-            "run `outbox resolve --dry-run` (README: a stuck prepared transaction)"
+            "run `outbox resolve --dry-run` (docs/how-to/resolving.md)"
         )
     if seen.dead_letters:
         problems.append(f"{seen.dead_letters} dead letters: see `outbox dead-letters list`")

@@ -1,4 +1,4 @@
-"""``outbox init``: create or upgrade the schema online (README, "Upgrading").
+"""``outbox init``: create or upgrade the schema online (docs/how-to/upgrading.md).
 
 ``outbox.db.migrate`` never lets the application's INSERTs queue behind a DDL for
 longer than its ``lock_timeout``; this module decides what to do while a step

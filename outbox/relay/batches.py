@@ -834,7 +834,7 @@ class Batches:
                 BrokerUnavailable(
                     f"the ledger {self.settings.ledger_queue!r} takes no records: {entry.reason}",
                     "nothing is committed until it does; if the stream stays down after a broker "
-                    "crash, see README, 'Known limitations'",
+                    "crash, see docs/explanation/limitations.md",
                 ),
             )
         self.ledger_doubtful = False

@@ -27,7 +27,7 @@ from tests.integration.inbox.test_inbox import (
     ready_messages,
 )
 
-# The README's handler file, as a user writes it.
+# The handler file of docs/how-to/consuming.md, as a user writes it.
 HANDLER_FILE = """
 def on_order(conn, message):
     order = message.json()

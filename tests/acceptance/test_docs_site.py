@@ -42,6 +42,8 @@ def test_docs__the_site_builds_strictly_with_the_cli_and_api_pages(tmp_path: Pat
         "outbox.inbox.consume",
     ):
         assert f'id="{name}"' in api, f"no API entry for {name}"
+    for name in ("outbox.inbox.consume", "outbox.integrations.sqlalchemy.enqueue_json"):
+        assert f'id="{name}"' in api, f"no API entry for {name}"
 
 
 def test_docs__a_broken_anchor_fails_the_build(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The package layout's rules (README, "Development"), beside lint-imports' layers.
+"""The package layout's rules (docs/development.md), beside lint-imports' layers.
 
 - No import cycle between modules, counting imports inside functions and under
   ``TYPE_CHECKING`` (a cycle hidden there is still a cycle for the reader).

@@ -13,7 +13,8 @@ CREATE TABLE IF NOT EXISTS {outbox} (
 );
 
 -- Rows are inserted and deleted all day long: vacuum early and often so that the
--- claim query never wades through dead tuples (README, "Operations").
+-- claim query never wades through dead tuples
+-- (docs/how-to/operations.md#retention-and-table-health).
 ALTER TABLE {outbox} SET (
     autovacuum_vacuum_scale_factor = 0.0,
     autovacuum_vacuum_threshold = 5000,

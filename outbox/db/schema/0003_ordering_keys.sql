@@ -1,5 +1,5 @@
 -- 0003: per-key ordering.  Rows sharing a non-NULL ordering_key reach the broker in
--- id order (README, "Per-key ordering"); NULL keeps the row free of any constraint.
+-- id order (docs/explanation/ordering.md); NULL keeps the row free of any constraint.
 -- The claim reads the front of the keyed rows through the partial index; dead
 -- letters carry the key so that one can hold its key's later rows back.
 -- Online (outbox.db.migrate): the outbox table last, its index built concurrently.

@@ -3,7 +3,8 @@
 -- holds it until its commit record is flushed, so the commits of the transactions
 -- that wrote to the outbox could not share a WAL flush: with a 1 ms flush simulated
 -- (commit_delay), 800 to 1,588 commits/s in all, against 2,768 to 7,540 without the
--- trigger (pgbench, 16 clients; README, "Benchmarks").  Now the trigger notifies
+-- trigger (pgbench, 16 clients;
+-- docs/benchmarks.md#the-applications-commits-and-the-wake-up-trigger).  Now the trigger notifies
 -- only while some relay waits for work: an idle relay holds the advisory lock
 -- (7299705, the table's oid) in shared mode on its wake-up session, a busy relay
 -- does not (``outbox.db.relays.WakeupListener``).  pg_try_advisory_lock fails while
@@ -12,7 +13,7 @@
 -- application role, at every isolation level, sees the relays' state as it is now.
 -- A relay of 0.4 or earlier never takes the lock: between this migration and its
 -- replacement it is woken only while a relay of 0.5 waits, else by its fallback
--- poll (--poll-interval; README, "Upgrading").
+-- poll (--poll-interval; docs/how-to/upgrading.md).
 -- CREATE OR REPLACE FUNCTION takes no lock on the outbox: the trigger runs the new
 -- body from the next statement on.
 CREATE OR REPLACE FUNCTION {notify_function}() RETURNS trigger

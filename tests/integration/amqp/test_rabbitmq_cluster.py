@@ -5,7 +5,8 @@ server and is started once for the module.  Destinations are quorum queues; the
 ledger stream is the one the relays declare, which RabbitMQ places on every node.
 The relays get every node's URL (``--amqp-url 'a;b;c'``) and connect to the first.
 
-Run with ``-s`` to see the failover figures the README quotes.
+Run with ``-s`` to see the failover figures
+docs/how-to/clusters.md#rabbitmq-three-nodes-quorum-queues quotes.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def test_node_kill__relays_keep_publishing_through_the_other_nodes(
     assert {c.node for c in during} <= others | {dead}
     # Publishing went on for the whole outage, not just once.
     assert during[-1].at - during[0].at > 0.5 * (answered - killed), (during[0], during[-1])
-    # One outage: at most the batches in flight of each relay (README, "The guarantee").
+    # One outage: at most the batches in flight of each relay (docs/explanation/guarantee.md).
     bound = RELAYS * in_flight(cluster_settings) * BATCH
     report = check_delivery(cluster_settings.dsn, cluster_topology, committed, max_duplicates=bound)
     print(

@@ -80,7 +80,8 @@ def test_preflight__names_only_what_is_missing(settings: Settings, db_role: DbRo
 def test_documented_grants__are_all_each_command_needs(
     settings: Settings, topology: Topology, db_role: DbRole
 ) -> None:
-    """The lists in outbox/db/privileges.py (and the README) are enough, bad rows included."""
+    """The lists in outbox/db/privileges.py (and docs/reference/privileges.md) are enough,
+    bad rows included."""
     for needs in (
         privileges.RELAY,
         privileges.STATUS,

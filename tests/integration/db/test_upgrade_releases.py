@@ -1,4 +1,4 @@
-"""Upgrades from every earlier release, as the README's "Upgrading" says to do them
+"""Upgrades from every earlier release, as docs/how-to/upgrading.md says to do them
 (issue 19, item 4).
 
 For each release in CHANGELOG.md (its code from this repository's history, see

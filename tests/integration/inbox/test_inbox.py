@@ -708,7 +708,8 @@ def test_inbox__a_retried_earlier_message_is_applied_before_later_ones_only_with
     """Message 0 fails twice (a batch that fails is retried one message at a time, so
     twice is what sends it back to the queue even in a batch).  With prefetch 1 the
     broker holds 1 and 2 until 0 is settled, so 0 is applied first; with a larger
-    prefetch 1 and 2 are already here and overtake it (README, "Ordered consumption")."""
+    prefetch 1 and 2 are already here and overtake it (docs/how-to/consuming.md,
+    "Ordered consumption")."""
     ids = new_ids(3)
     calls: list[str] = []
 

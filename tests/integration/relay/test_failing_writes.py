@@ -8,7 +8,7 @@ timeout) rolled the batch back and published its good rows again on every retry,
 with the backoff stuck at its first step: 170 copies of each good row in 30 s.
 
 Every test ends with the fault suite's checker: nothing lost, nothing unexpected,
-nothing left prepared, duplicates within the README's bound (the batches in
+nothing left prepared, duplicates within the bound of docs/explanation/guarantee.md (the batches in
 flight: one batch serial, two pipelined; no message more than twice), the
 relay drained the table after the fault ended, backed off to its ceiling while
 the fault lasted, and said which write failed (log line and metric).

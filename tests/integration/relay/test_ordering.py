@@ -1,4 +1,4 @@
-"""Per-key ordering against the real servers (README, "Per-key ordering").
+"""Per-key ordering against the real servers (docs/explanation/ordering.md).
 
 The contract: rows sharing an ordering key reach the broker in id order; a row is
 never published while an earlier row of its key is still in the outbox, whichever

@@ -210,7 +210,7 @@ def test_relay__wakes_on_notify_without_waiting_for_the_poll(
 def test_relay__without_the_notify_trigger_finds_rows_by_its_poll(
     settings: Settings, topology: Topology
 ) -> None:
-    """README, "Known limitations": the wake-up trigger may be disabled; the relay
+    """docs/explanation/design.md, "Wake-ups": the wake-up trigger may be disabled; the relay
     then finds every row by its fallback poll."""
     import dataclasses
     import time

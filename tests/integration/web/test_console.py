@@ -4,7 +4,7 @@ by the button, CSRF, authentication and passwords.
 
 The console runs in this process (uvicorn on a thread, on a socket bound here);
 relays run as subprocesses.  ``OUTBOX_WEB_SCREENSHOT=docs/images/console.png`` makes
-the overview test write the README's screenshot there.
+the overview test write the screenshot of docs/how-to/console.md there.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def create_outbox(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     # Outside a transaction ``migrate_schema`` runs online (lock_timeout and retries,
-    # indexes built concurrently: README, "Upgrading"); a new migration does the same.
+    # indexes built concurrently: docs/how-to/upgrading.md); a new migration does the same.
     atomic = False
     initial = True
     dependencies = []

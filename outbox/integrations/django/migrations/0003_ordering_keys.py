@@ -19,7 +19,7 @@ def upgrade_outbox(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     # Outside a transaction ``migrate_schema`` runs online (lock_timeout and retries,
-    # indexes built concurrently: README, "Upgrading"); a new migration does the same.
+    # indexes built concurrently: docs/how-to/upgrading.md); a new migration does the same.
     atomic = False
     dependencies = [("outbox", "0002_dead_letter_ids")]
     operations = [migrations.RunPython(upgrade_outbox, elidable=False)]
