@@ -164,7 +164,7 @@ def judge_horizon(horizon: Horizon, table: str, max_age: float) -> list[str]:
         f"{describe_holder(oldest, table)} holds the MVCC horizon back "
         f"({holder_age(oldest)}): vacuum cannot remove the outbox's {dead} dead rows, "
         f"and every claim reads them; {what_to_do(oldest, table)} "
-        "(docs: Operations, 'A held horizon')"
+        "(docs/how-to/operations.md#a-held-horizon)"
     ]
 
 
