@@ -169,3 +169,23 @@ def test_console__overview_names_the_horizon_holder_and_the_dead_rows(
     text = body.decode()
     assert 'id="horizon-outbox"' in text and "Outbox dead rows: " in text
     assert f"by session <code>pid {holders['report_pid']}</code> (nightly-report, idle in" in text
+
+
+def test_console__overview_names_a_prepared_transaction_holding_the_horizon(
+    logical_dsn: str,
+) -> None:
+    """A holder without a session (a prepared transaction; a slot alike) renders too."""
+    other = psycopg.connect(logical_dsn, autocommit=True)
+    other.execute("BEGIN")
+    other.execute("SELECT pg_current_xact_id()")
+    other.execute("PREPARE TRANSACTION 'billing-43'")
+    try:
+        config = WebConfig(
+            ConsoleConfig((settings_for(logical_dsn),)), "amqp://localhost", Credentials()
+        )
+        code, body = call(create_app(config), "GET", "/overview/panel", {"host": "127.0.0.1:8310"})
+        assert code == 200, body
+        assert "by prepared transaction <code>billing-43</code>." in body.decode()
+    finally:
+        other.execute("ROLLBACK PREPARED 'billing-43'")
+        other.close()
