@@ -15,7 +15,7 @@ from outbox.enqueue import (
     enqueue_many_async,
 )
 
-__version__ = "0.5.0"  # pyproject.toml's (tests/unit/test_release.py)
+__version__ = "0.6.0"  # pyproject.toml's (tests/unit/test_release.py)
 
 __all__ = [
     "OutgoingMessage",

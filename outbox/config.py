@@ -65,6 +65,7 @@ LIMITS: dict[str, Limit] = {
     "backoff_max": Limit(0.01, DAY),
     "connect_timeout": Limit(0, 3600, above=True),
     "statement_timeout": Limit(0, DAY, above=True),
+    "lock_timeout": Limit(0, DAY, above=True),
 }
 
 ORDERING_DEAD_LETTERS = ("block", "skip")
@@ -117,6 +118,12 @@ class Settings:
     # Bound on every statement the relay runs (PostgreSQL statement_timeout and
     # lock_timeout); a statement cancelled by it is logged and retried.
     statement_timeout: float = 30.0
+    # Bound on each wait for a lock in an operator's sessions (``outbox status``,
+    # ``resolve``, ``init``, ``dead-letters``, ``parked``, the console), which also
+    # have ``statement_timeout``: a row held by an in-doubt batch makes a statement
+    # wait for the batch's resolution, forever without it (the relay's own sessions
+    # bound their lock waits by ``statement_timeout``).
+    lock_timeout: float = 5.0
     # CA certificate(s) (PEM) that amqps:// brokers must be signed by; None: the
     # system's trusted CAs.  (PostgreSQL takes sslrootcert= in the DSN.)
     amqp_ca_file: str | None = None

@@ -25,6 +25,8 @@ class ExitCode(enum.IntEnum):
     NOT_READY = 4  # database not ready: prepared transactions disabled, schema missing/old,
     # or a privilege missing
     SCHEMA_TOO_NEW = 5  # the schema was migrated by a newer outbox-relay than this one
+    TIMED_OUT = 6  # a statement or lock wait outlived --statement-timeout/--lock-timeout
+    # (the error names what held it), or a publish its --publish-timeout
 
 
 class OutboxError(Exception):
@@ -56,6 +58,13 @@ class BrokerUnavailable(OutboxError):
     """RabbitMQ cannot be reached, refused us, or the connection was lost."""
 
     exit_code = ExitCode.UNREACHABLE
+
+
+class ConfirmTimedOut(BrokerUnavailable):
+    """An operator's publish (``outbox parked retry``) got no confirm within its
+    ``--publish-timeout``: whether the broker has the message is unknown."""
+
+    exit_code = ExitCode.TIMED_OUT
 
 
 class BrokerBlocked(BrokerUnavailable):
@@ -118,4 +127,7 @@ class GidHeld(OutcomeUnknown):
 
 
 class StatementTimedOut(DatabaseUnavailable):
-    """PostgreSQL cancelled a statement (``statement_timeout``/``lock_timeout``); retried."""
+    """PostgreSQL cancelled a statement (``statement_timeout``/``lock_timeout``): the
+    relay and the consumer retry it; an operator's command exits 6, naming what held it."""
+
+    exit_code = ExitCode.TIMED_OUT

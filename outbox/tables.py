@@ -22,6 +22,7 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "dead_letters_ordering_key": sql.Identifier(f"{table}_dead_letters_ordering_key"),
         "dead_letters_ordering_key_md5": sql.Identifier(f"{table}_dead_letters_ordering_key_md5"),
         "outbox_ordering_key_length": sql.Identifier(f"{table}_ordering_key_length"),
+        "outbox_txid": sql.Identifier(f"{table}_txid"),
         "schema_version": sql.Identifier(f"{table}_schema_version"),
         "notify_function": sql.Identifier(f"{table}_notify"),
         "notify_trigger": sql.Identifier(f"{table}_notify"),

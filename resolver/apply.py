@@ -56,7 +56,14 @@ def run_pass(
 ) -> list[Resolution]:
     """One pass on a session of its own, as ``outbox resolve`` and the console run it:
     privileges and schema version checked first (MissingPrivileges, SchemaTooNew)."""
-    store = BatchStore(settings.dsn, settings.table, application_name=application_name)
+    store = BatchStore(
+        settings.dsn,
+        settings.table,
+        application_name=application_name,
+        connect_timeout=settings.connect_timeout,
+        statement_timeout=settings.statement_timeout,
+        lock_timeout=settings.lock_timeout,
+    )
     try:
         # Privileges first: reading the schema version needs one of them.
         store.check_privileges(privileges.RESOLVE, "outbox resolve")

@@ -144,6 +144,30 @@ backoff_max_option = env_option(
     type=limited("backoff_max"),
     help="Longest retry delay (s).",
 )
+# Every operator command's sessions are bounded (``outbox.db.session.connect``).
+statement_timeout_option = env_option(
+    "--statement-timeout",
+    "OUTBOX_STATEMENT_TIMEOUT",
+    default=Settings.statement_timeout,
+    type=limited("statement_timeout"),
+    help="Bound (s) on every statement; a command whose statement is cancelled exits 6.",
+)
+lock_timeout_option = env_option(
+    "--lock-timeout",
+    "OUTBOX_LOCK_TIMEOUT",
+    default=Settings.lock_timeout,
+    type=limited("lock_timeout"),
+    help="Bound (s) on each wait for a lock (e.g. a row held by an in-doubt batch); "
+    "the command then exits 6 naming what held it.",
+)
+
+
+def operator_session_options(func: F) -> F:
+    """``--statement-timeout`` and ``--lock-timeout`` of a command that has no
+    ``tuning_options`` (those give ``--statement-timeout``: add ``lock_timeout_option``)."""
+    return apply(func, [statement_timeout_option, lock_timeout_option])
+
+
 log_level_option = env_option(
     "--log-level",
     "OUTBOX_LOG_LEVEL",

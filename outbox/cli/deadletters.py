@@ -12,6 +12,7 @@ import click
 from outbox.cli.common import (
     ORDERING_KEY_OPTION,
     known_errors,
+    operator_session_options,
     server_options,
     settings_from,
 )
@@ -44,6 +45,7 @@ def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any
 
 @dead_letters.command("list")
 @server_options
+@operator_session_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option(
     "--limit",
@@ -72,6 +74,7 @@ def dead_letters_list(
 
 @dead_letters.command("retry")
 @server_options
+@operator_session_options
 @click.option("--all", "everything", is_flag=True, help="Retry every dead letter.")
 @ORDERING_KEY_OPTION
 @click.argument("message_ids", nargs=-1)
@@ -115,6 +118,7 @@ def dead_letters_retry(
 
 @dead_letters.command("purge")
 @server_options
+@operator_session_options
 @click.option("--all", "everything", is_flag=True, help="Delete every dead letter.")
 @click.option(
     "--older-than",

@@ -10,6 +10,7 @@ import click
 from outbox import redaction
 from outbox.cli.common import (
     known_errors,
+    operator_session_options,
     server_options,
     settings_from,
 )
@@ -20,6 +21,7 @@ from outbox.ops.upgrade import Upgrade
 
 @click.command()
 @server_options
+@operator_session_options
 @click.option("--print-sql", is_flag=True, help="Print the schema instead of applying it.")
 @known_errors
 def init(print_sql: bool, **options: Any) -> None:

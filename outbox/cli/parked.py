@@ -10,9 +10,12 @@ import click
 
 from outbox.cli.common import (
     consumer_server_options,
+    env_option,
     known_errors,
+    operator_session_options,
 )
-from outbox.cli.options import Age
+from outbox.cli.options import Age, limited
+from outbox.config import Settings
 from outbox.errors import ExitCode
 
 
@@ -21,14 +24,27 @@ def parked() -> None:
     """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
 
 
-def _parked_store(dsn: str, inbox_table: str, connect_timeout: float) -> Any:
+def _parked_store(
+    dsn: str,
+    inbox_table: str,
+    connect_timeout: float,
+    statement_timeout: float,
+    lock_timeout: float,
+) -> Any:
     from outbox.inbox.store import ParkedStore
 
-    return ParkedStore(dsn, inbox_table, connect_timeout=connect_timeout)
+    return ParkedStore(
+        dsn,
+        inbox_table,
+        connect_timeout=connect_timeout,
+        statement_timeout=statement_timeout,
+        lock_timeout=lock_timeout,
+    )
 
 
 @parked.command("list")
 @consumer_server_options
+@operator_session_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option("--limit", default=1000, show_default=True, help="Show at most this many.")
 @known_errors
@@ -39,11 +55,13 @@ def parked_list(
     amqp_url: str,
     inbox_table: str,
     connect_timeout: float,
+    statement_timeout: float,
+    lock_timeout: float,
 ) -> None:
     """Parked messages, oldest first: message id, error, attempts, queue and origin."""
     from outbox.inbox.parked import as_dict, render
 
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
     try:
         rows = parked_store.entries(limit)
     finally:
@@ -56,16 +74,36 @@ def parked_list(
 
 @parked.command("retry")
 @consumer_server_options
+@operator_session_options
 @click.option("--all", "everything", is_flag=True, help="Retry every parked message.")
+@env_option(
+    "--publish-timeout",
+    "OUTBOX_PUBLISH_TIMEOUT",
+    default=Settings.publish_timeout,
+    type=limited("publish_timeout"),
+    help="Seconds to wait for each message's confirm; then exit 6 (the message stays "
+    "listed: retrying again is safe, the inbox skips a copy already applied).",
+)
+@env_option(
+    "--batch-max-bytes",
+    "OUTBOX_BATCH_MAX_BYTES",
+    default=Settings.batch_max_bytes,
+    type=limited("batch_max_bytes"),
+    help="Most body bytes held in memory at once (a larger message goes alone).",
+)
 @click.argument("message_ids", nargs=-1)
 @known_errors
 def parked_retry(
     everything: bool,
+    publish_timeout: float,
+    batch_max_bytes: int,
     message_ids: tuple[str, ...],
     dsn: str,
     amqp_url: str,
     inbox_table: str,
     connect_timeout: float,
+    statement_timeout: float,
+    lock_timeout: float,
 ) -> None:
     """Send parked messages back to the queue they came from (same message_id), once
     the handler or the data is fixed.  Exits 1 if a MESSAGE_ID is not parked."""
@@ -74,9 +112,16 @@ def parked_retry(
     if everything == bool(message_ids):
         raise click.UsageError("give either --all or one or more MESSAGE_IDs")
     ids = None if everything else list(message_ids)
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
     try:
-        retried = retry(parked_store, amqp_url, ids, connect_timeout=connect_timeout)
+        retried = retry(
+            parked_store,
+            amqp_url,
+            ids,
+            connect_timeout=connect_timeout,
+            confirm_timeout=publish_timeout,
+            max_bytes=batch_max_bytes,
+        )
     finally:
         parked_store.close()
     click.echo(f"{len(retried)} parked messages sent back to their queues")
@@ -88,6 +133,7 @@ def parked_retry(
 
 @parked.command("purge")
 @consumer_server_options
+@operator_session_options
 @click.option("--all", "everything", is_flag=True, help="Delete every parked message.")
 @click.option(
     "--older-than",
@@ -107,6 +153,8 @@ def parked_purge(
     amqp_url: str,
     inbox_table: str,
     connect_timeout: float,
+    statement_timeout: float,
+    lock_timeout: float,
 ) -> None:
     """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
     Their ids stay in the inbox until retention, so a late copy is still skipped."""
@@ -120,7 +168,7 @@ def parked_purge(
         age = parse_age(older_than) if older_than else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout)
+    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
     try:
         purged = parked_store.purge(list(message_ids) if message_ids else None, age)
     finally:

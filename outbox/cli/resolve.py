@@ -9,6 +9,7 @@ import click
 
 from outbox.cli.common import (
     known_errors,
+    lock_timeout_option,
     server_options,
     settings_from,
     tuning_options,
@@ -19,6 +20,7 @@ from outbox.events import configure
 @click.command()
 @server_options
 @tuning_options
+@lock_timeout_option
 @click.option(
     "--dry-run", is_flag=True, help="Show each decision and its evidence; change nothing."
 )

@@ -11,6 +11,7 @@ import click
 from outbox.cli.common import (
     env_option,
     known_errors,
+    operator_session_options,
     server_options,
     settings_from,
 )
@@ -22,6 +23,7 @@ from outbox.errors import ExitCode
 
 @click.command()
 @server_options
+@operator_session_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option(
     "--max-prepared-age",

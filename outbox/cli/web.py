@@ -11,6 +11,7 @@ import click
 from outbox.cli.common import (
     env_option,
     known_errors,
+    lock_timeout_option,
     server_options,
     settings_from,
     tuning_options,
@@ -25,6 +26,7 @@ DEFAULT_PORT = 8310
 @click.command()
 @server_options
 @tuning_options
+@lock_timeout_option
 @click.option(
     "--also-table",
     "also_tables",
@@ -126,7 +128,16 @@ def web(
     config = WebConfig(
         console=ConsoleConfig(
             outboxes=outboxes,
-            inboxes=tuple(InboxTarget(inbox_dsn, t) for t in dict.fromkeys(inbox_tables)),
+            inboxes=tuple(
+                InboxTarget(
+                    inbox_dsn,
+                    t,
+                    statement_timeout=settings.statement_timeout,
+                    lock_timeout=settings.lock_timeout,
+                    publish_timeout=settings.publish_timeout,
+                )
+                for t in dict.fromkeys(inbox_tables)
+            ),
             read_only=read_only,
             max_prepared_age=max_prepared_age,
         ),

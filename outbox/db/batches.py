@@ -28,6 +28,7 @@ from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
+from outbox.db.front import RESCAN_SECONDS, ClaimFront
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -77,8 +78,16 @@ KEYED_WINDOW = 5
 # optimization, emission of 106 functions) to then run for 1.5 ms: 380 msg/s
 # instead of 12,000 at 100 rows per batch, until autovacuum's first visit.  JIT
 # only pays on long scans; the claim reads a few hundred index entries.
+#
+# And no bitmap scan: the generic plan does not know the low-water mark W
+# (``outbox.db.front``), guesses that a third of the keyed rows are at or after
+# it, and then preferred a bitmap scan of all of them and a sort to the index scan
+# in id order that stops after the window (3,003 rows read for a window of 500).
+# Every other scan of the claim is a lookup by id or txid, which a plain index
+# scan does as well.
 PINNED_CLAIM_PLAN = (
     "SELECT set_config('enable_seqscan', 'off', true),"
+    " set_config('enable_bitmapscan', 'off', true),"
     " set_config('plan_cache_mode', 'force_generic_plan', true),"
     " set_config('jit', 'off', true)"
 )
@@ -161,16 +170,26 @@ class BatchStore(Session):
         application_name: str = "outbox-relay",
         connect_timeout: float = 10.0,
         statement_timeout: float | None = None,
+        lock_timeout: float | None = None,
         note_backend: bool = False,
     ) -> None:
         """``note_backend``: look up and keep this session's backend (``backend``), for
         ending it should the connection be lost (the relay's work session); one round
         trip, which ``outbox resolve``, ``status`` and the console do not need."""
-        super().__init__(dsn, table, application_name, connect_timeout, statement_timeout)
+        super().__init__(
+            dsn, table, application_name, connect_timeout, statement_timeout, lock_timeout
+        )
         self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes] | None = (
             None
         )
         self.backend: Backend | None = None
+        # Where this session's claims start (``outbox.db.front``): from the bottom at
+        # first, then past what the claims before saw gone.  Never carried over to
+        # another session (after a failover ids and xids may be handed out again).
+        self.front = ClaimFront()
+        # When the claims start from the bottom again (``current_front``).
+        self.rescan_seconds = RESCAN_SECONDS
+        self._rescan_at = time.monotonic() + self.rescan_seconds
         if not note_backend:
             return
         try:
@@ -246,16 +265,19 @@ class BatchStore(Session):
         Binary results (``claim_cursor``): each payload is a view of the driver's
         result, held once; the result is freed when the batch's rows are dropped.
 
+        The claim starts at ``front`` and returns the next one (``outbox.db.front``:
+        the low-water mark, the late rows, the snapshot), which replaces it, so a
+        claim reads the rows deleted since the claim before it, not every dead row
+        the held horizon keeps.  A claim that fails leaves the front as it was
+        (an older front is always a valid one: it only costs a longer walk).
+
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
-        params = {
-            "limit": limit,
-            "window": limit * KEYED_WINDOW,
-            "max_bytes": max_bytes,
-            "hold": hold_keys,
-            "own": list(own),
-        }
+        if self.rescan_due():
+            self.front = ClaimFront()
+            self._rescan_at = time.monotonic() + self.rescan_seconds
+        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
@@ -267,7 +289,28 @@ class BatchStore(Session):
             else:  # a libpq older than 14: two round trips
                 plain.execute(f"BEGIN; {PINNED_CLAIM_PLAN}")
                 cur.execute(statement, params)
-            return claimed_rows(self.conn, cur)
+            rows, front = claimed_rows(self.conn, cur)
+        if front is not None:
+            self.front = self.front.after(*front)
+        return rows
+
+    def claim_params(
+        self,
+        limit: int,
+        max_bytes: int = 2**62,
+        *,
+        hold_keys: bool = True,
+        own: Sequence[int] = (),
+    ) -> dict[str, Any]:
+        """The parameters of the next claim (``claim_batch``), from this session's front."""
+        return {
+            "limit": limit,
+            "window": limit * KEYED_WINDOW,
+            "max_bytes": max_bytes,
+            "hold": hold_keys,
+            "own": list(own),
+            **self.front.params(),
+        }
 
     def _claim_statement(
         self,
@@ -388,9 +431,20 @@ class BatchStore(Session):
                 "retries with backoff",
             ) from exc
 
+    def rescan_due(self) -> bool:
+        """Whether the next claim starts from the bottom, as a new session's first
+        does (every ``rescan_seconds``, ``outbox.db.front.RESCAN_SECONDS``: a row whose
+        txid the application wrote is found within that time).  An idle relay
+        claims once when it is due (``Relay._wait_for_work``): its polls look only
+        where its claims do."""
+        return time.monotonic() >= self._rescan_at
+
     def has_claimable_rows(self) -> bool:
+        """Whether any row nobody holds is where the claim looks (``front``)."""
         with self._translated("looking for claimable rows"), self.conn.transaction():
-            row = self.conn.execute(self.queries["has_claimable_rows"]).fetchone()
+            row = self.conn.execute(
+                self.queries["has_claimable_rows"], self.front.params()
+            ).fetchone()
             return bool(row and row["claimable"])
 
     def replication(self) -> Replication:

@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 
+from outbox.config import Settings
 from outbox.db import privileges
 from outbox.db.session import Session
 from outbox.errors import DatabaseRefused
@@ -21,8 +22,18 @@ Conn = psycopg.Connection[Row]
 class DeadLetterStore(Session):
     """What ``outbox dead-letters`` reads and changes; each call is one transaction."""
 
-    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
-        super().__init__(dsn, table, "outbox-dead-letters", connect_timeout)
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        connect_timeout: float = 10.0,
+        statement_timeout: float = Settings.statement_timeout,
+        lock_timeout: float = Settings.lock_timeout,
+    ) -> None:
+        super().__init__(
+            dsn, table, "outbox-dead-letters", connect_timeout, statement_timeout, lock_timeout
+        )
 
     def entries(self, limit: int) -> list[Row]:
         self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")

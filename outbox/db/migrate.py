@@ -55,8 +55,8 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from outbox import gid as gids
-from outbox.db import privileges
-from outbox.errors import MissingPrivileges, SchemaNotReady, SchemaTooNew
+from outbox.db import privileges, session
+from outbox.errors import DatabaseUnavailable, MissingPrivileges, SchemaNotReady, SchemaTooNew
 from outbox.tables import table_identifiers
 
 # Advisory-lock class of migrations; distinct from gid.LOCK_CLASS (relay liveness).
@@ -84,6 +84,8 @@ CLIENT_CHECK_INTERVAL = "1s"
 SAY_HOLDERS = 3
 # How often the claims of relays queued behind an attempt are looked for (seconds).
 _YIELD_POLL = 0.05
+# The watch's statements (a look at pg_stat_activity, a cancel) are quick.
+WATCH_STATEMENT_TIMEOUT = 10.0
 
 _CONCURRENT_INDEX = re.compile(
     r"^CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+IF\s+NOT\s+EXISTS\s+\{(\w+)\}",
@@ -656,7 +658,15 @@ class _YieldToRelays:
 
     def _watch(self) -> None:
         try:
-            with psycopg.connect(self.conninfo, autocommit=True) as watch:
+            # Bounded as every session (outbox.db.session.connect): a watch that
+            # waits for nothing, but whose server may stall.
+            watch: psycopg.Connection[Any] = session.connect(
+                self.conninfo,
+                application_name="outbox-init-watch",
+                statement_timeout=WATCH_STATEMENT_TIMEOUT,
+            )
+            watch.row_factory = tuple_row
+            with watch:
                 while not self.stop.wait(_YIELD_POLL):
                     queued = watch.execute(
                         "SELECT pid, usename FROM pg_stat_activity"
@@ -666,7 +676,7 @@ class _YieldToRelays:
                     ).fetchall()
                     for pid, role in queued:
                         self._cancel(watch, pid, role)
-        except psycopg.Error:
+        except (psycopg.Error, DatabaseUnavailable):
             # Without the watch (no second connection) each attempt still ends at
             # its lock_timeout: slower beside busy relays, never stuck.
             return

@@ -5,32 +5,61 @@
 -- claim_batch --
 -- Lock and delete up to `limit` committed rows nobody else holds.  The delete only
 -- becomes final with COMMIT PREPARED; ROLLBACK PREPARED puts every row back.
--- The locking sub-selects live in one ARRAY(…) InitPlan: PostgreSQL evaluates it
--- exactly once, whatever the statistics say.  Written as `id IN (SELECT … SKIP
--- LOCKED)` it becomes a semi-join, and on a table whose statistics say "nearly
--- empty" (the normal state of an outbox, analyzed between bursts) the planner may
--- put it on the inner side of a nested loop: rescanned once per outer row, each
--- rescan locking other rows, so one claim took 50 s and deleted 19,994 rows under
--- LIMIT 1000.  tests/integration/db/test_claim_plan.py pins this plan.
+--
+-- Where the claim looks (``outbox/db/front.py``, the design): at ids from the
+-- relay's low-water mark %(low_water)s (W) on, and at the `late` rows below it:
+-- the ids it already knows (%(late)s) that still exist, and the rows whose inserting
+-- transaction (txid, schema 0006) the previous claim's snapshot %(seen)s did not
+-- see, found through the txid index (a range from its xmax, point lookups for the
+-- transactions it saw in progress and that have ended since: `committed_since`,
+-- the rows committed since that claim, whatever their id; one still running, a
+-- bulk load say, is looked up only once it has ended, not at every claim).  So
+-- the claim never walks the rows deleted before W, however many dead ones vacuum
+-- cannot remove while the horizon is held.
+-- `committed_since` has no condition on id, and is MATERIALIZED so that none is
+-- pushed into it: with `id < W` there, the generic plan walked the primary key
+-- from the bottom to W and filtered on txid (the very walk this avoids).
+-- `start` is the smallest id visible now at or after W (locked or not): the one
+-- walk over the rows deleted since the claim before; the other scans of the
+-- front start there (none when it is NULL: no row at or after W is visible).
+-- The last row of the result is not a row but the next front (`id` NULL): the
+-- smallest id visible now at or after W (`start`), the late ids that still
+-- exist (claimed now included: a batch rolled back puts them back) and this
+-- statement's snapshot.  Every part of the statement sees the one snapshot it
+-- was started with, from before its own delete.
+--
+-- The locking sub-selects are MATERIALIZED CTEs inside one ARRAY(…) InitPlan:
+-- PostgreSQL evaluates each exactly once, whatever the statistics say.  Written as
+-- `id IN (SELECT … SKIP LOCKED)` it becomes a semi-join, and on a table whose
+-- statistics say "nearly empty" (the normal state of an outbox, analyzed between
+-- bursts) the planner may put it on the inner side of a nested loop: rescanned
+-- once per outer row, each rescan locking other rows, so one claim took 50 s and
+-- deleted 19,994 rows under LIMIT 1000.  tests/integration/db/test_claim_plan.py
+-- pins this plan.
 --
 -- Rows with an ordering key (docs/explanation/ordering.md) are taken only as a prefix
 -- of their key: a key's first row in the outbox (its head) and the rows right
 -- behind it, never a row while an earlier row of its key is held by anyone else.
--- `keyed` is the front of the keyed rows, in id order, locked or not: a key's first
--- row there is its first row in the outbox, so no index probe per row is needed.
--- A head held by another batch (prepared, or being claimed) is skipped, and with it
--- its whole key.  `heads` locks unkeyed rows and free heads; `tails` then locks the
--- rows behind our heads (no other relay can hold those: it would need the head).
--- `gaps` is the first row of each key that we did not lock: nothing of that key
--- at or after it is taken.  A claim therefore holds at most a prefix of each key,
--- and a key's next rows are claimable only once its batch is committed, except
--- behind the relay's own batch in flight: `own` lists its keyed rows, which count as
--- taken, and the relay publishes the new batch only after committing that one
--- (``batches.py``, "the schedule").  `own` is looked up through a hashed SubPlan
--- (`NOT IN (SELECT unnest(…))`): `id <> ALL (%(own)s)` compares each row of the window
--- with every element of the array in the generic plan (PostgreSQL hashes such an
--- array only when it is a constant), 5 x 1,000 x 1,000 comparisons per claim: 65 of
--- the 85 ms of a claim of 1,000 keys behind the relay's own batch.
+-- `keyed` is the front of the keyed rows, in id order, locked or not: the late
+-- ones, then those from W on; a key's first row there is its first row in the
+-- outbox (every row below W that exists and is visible is late), so no index probe
+-- per row is needed.  A head held by another batch (prepared, or being claimed) is
+-- skipped, and with it its whole key.  `late_heads` and `front_heads` lock unkeyed
+-- rows and free heads (the late ones first, by id; the front by an index scan
+-- from W); `tails` then locks the rows behind our heads (no other relay can hold
+-- those: it would need the head), looked up by id (as `id IN (…)`, a semi-join,
+-- the generic plan read the whole primary key, dead entries and all, to merge
+-- it).  `gaps` is the first row of each key that we did not lock: nothing of
+-- that key at or after it is taken.  A claim therefore holds
+-- at most a prefix of each key, and a key's next rows are claimable only once its
+-- batch is committed, except behind the relay's own batch in flight: `own` lists
+-- its keyed rows, which count as taken, and the relay publishes the new batch only
+-- after committing that one (``batches.py``, "the schedule").  `own` is looked up
+-- through a hashed SubPlan (`NOT IN (SELECT unnest(…))`): `id <> ALL (%(own)s)`
+-- compares each row of the window with every element of the array in the generic
+-- plan (PostgreSQL hashes such an array only when it is a constant), 5 x 1,000 x
+-- 1,000 comparisons per claim: 65 of the 85 ms of a claim of 1,000 keys behind the
+-- relay's own batch.
 --
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
 -- of the row's key with a lower id (through the index on md5(ordering_key), id:
@@ -41,57 +70,117 @@
 -- large), so the relay's memory does not grow with the payloads; octet_length()
 -- reads a TOASTed value's size without fetching it.  Rows locked beyond the budget
 -- stay locked until this batch is finished, then the next claim takes them.
-DELETE FROM {outbox}
-WHERE id = ANY (ARRAY (
-    WITH keyed AS MATERIALIZED (
-        SELECT id, ordering_key FROM {outbox}
-        WHERE ordering_key IS NOT NULL
-          AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
-        ORDER BY id
-        LIMIT %(window)s
-    ), firsts AS MATERIALIZED (
-        SELECT DISTINCT ON (ordering_key) id FROM keyed ORDER BY ordering_key, id
-    ), heads AS MATERIALIZED (
-        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
-        WHERE ordering_key IS NULL OR id IN (SELECT id FROM firsts)
-        ORDER BY id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    ), tails AS MATERIALIZED (
-        SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
-        WHERE id IN (
-            SELECT k.id FROM keyed k JOIN heads h ON h.ordering_key = k.ordering_key
-            WHERE k.id > h.id)
-        ORDER BY id
-        LIMIT (SELECT %(limit)s - count(*) FROM heads)
-        FOR UPDATE SKIP LOCKED
-    ), locked AS (
-        SELECT id, ordering_key, size FROM heads
-        UNION ALL
-        SELECT id, ordering_key, size FROM tails
-    ), gaps AS (
-        SELECT ordering_key, min(id) AS gap FROM keyed
-        WHERE id NOT IN (SELECT id FROM locked)
-        GROUP BY ordering_key
-    ), taken AS (
-        SELECT l.id, l.size FROM locked l LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
-        WHERE g.gap IS NULL OR l.id < g.gap
-    )
-    SELECT id FROM (
-        SELECT id, sum(size) OVER (ORDER BY id) - size AS before FROM taken
-    ) AS sized
-    WHERE before < %(max_bytes)s
-))
-RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
-    ordering_key,
-    CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
-        SELECT min(d.id) FROM {dead_letters} d
-        WHERE md5(d.ordering_key) = md5({outbox}.ordering_key)
-          AND d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
-    END AS held_by
+WITH committed_since AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+    UNION ALL
+    SELECT id FROM {outbox}
+    WHERE txid = ANY (ARRAY (
+        SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+        WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
+), late AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
+    UNION
+    SELECT id FROM committed_since WHERE id < %(low_water)s
+), start AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
+), claimed AS (
+    DELETE FROM {outbox}
+    WHERE id = ANY (ARRAY (
+        WITH keyed AS MATERIALIZED (
+            SELECT id, ordering_key FROM (
+                SELECT id, ordering_key FROM {outbox}
+                WHERE id = ANY (ARRAY (SELECT id FROM late)) AND ordering_key IS NOT NULL
+                  AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
+                UNION ALL
+                (SELECT id, ordering_key FROM {outbox}
+                 WHERE ordering_key IS NOT NULL AND id >= (SELECT id FROM start)
+                   AND id NOT IN (SELECT unnest(%(own)s::bigint[]))
+                 ORDER BY id
+                 LIMIT %(window)s)
+            ) AS front
+            ORDER BY id
+            LIMIT %(window)s
+        ), firsts AS MATERIALIZED (
+            SELECT DISTINCT ON (ordering_key) id FROM keyed ORDER BY ordering_key, id
+        ), late_heads AS MATERIALIZED (
+            SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+            WHERE id = ANY (ARRAY (SELECT id FROM late))
+              AND (ordering_key IS NULL OR id IN (SELECT id FROM firsts))
+            ORDER BY id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), front_heads AS MATERIALIZED (
+            SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+            WHERE id >= (SELECT id FROM start)
+              AND (ordering_key IS NULL OR id IN (SELECT id FROM firsts))
+            ORDER BY id
+            LIMIT (SELECT %(limit)s - count(*) FROM late_heads)
+            FOR UPDATE SKIP LOCKED
+        ), heads AS (
+            SELECT id, ordering_key, size FROM late_heads
+            UNION ALL
+            SELECT id, ordering_key, size FROM front_heads
+        ), tails AS MATERIALIZED (
+            SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
+            WHERE id = ANY (ARRAY (
+                SELECT k.id FROM keyed k JOIN heads h ON h.ordering_key = k.ordering_key
+                WHERE k.id > h.id))
+            ORDER BY id
+            LIMIT (SELECT %(limit)s - count(*) FROM heads)
+            FOR UPDATE SKIP LOCKED
+        ), locked AS (
+            SELECT id, ordering_key, size FROM heads
+            UNION ALL
+            SELECT id, ordering_key, size FROM tails
+        ), gaps AS (
+            SELECT ordering_key, min(id) AS gap FROM keyed
+            WHERE id NOT IN (SELECT id FROM locked)
+            GROUP BY ordering_key
+        ), taken AS (
+            SELECT l.id, l.size FROM locked l LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
+            WHERE g.gap IS NULL OR l.id < g.gap
+        )
+        SELECT id FROM (
+            SELECT id, sum(size) OVER (ORDER BY id) - size AS before FROM taken
+        ) AS sized
+        WHERE before < %(max_bytes)s
+    ))
+    RETURNING id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+        ordering_key,
+        CASE WHEN %(hold)s AND ordering_key IS NOT NULL THEN (
+            SELECT min(d.id) FROM {dead_letters} d
+            WHERE md5(d.ordering_key) = md5({outbox}.ordering_key)
+              AND d.ordering_key = {outbox}.ordering_key AND d.id < {outbox}.id)
+        END AS held_by
+)
+SELECT id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
+       ordering_key, held_by,
+       NULL::bigint AS low_water, NULL::bigint[] AS late, NULL::text AS seen
+FROM claimed
+UNION ALL
+SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::bytea, NULL::jsonb, NULL::text,
+       NULL::timestamptz, NULL::text, NULL::bigint,
+       (SELECT id FROM start),
+       ARRAY (SELECT id FROM late ORDER BY id),
+       pg_current_snapshot()::text
 
 -- has_claimable_rows --
-SELECT EXISTS (SELECT 1 FROM {outbox} FOR UPDATE SKIP LOCKED) AS claimable
+-- Any row nobody holds, where the claim looks (``claim_batch``): from W, the late
+-- ids, and the rows committed since the claim's snapshot, whatever their id.  Each
+-- look is an ORDER BY … LIMIT 1 on its index: as EXISTS the planner may choose a
+-- sequential scan, which reads every dead row from the start of the table.
+SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
+        FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) ORDER BY id LIMIT 1
+        FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
+    OR (SELECT id FROM {outbox}
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
+        ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
+    AS claimable
 
 -- record_dead_letters --
 -- Keyed by the outbox row's id: rows sharing a message_id stay separate dead
@@ -163,7 +252,19 @@ UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
 -- rows_waiting --
 -- The idle relay's fallback poll (a NOTIFY normally wakes it first).  Rows held by
 -- an in-doubt batch count too: at worst one empty claim.
-SELECT EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
+-- Where the claim looks (``claim_batch``; %(low_water)s etc.: the relay's claim
+-- front, ``outbox/db/front.py``), so the poll does not walk the dead rows behind
+-- it either (each look an ORDER BY … LIMIT 1 on its index: ``has_claimable_rows``).
+SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox}
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
+        ORDER BY txid LIMIT 1) IS NOT NULL
+    AS rows_waiting
 
 -- want_wakeups --
 -- An idle relay asks for NOTIFYs, then looks for rows, in one round trip.  The
@@ -171,7 +272,16 @@ SELECT EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
 -- application commit the look missed (its INSERT ran before the lock was taken)
 -- is found by the relay's next polls (``Relay._wait_for_work``).
 SELECT pg_try_advisory_lock_shared(%(lock_class)s, %(relid)s) AS listening,
-       EXISTS (SELECT 1 FROM {outbox}) AS rows_waiting
+       (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) IS NOT NULL
+    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+        ORDER BY txid LIMIT 1) IS NOT NULL
+    OR (SELECT txid FROM {outbox}
+        WHERE txid = ANY (ARRAY (
+            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
+            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
+        ORDER BY txid LIMIT 1) IS NOT NULL
+       AS rows_waiting
 
 -- stop_wanting_wakeups --
 -- A busy relay claims until the outbox is empty: commits meanwhile need not notify.

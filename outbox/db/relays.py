@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from outbox import gid as gids
+from outbox.db.front import ClaimFront
 from outbox.db.session import Session
 
 Row = dict[str, Any]
@@ -106,18 +107,21 @@ class WakeupListener(Session):
         assert row is not None
         self._lock = {"lock_class": gids.WAKEUP_LOCK_CLASS, "relid": row["relid"]}
 
-    def want_wakeups(self) -> bool:
+    def want_wakeups(self, front: ClaimFront | None = None) -> bool:
         """Ask for NOTIFYs (if not held already) and look for rows: True if rows are
-        waiting.
+        waiting where a claim starting at ``front`` looks (None: anywhere; the
+        relay passes its work session's, so the poll does not walk the dead rows
+        behind it: ``outbox.db.front``).
 
         The lock cannot be taken while someone holds it exclusively: an
         application's trigger for a moment (then the next call takes it), or a
         session that kept it; applications notify all the while either way.
         """
         if self.wanting:
-            return self.rows_waiting()
+            return self.rows_waiting(front)
+        params = {**self._lock, **(front or ClaimFront()).params()}
         with self._translated("asking for wake-ups"):
-            row = self.conn.execute(self.queries["want_wakeups"], self._lock).fetchone()
+            row = self.conn.execute(self.queries["want_wakeups"], params).fetchone()
         assert row is not None
         self.wanting = bool(row["listening"])
         self.wanting_since = time.monotonic()
@@ -148,8 +152,10 @@ class WakeupListener(Session):
         with self._translated("reading wake-ups"):
             return sum(1 for _ in self.conn.notifies(timeout=0))
 
-    def rows_waiting(self) -> bool:
-        """The fallback poll: True if the outbox table has any row."""
+    def rows_waiting(self, front: ClaimFront | None = None) -> bool:
+        """The fallback poll: True if the outbox table has any row where a claim
+        starting at ``front`` looks (None: anywhere)."""
+        params = (front or ClaimFront()).params()
         with self._translated("polling for rows"):
-            row = self.conn.execute(self.queries["rows_waiting"]).fetchone()
+            row = self.conn.execute(self.queries["rows_waiting"], params).fetchone()
             return row is None or bool(row["rows_waiting"])

@@ -39,15 +39,21 @@ CLAIM_COLUMNS = (
     "ordering_key",
     "held_by",
 )
-_CLAIM_NAMES = tuple(name.encode() for name in CLAIM_COLUMNS)
+# The columns of the claim's last record, which is not a row but where the next
+# claim starts (``outbox.db.front``); NULL in the rows' records.
+FRONT_COLUMNS = ("low_water", "late", "seen")
+_CLAIM_NAMES = tuple(name.encode() for name in (*CLAIM_COLUMNS, *FRONT_COLUMNS))
 # The columns of the claim whose types ``claim_cursor`` loads tolerantly
 # (timestamptz, jsonb): the only ones that can hold a value Python could not load.
 TOLERANT_COLUMNS = ("created_at", "headers")
 
 
-def claimed_rows(conn: Conn, cur: psycopg.Cursor[Any]) -> list[OutboxRow]:
-    """The rows of a claim executed on ``cur`` (a ``claim_cursor``), in id order;
-    never raises for a row's content.
+def claimed_rows(
+    conn: Conn, cur: psycopg.Cursor[Any]
+) -> tuple[list[OutboxRow], tuple[Any, ...] | None]:
+    """The rows of a claim executed on ``cur`` (a ``claim_cursor``), in id order, and
+    the values of its front record (``FRONT_COLUMNS``; None: no result); never raises
+    for a row's content.
 
     A value that could not be loaded becomes an ``Unloadable`` holding PostgreSQL's
     own text of it (one round trip per such value; only bad rows have any) and the
@@ -58,16 +64,20 @@ def claimed_rows(conn: Conn, cur: psycopg.Cursor[Any]) -> list[OutboxRow]:
     # object per column at every claim, a tenth of the claim's CPU at a few rows.
     result = cur.pgresult
     if result is None or result.nfields == 0:
-        return []
+        return [], None
     names = tuple(result.fname(i) for i in range(result.nfields))
     if names != _CLAIM_NAMES:
-        raise AssertionError(f"the claim returned {names}, not {CLAIM_COLUMNS}")
+        raise AssertionError(f"the claim returned {names}, not {CLAIM_COLUMNS + FRONT_COLUMNS}")
     rows = []
+    front = None
     for record in cur.fetchall():
         (id_, message_id, exchange, routing_key, payload, headers, content_type, created_at,
-         ordering_key, held_by) = record  # fmt: skip
+         ordering_key, held_by, low_water, late, seen) = record  # fmt: skip
+        if id_ is None:
+            front = (low_water, late, seen)
+            continue
         if type(headers) is _Unloaded or type(created_at) is _Unloaded:
-            rows.append(_partly_loaded(conn, record))
+            rows.append(_partly_loaded(conn, record[: len(CLAIM_COLUMNS)]))
             continue
         rows.append(
             OutboxRow(
@@ -85,7 +95,7 @@ def claimed_rows(conn: Conn, cur: psycopg.Cursor[Any]) -> list[OutboxRow]:
             )
         )
     rows.sort(key=_by_id)
-    return rows
+    return rows, front
 
 
 _by_id = operator.attrgetter("id")

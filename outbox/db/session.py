@@ -10,7 +10,7 @@ server's first line otherwise).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -18,6 +18,7 @@ from psycopg import errors as pgerrors
 from psycopg import pq
 from psycopg.rows import dict_row
 
+from outbox import gid as gids
 from outbox.db import privileges
 from outbox.db.queries import Queries
 from outbox.errors import (
@@ -38,14 +39,17 @@ def connect(
     application_name: str,
     connect_timeout: float = 10.0,
     statement_timeout: float | None = None,
+    lock_timeout: float | None = None,
 ) -> Conn:
     """An autocommit connection, or ``DatabaseUnavailable`` saying what to check.
 
-    With ``statement_timeout`` every statement of the session is bounded
-    (``statement_timeout`` and ``lock_timeout``), and the server checks every
+    The one place where sessions are bounded: with ``statement_timeout`` every
+    statement of the session is (``statement_timeout``, and ``lock_timeout`` too
+    unless ``lock_timeout`` says otherwise), and the server checks every
     ``CLIENT_CHECK_INTERVAL`` during a statement that the client is still there
     (``client_connection_check_interval``, PostgreSQL ≥ 14): a relay killed during
     a claim no longer leaves its backend running the claim, holding rows and CPU.
+    ``lock_timeout`` alone bounds only the waits for locks.
     """
     try:
         conn = psycopg.connect(
@@ -69,9 +73,9 @@ def connect(
             if "certificate" in reason
             else "check --dsn / OUTBOX_DSN and that the server is running",
         ) from exc
-    if statement_timeout is not None:
+    if statement_timeout is not None or lock_timeout is not None:
         try:
-            bound_statements(conn, statement_timeout)
+            bound_statements(conn, statement_timeout, lock_timeout)
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(
@@ -84,10 +88,20 @@ def connect(
 CLIENT_CHECK_INTERVAL = "2s"
 
 
-def bound_statements(conn: Conn, statement_timeout: float) -> None:
-    millis = str(max(1, round(statement_timeout * 1000)))
-    conn.execute("SELECT set_config('statement_timeout', %s, false)", [millis])
-    conn.execute("SELECT set_config('lock_timeout', %s, false)", [millis])
+def millis(seconds: float) -> str:
+    """A timeout for ``set_config``: whole milliseconds, at least 1 (0 would mean none)."""
+    return str(max(1, round(seconds * 1000)))
+
+
+def bound_statements(
+    conn: Conn, statement_timeout: float | None, lock_timeout: float | None = None
+) -> None:
+    lock = lock_timeout if lock_timeout is not None else statement_timeout
+    if lock is not None:
+        conn.execute("SELECT set_config('lock_timeout', %s, false)", [millis(lock)])
+    if statement_timeout is None:
+        return
+    conn.execute("SELECT set_config('statement_timeout', %s, false)", [millis(statement_timeout)])
     if conn.info.server_version >= 140000:
         conn.execute(
             "SELECT set_config('client_connection_check_interval', %s, false)",
@@ -98,6 +112,110 @@ def bound_statements(conn: Conn, statement_timeout: float) -> None:
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+# Granted locks on ``tables`` held by someone else for at least ``seconds``: a
+# prepared transaction (found through its own transactionid lock, which shares its
+# virtualtransaction) or a session whose transaction is that old.  Run after a
+# statement gave up waiting, to name what it waited for.
+_HOLDERS = """
+SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
+       c.relname::text AS relation,
+       p.gid,
+       a.pid,
+       coalesce(a.application_name, '') AS application_name,
+       coalesce(a.state, '') AS state,
+       greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start)))::float8
+           AS seconds
+FROM pg_locks l
+JOIN pg_class c ON c.oid = l.relation
+LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+     AND x.virtualtransaction = l.virtualtransaction AND x.pid IS NULL
+LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.pid IS DISTINCT FROM pg_backend_pid()
+  AND l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
+  AND (p.gid IS NOT NULL OR a.xact_start < now() - make_interval(secs => %(seconds)s))
+ORDER BY coalesce(p.gid, l.pid::text), c.relname
+"""
+# The most holders one error line names.
+NAMED_HOLDERS = 3
+
+
+def holders(conn: Conn, tables: Sequence[str], seconds: float) -> list[str]:
+    """What holds a lock on ``tables`` (for ``seconds`` or more), one phrase each,
+    oldest first, with what settles it; [] if it cannot be told."""
+    try:
+        cur = conn.cursor(row_factory=dict_row)  # whatever rows the connection gives
+        rows = cur.execute(_HOLDERS, {"tables": list(tables), "seconds": seconds}).fetchall()
+    except psycopg.Error:
+        if not (conn.broken or conn.closed):
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        return []
+    rows.sort(key=lambda r: -float(r["seconds"] or 0))
+    return [_holder(r) for r in rows]
+
+
+def _holder(row: Row) -> str:
+    age = f"{float(row['seconds'] or 0):.0f} s"
+    gid = row["gid"]
+    if gid is not None:
+        if gids.parse(gid) is None:
+            return (
+                f"prepared transaction {gid!r} ({age} old, not a relay batch): its owner "
+                "must finish it (COMMIT PREPARED or ROLLBACK PREPARED)"
+            )
+        return (
+            f"in-doubt batch {gid!r} ({age} old): resolve it first "
+            "(`outbox resolve`, or the console's In-doubt page)"
+        )
+    name = row["application_name"] or "no application_name"
+    return (
+        f"session pid {row['pid']} ({name}, {row['state']}, transaction open {age}) "
+        f"on {row['relation']}: it must commit or roll back"
+    )
+
+
+def timed_out(
+    conn: Conn,
+    exc: psycopg.Error,
+    what: str,
+    tables: Sequence[str],
+    *,
+    statement_timeout: float | None,
+    lock_timeout: float | None,
+) -> StatementTimedOut:
+    """``StatementTimedOut`` for a statement PostgreSQL cancelled (``lock_timeout``,
+    55P03, or ``statement_timeout``, 57014), naming what held it (``holders``).  The
+    session must be out of the failed transaction already."""
+    if not isinstance(exc, pgerrors.LockNotAvailable):
+        # Not a wait for a lock (that one has its own, shorter bound): a slow plan,
+        # a busy server.
+        return StatementTimedOut(
+            f"PostgreSQL cancelled the statement {what} after {statement_timeout or 0:g} s "
+            f"({first_line(exc)})",
+            "try again; if this repeats, look for what slows the server "
+            "(pg_stat_activity) or raise --statement-timeout",
+        )
+    seconds = lock_timeout if lock_timeout is not None else statement_timeout or 0.0
+    found = holders(conn, tables, seconds)
+    if not found:
+        return StatementTimedOut(
+            f"PostgreSQL gave up waiting for a lock while {what} after {seconds:g} s; "
+            "what held it is gone now",
+            "try again; if this repeats, look for long transactions on the outbox's "
+            "tables (pg_stat_activity, pg_locks) or raise --lock-timeout",
+        )
+    held = "; ".join(found[:NAMED_HOLDERS])
+    if len(found) > NAMED_HOLDERS:
+        held += f"; and {len(found) - NAMED_HOLDERS} more"
+    return StatementTimedOut(
+        f"PostgreSQL gave up waiting for a lock while {what} after {seconds:g} s: held by {held}",
+        "settle that, then try again, or raise --lock-timeout",
+    )
 
 
 # SQLSTATEs that mean the session is gone (08: connection exception; 57P0x: the
@@ -128,15 +246,18 @@ class Session:
         application_name: str,
         connect_timeout: float,
         statement_timeout: float | None = None,
+        lock_timeout: float | None = None,
     ):
         self.table = table
         self.queries = Queries(table)
         self.statement_timeout = statement_timeout
+        self.lock_timeout = lock_timeout
         self.conn = connect(
             dsn,
             application_name=application_name,
             connect_timeout=connect_timeout,
             statement_timeout=statement_timeout,
+            lock_timeout=lock_timeout,
         )
 
     @contextlib.contextmanager
@@ -156,11 +277,13 @@ class Session:
                 with contextlib.suppress(psycopg.Error):
                     self.conn.execute("ROLLBACK")
             if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
-                raise StatementTimedOut(
-                    f"PostgreSQL cancelled the statement {what} after "
-                    f"{self.statement_timeout or 0:g} s ({first_line(exc)})",
-                    "the relay retries with backoff; if this repeats, look for what "
-                    "slows the server (pg_stat_activity) or raise --statement-timeout",
+                raise timed_out(
+                    self.conn,
+                    exc,
+                    what,
+                    [self.table, f"{self.table}_dead_letters", f"{self.table}_relays"],
+                    statement_timeout=self.statement_timeout,
+                    lock_timeout=self.lock_timeout,
                 ) from exc
             if isinstance(exc, pgerrors.InsufficientPrivilege):
                 raise MissingPrivileges(

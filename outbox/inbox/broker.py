@@ -44,7 +44,7 @@ from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
 
-from outbox.errors import BrokerUnavailable, ExitCode, OutboxError
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, OutboxError
 from outbox.events import emit
 from outbox.inbox import properties as wire
 from outbox.inbox.message import (
@@ -489,9 +489,15 @@ class _RawMessage(amqp.Message):  # type: ignore[misc]
 class QueuePublisher:
     """Publishes straight to a queue (default exchange): persistent, ``mandatory``,
     and confirmed one by one, so a return (no such queue) or a nack raises.  Used
-    by ``outbox parked retry``."""
+    by ``outbox parked retry``.  Each publish, its write and its confirm, takes at
+    most ``confirm_timeout`` seconds (``ConfirmTimedOut``; the connection is then
+    of no more use)."""
 
-    def __init__(self, amqp_url: str, *, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, amqp_url: str, *, connect_timeout: float = 10.0, confirm_timeout: float = 30.0
+    ) -> None:
+        self.confirm_timeout = confirm_timeout
+        self._stalled = False  # a publish timed out: the broker may never answer
         self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
         try:
             self.conn.ensure_connection(
@@ -534,7 +540,27 @@ class QueuePublisher:
                 application_headers=headers,
                 **kept,
             )
-        self.channel.basic_publish_confirm(message, exchange="", routing_key=queue, mandatory=True)
+        try:
+            self.channel.basic_publish_confirm(
+                message,
+                exchange="",
+                routing_key=queue,
+                mandatory=True,
+                timeout=self.confirm_timeout,  # the write
+                confirm_timeout=self.confirm_timeout,
+            )
+        except (TimeoutError, amqp.RecoverableConnectionError) as exc:
+            # py-amqp: a write that timed out is RecoverableConnectionError("... timed out").
+            if not isinstance(exc, TimeoutError) and "timed out" not in str(exc):
+                raise
+            self._stalled = True
+            raise ConfirmTimedOut(
+                f"RabbitMQ did not confirm a message to queue {queue!r} within "
+                f"{self.confirm_timeout:g} s",
+                "whether it has the message is unknown: it stays listed; check the broker "
+                "(alarms, a stalled connection), then retry again (the inbox skips a copy "
+                "whose message was applied), or raise --publish-timeout",
+            ) from exc
 
     def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:
         """``for_retry``'s property list if it fits in one frame (the broker closes
@@ -551,4 +577,9 @@ class QueuePublisher:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.conn.release()
+            if self._stalled:
+                # No closing handshake (connection.close waits for close-ok, forever
+                # from a broker that stopped answering): the socket just goes.
+                self.conn.collect(socket_timeout=self.confirm_timeout)
+            else:
+                self.conn.release()

@@ -27,7 +27,8 @@ CREATE TABLE IF NOT EXISTS {attempts} (
 );
 -- Messages taken off the queue without an effect: the handler kept failing, or the
 -- message has no message_id.  A parked message's id is also in {inbox}, so a late
--- copy of it is skipped; `outbox parked retry` removes both in one transaction.
+-- copy of it is skipped; `outbox parked retry` removes the id, sends the message
+-- again, then removes the parked row (release_parked, retried_parked).
 CREATE TABLE IF NOT EXISTS {parked} (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     consumer    text        NOT NULL,
@@ -140,9 +141,13 @@ RETURNING attempts
 -- id is in the inbox, the attempts before this one and the last error raised.
 -- The caller holds the message's attempt lock (attempt_lock), so no other consumer
 -- counts or applies a copy of it meanwhile; a duplicate's lock is released here.
+-- The id is looked up under a lock: a transaction that is removing it (`outbox parked
+-- retry` sending the message again) is waited for, so its copy is not taken for a
+-- duplicate of a message that is about to be not in the inbox.
 WITH done AS (
     SELECT EXISTS (SELECT 1 FROM {inbox}
-                   WHERE consumer = %(consumer)s AND message_id = %(message_id)s) AS done
+                   WHERE consumer = %(consumer)s AND message_id = %(message_id)s
+                   FOR KEY SHARE) AS done
 ), earlier AS (
     SELECT coalesce(max(attempts), 0) AS attempts, coalesce(max(last_error), '') AS last_error
     FROM {attempts} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
@@ -235,35 +240,48 @@ FROM {parked}
 WHERE message_id = ANY(%(ids)s::text[])
 ORDER BY id
 
--- take_parked --
--- Retry, step 1 (the caller publishes the rows, then commits): remove the parked
--- rows and the inbox ids they hold, and reset their attempts.  Until the commit a
--- consumer that receives the republished message waits on the inbox id; if the
--- retry dies before committing, the parked row and the id come back and the copy
--- is skipped as a duplicate.  Messages without an id cannot be consumed: purge them.
--- Rows after %(after)s up to %(last)s only: each row at most once per run.
-WITH taken AS (
-    DELETE FROM {parked}
-    WHERE id = ANY(ARRAY(
-        SELECT id FROM {parked}
-        WHERE message_id IS NOT NULL AND (%(all)s OR message_id = ANY(%(ids)s::text[]))
-          AND id > %(after)s AND id <= %(last)s
-        ORDER BY id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED))
-    RETURNING id, consumer, message_id, queue, exchange, routing_key, body, headers, properties,
-              raw_properties
-), unrecorded AS (
-    DELETE FROM {inbox} i USING taken t
-    WHERE i.consumer = t.consumer AND i.message_id = t.message_id
-), reset AS (
-    DELETE FROM {attempts} a USING taken t
-    WHERE a.consumer = t.consumer AND a.message_id = t.message_id
-)
-SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers, properties,
-       raw_properties
-FROM taken
+-- retry_sizes --
+-- Retry, the next page: the parked rows after %(after)s up to %(last)s (each row at
+-- most once per run) and their body sizes, from which the caller takes as many as fit
+-- its memory budget.  Messages without an id cannot be consumed: purge them.
+SELECT id, octet_length(body) AS body_bytes
+FROM {parked}
+WHERE message_id IS NOT NULL AND (%(all)s OR message_id = ANY(%(ids)s::text[]))
+  AND id > %(after)s AND id <= %(last)s
 ORDER BY id
+LIMIT %(limit)s
+
+-- release_parked --
+-- Retry, step 1 of 3 (a short transaction of its own): the parked rows with their
+-- bodies; their inbox ids and attempt counters go, so the copy about to be sent is
+-- applied, not skipped.  The parked rows stay until step 3 (retried_parked), after
+-- the broker confirmed the copy: a crash in between leaves them listed, and a second
+-- retry sends a copy the inbox skips if the first one was applied meanwhile.  So an
+-- id goes only if the parking recorded it (in the parking's transaction: the same
+-- now()), never one a copy's effect recorded since (in a transaction that started
+-- after an earlier release committed: later).
+WITH chosen AS (
+    SELECT id, consumer, message_id, queue, exchange, routing_key, body, headers,
+           properties, raw_properties, parked_at
+    FROM {parked}
+    WHERE id = ANY(%(ids)s::bigint[]) AND message_id IS NOT NULL
+), unrecorded AS (
+    DELETE FROM {inbox} i USING chosen c
+    WHERE i.consumer = c.consumer AND i.message_id = c.message_id
+      AND i.received_at <= c.parked_at
+), reset AS (
+    DELETE FROM {attempts} a USING chosen c
+    WHERE a.consumer = c.consumer AND a.message_id = c.message_id
+)
+SELECT * FROM chosen ORDER BY id
+
+-- retried_parked --
+-- Retry, step 3 of 3: the parked rows whose copies the broker confirmed go, unless
+-- parked again since step 1 (a copy that failed again: parked_at moved), which stay.
+DELETE FROM {parked} p
+USING unnest(%(ids)s::bigint[], %(parked_at)s::timestamptz[]) AS r(id, parked_at)
+WHERE p.id = r.id AND p.parked_at = r.parked_at
+RETURNING p.id
 
 -- purge_parked --
 DELETE FROM {parked}

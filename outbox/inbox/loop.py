@@ -170,6 +170,7 @@ from outbox.inbox.store import (
     DEFAULT_INBOX_TABLE,
     SETTINGS,
     Failure,
+    InboxRowHeld,
     InboxStore,
     SessionState,
     Started,
@@ -554,7 +555,10 @@ class Processor:
         a whole batch."""
         message_id = str(message.message_id)
         store, max_attempts = self.store, self.settings.max_attempts
-        started = store.start_attempt(message_id, max_attempts=max_attempts)
+        try:
+            started = store.start_attempt(message_id, max_attempts=max_attempts)
+        except InboxRowHeld as exc:
+            return self._held(message, exc)
         if started.duplicate:  # lock released already
             return self._duplicate(message)
         try:
@@ -599,6 +603,10 @@ class Processor:
             started, new = store.record_ids(keys, redelivered)
         except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
             return Broken(None, exc.message)
+        except InboxRowHeld as exc:
+            if len(messages) > 1:  # one by one: only the held one waits again
+                return Broken(None, exc.message)
+            return [self._held(messages[0], exc)]
         outcomes: Dispositions = []
         in_hand: InboxMessage | None = None
         failed: str | None = None
@@ -666,6 +674,18 @@ class Processor:
             else:
                 self._duplicate(message)
         return outcomes
+
+    def _held(self, message: InboxMessage, exc: InboxRowHeld) -> tuple[Disposition, float]:
+        """Another transaction holds the message's inbox row (``InboxRowHeld``):
+        back to the queue, no attempt counted, no handler called; the others go on."""
+        emit(
+            log,
+            "consumer.message_held",
+            logging.WARNING,
+            message_id=message.message_id,
+            error=exc.message,
+        )
+        return Disposition.RETRY, 0.0
 
     def _call(self, message: InboxMessage) -> str | None:
         """Call the handler; the description of what it raised, if it raised."""

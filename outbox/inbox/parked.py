@@ -11,25 +11,35 @@ time) with the same property list as it arrived, marked persistent, without its
 expiration (a TTL would drop it if no consumer ran in time) and with two more
 headers from which the consumer restores the original exchange and routing key.
 Each parked message is sent at most once per call: the rows parked when the call
-starts, in order; those parked again meanwhile wait for the next call.  It runs in
-one database transaction per batch:
+starts, in order; those parked again meanwhile wait for the next call.
 
-1. delete the parked rows, their inbox ids and attempt counters (not committed);
-2. publish each message, persistent and ``mandatory``, and wait for the confirms;
-3. commit.
+Pages of rows are taken in order, as many as fit ``max_bytes`` of bodies (a larger
+one alone), so memory stays bounded whatever is parked; each page in three steps,
+none of which holds a transaction open across a wait for the broker:
 
-A consumer that receives a republished message before step 3 waits on its inbox
-id until the commit.  If the retry dies before committing, the rows and ids come
-back, the copy already sent is skipped as a duplicate, and the message is still
-listed as parked: retry it again.  Nothing is lost and nothing applied twice.
+1. one short transaction: read the rows with their bodies, and remove their inbox
+   ids and attempt counters (so the copies sent next are applied, not skipped);
+2. publish each message, persistent and ``mandatory``, and wait for its confirm
+   (at most ``confirm_timeout`` seconds: ``ConfirmTimedOut``);
+3. one short transaction: delete the parked rows whose copies were confirmed
+   (not those parked again meanwhile: their copy failed again).
+
+A consumer that receives a copy applies it at once: nothing of the retry's holds
+its inbox row.  If the retry dies or times out between steps 1 and 3, the messages
+of that page stay listed as parked, and their copies may be on the queue: retry
+again, and the inbox skips a copy whose message was applied.  A duplicate the inbox
+drops, never a loss.  (One transaction across the three steps held the message's
+inbox row while waiting for the broker, and the consumer that received the copy
+waited on it, and every message behind it.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from outbox.errors import BrokerUnavailable
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, OutboxError
 from outbox.inbox.broker import QueuePublisher
 from outbox.inbox.message import (
     ORIGINAL_EXCHANGE_HEADER,
@@ -38,7 +48,10 @@ from outbox.inbox.message import (
 )
 from outbox.inbox.store import ParkedStore
 
-RETRY_BATCH = 500
+# The most rows one page of a retry looks at (their sizes only), and the most body
+# bytes a page holds in memory unless one body alone is larger.
+RETRY_PAGE_ROWS = 500
+RETRY_MAX_BYTES = 16 * 1024 * 1024
 
 
 def as_dict(row: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +87,13 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def retry(
-    store: ParkedStore, amqp_url: str, ids: Sequence[str] | None, *, connect_timeout: float = 10.0
+    store: ParkedStore,
+    amqp_url: str,
+    ids: Sequence[str] | None,
+    *,
+    connect_timeout: float = 10.0,
+    confirm_timeout: float = 30.0,
+    max_bytes: int = RETRY_MAX_BYTES,
 ) -> list[str]:
     """Send parked messages (``ids`` None: all) back to their queues, each at most
     once: the rows parked when the call starts, in order (a message parked again
@@ -82,19 +101,48 @@ def retry(
     retried: list[str] = []
     last = store.last_parked()
     after = 0
-    publisher = QueuePublisher(amqp_url, connect_timeout=connect_timeout)
+    publisher = QueuePublisher(
+        amqp_url, connect_timeout=connect_timeout, confirm_timeout=confirm_timeout
+    )
     try:
         while True:
-            with store.taking(ids, RETRY_BATCH, after=after, last=last) as rows:
-                for row in rows:
-                    _send(publisher, row, len(retried))
-            retried.extend(row["message_id"] for row in rows)
-            if len(rows) < RETRY_BATCH:
+            sizes = store.retry_sizes(ids, after=after, last=last, limit=RETRY_PAGE_ROWS)
+            if not sizes:
                 break
-            after = rows[-1]["id"]
+            page = fitting(sizes, max_bytes)
+            after = page[-1]
+            rows = store.release(page)
+            rows.reverse()
+            sent: list[dict[str, Any]] = []
+            try:
+                while rows:
+                    row = rows.pop()  # its body is freed once it is sent
+                    _send(publisher, row, len(retried) + len(sent))
+                    del row["body"]
+                    sent.append(row)
+            except BaseException:
+                # What the broker confirmed is not listed (and sent) again.
+                with contextlib.suppress(OutboxError):
+                    store.retried(sent)
+                raise
+            store.retried(sent)
+            retried.extend(row["message_id"] for row in sent)
     finally:
         publisher.close()
     return retried
+
+
+def fitting(sizes: Sequence[tuple[int, int]], max_bytes: int) -> list[int]:
+    """The row numbers of the first ``sizes`` whose bodies fit in ``max_bytes``
+    together; the first one alone if it is larger (pure)."""
+    taken: list[int] = []
+    total = 0
+    for parked_id, size in sizes:
+        if taken and total + size > max_bytes:
+            break
+        taken.append(parked_id)
+        total += size
+    return taken
 
 
 def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> None:
@@ -112,6 +160,12 @@ def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> N
             headers=headers if raw is not None else {**(row["headers"] or {}), **headers},
             properties=row["properties"] or {},
         )
+    except ConfirmTimedOut as exc:
+        raise ConfirmTimedOut(
+            f"{exc.message} (parked message {row['message_id']}; {sent_before} were "
+            "retried before it)",
+            exc.hint,
+        ) from exc
     except Exception as exc:
         raise BrokerUnavailable(
             f"RabbitMQ did not take parked message {row['message_id']} "

@@ -45,16 +45,23 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
+from psycopg import errors as pgerrors
 from psycopg.pq import TransactionStatus
 from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
+from outbox.config import Settings
 from outbox.db.queries import load_blocks
-from outbox.db.session import connect, first_line, session_lost
-from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady
+from outbox.db.session import connect, first_line, session_lost, timed_out
+from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
+
+# The consumer's lock_timeout (seconds): the longest its statements wait for a
+# message's inbox row or attempt lock (``InboxRowHeld``), and its handlers' for
+# any lock (a handler's statement that waits longer fails like any other error).
+INBOX_LOCK_TIMEOUT = 5.0
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
@@ -141,6 +148,14 @@ class PipelinedCursor(psycopg.Cursor[Row]):
         return super().rownumber
 
 
+class InboxRowHeld(OutboxError):
+    """A message's inbox row or attempt lock stayed held longer than the session's
+    ``lock_timeout`` (by a transaction that removes the id and waits on something
+    else: ``outbox parked retry`` of releases before 0.5.0 held it across its publish;
+    or another consumer applying a copy).  Nothing was written: the message goes
+    back to the queue for later, without an attempt counted, and the others go on."""
+
+
 class StatementRefused(OutboxError):
     """PostgreSQL refused a statement on a live session (a deadlock between two
     consumers' batches, a deferred constraint at COMMIT, a serialization failure).
@@ -196,6 +211,17 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{where}"
 
 
+@contextlib.contextmanager
+def _held() -> Iterator[None]:
+    """``InboxRowHeld`` for a lock wait that outlived the session's lock_timeout."""
+    try:
+        yield
+    except StatementTimedOut as exc:
+        if not isinstance(exc.__cause__, pgerrors.LockNotAvailable):
+            raise
+        raise InboxRowHeld(exc.message, exc.hint) from exc
+
+
 class InboxStore:
     def __init__(
         self,
@@ -205,13 +231,19 @@ class InboxStore:
         *,
         application_name: str = "outbox-consume",
         connect_timeout: float = 10.0,
+        lock_timeout: float | None = None,
+        statement_timeout: float | None = None,
     ) -> None:
+        """``lock_timeout`` None: ``INBOX_LOCK_TIMEOUT``; ``statement_timeout`` None:
+        none (a handler's statements may take as long as they need)."""
         self.table = table
         self.consumer = consumer
         self.queries = _statements(table)
         self._dsn = dsn
         self._application_name = application_name
         self._connect_timeout = connect_timeout
+        self.lock_timeout = INBOX_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
+        self.statement_timeout = statement_timeout
         # The session's idle_in_transaction_session_timeout in seconds (None: off).
         # PostgreSQL applies it only between synced statements, so a handler that
         # runs longer in pipeline mode is failed by the loop instead.
@@ -225,6 +257,8 @@ class InboxStore:
             self._dsn,
             application_name=self._application_name,
             connect_timeout=self._connect_timeout,
+            statement_timeout=self.statement_timeout,
+            lock_timeout=self.lock_timeout,
         )
         # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
         conn.row_factory = tuple_row
@@ -279,8 +313,17 @@ class InboxStore:
                 ) from exc
             with contextlib.suppress(psycopg.Error):
                 self.conn.execute("ROLLBACK")
+            if isinstance(exc, pgerrors.QueryCanceled | pgerrors.LockNotAvailable):
+                raise timed_out(
+                    self.conn,
+                    exc,
+                    what,
+                    [self.table, f"{self.table}_attempts", f"{self.table}_parked"],
+                    statement_timeout=self.statement_timeout,
+                    lock_timeout=self.lock_timeout,
+                ) from exc
             if isinstance(exc, psycopg.OperationalError):
-                # Transient trouble on a live session (resources, lock timeout).
+                # Transient trouble on a live session (resources).
                 raise DatabaseUnavailable(
                     f"PostgreSQL failed while {what}: {first_line(exc)}",
                     "the consumer retries with backoff; check the server if this repeats",
@@ -330,7 +373,7 @@ class InboxStore:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
         ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
-        with self._translated("recording message ids"):
+        with _held(), self._translated("recording message ids"):
             with self.conn.pipeline():
                 self.conn.execute("BEGIN READ WRITE")
                 cur = self.conn.execute(
@@ -432,14 +475,20 @@ class InboxStore:
         kill, not a crash of the server.  The lock stays until ``end_attempt`` or
         the end of the session."""
         params = {**self._attempt_lock(message_id), "max_attempts": max_attempts}
-        with self._translated("counting an attempt"):
-            with self.conn.pipeline():
-                self.conn.execute("BEGIN READ WRITE")
-                self.conn.execute(self.queries["attempt_lock"], params)
-                self.conn.execute("SET LOCAL synchronous_commit = off")
-                cur = self.conn.execute(self.queries["start_attempt"], params)
-                self.conn.execute("COMMIT")
-            row = cur.fetchone()
+        try:
+            with _held(), self._translated("counting an attempt"):
+                with self.conn.pipeline():
+                    self.conn.execute("BEGIN READ WRITE")
+                    self.conn.execute(self.queries["attempt_lock"], params)
+                    self.conn.execute("SET LOCAL synchronous_commit = off")
+                    cur = self.conn.execute(self.queries["start_attempt"], params)
+                    self.conn.execute("COMMIT")
+                row = cur.fetchone()
+        except InboxRowHeld:
+            # The attempt lock is the session's: taken if the inbox row was what held.
+            with contextlib.suppress(psycopg.Error):
+                self.conn.execute(self.queries["attempt_unlock"], params)
+            raise
         assert row is not None
         duplicate = bool(row[0])
         self._attempt_session = None if duplicate else self.conn
@@ -548,9 +597,23 @@ _STATUS: dict[int, str] = {
 class ParkedStore(InboxStore):
     """What ``outbox parked`` reads and changes (any consumer's rows in the table)."""
 
-    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        connect_timeout: float = 10.0,
+        statement_timeout: float = Settings.statement_timeout,
+        lock_timeout: float = Settings.lock_timeout,
+    ) -> None:
         super().__init__(
-            dsn, table, "", application_name="outbox-parked", connect_timeout=connect_timeout
+            dsn,
+            table,
+            "",
+            application_name="outbox-parked",
+            connect_timeout=connect_timeout,
+            lock_timeout=lock_timeout,
+            statement_timeout=statement_timeout,
         )
         with self._reading("looking for the inbox tables") as conn:
             row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
@@ -584,31 +647,50 @@ class ParkedStore(InboxStore):
             ).fetchone()
 
     def matching(self, ids: Sequence[str]) -> list[dict[str, Any]]:
-        """The parked messages ``taking(ids)`` or ``purge(ids)`` would take now."""
+        """The parked messages ``outbox.inbox.parked.retry(ids)`` or ``purge(ids)`` would
+        take now."""
         with self._reading("selecting parked messages") as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.queries["select_parked"], {"ids": list(ids)}).fetchall()
 
-    @contextlib.contextmanager
-    def taking(
-        self, ids: Sequence[str] | None, limit: int, *, after: int = 0, last: int | None = None
-    ) -> Iterator[list[dict[str, Any]]]:
-        """Remove up to ``limit`` parked messages (``ids`` None: any) numbered
-        after ``after`` up to ``last``, with their inbox ids, and yield them;
-        commit when the block ends, roll back if it raises."""
-        with self._transaction("taking parked messages") as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            rows = cur.execute(
-                self.queries["take_parked"],
+    def retry_sizes(
+        self, ids: Sequence[str] | None, *, after: int, last: int, limit: int
+    ) -> list[tuple[int, int]]:
+        """The next parked rows to retry (``ids`` None: any) numbered after ``after``
+        up to ``last``: (row number, body bytes), at most ``limit``, in order."""
+        with self._reading("selecting parked messages to retry") as conn:
+            rows = conn.execute(
+                self.queries["retry_sizes"],
                 {
                     "all": ids is None,
                     "ids": list(ids or []),
-                    "limit": limit,
                     "after": after,
-                    "last": last if last is not None else 2**63 - 1,
+                    "last": last,
+                    "limit": limit,
                 },
             ).fetchall()
-            yield rows
+        return [(int(r[0]), int(r[1])) for r in rows]
+
+    def release(self, parked_ids: Sequence[int]) -> list[dict[str, Any]]:
+        """Retry, step 1: the parked rows with their bodies, their inbox ids and
+        attempt counters removed (committed at once, so a copy sent next is
+        applied); the rows themselves stay parked until ``retried``."""
+        with self._transaction("releasing parked messages for a retry") as conn:
+            # Binary: a body arrives as it is stored (text would be hex, twice its size).
+            cur = conn.cursor(row_factory=dict_row, binary=True)
+            return cur.execute(self.queries["release_parked"], {"ids": list(parked_ids)}).fetchall()
+
+    def retried(self, rows: Sequence[dict[str, Any]]) -> int:
+        """Retry, step 3: delete the parked ``rows`` whose copies the broker
+        confirmed, except those parked again since ``release``; how many went."""
+        if not rows:
+            return 0
+        with self._transaction("removing retried parked messages") as conn:
+            cur = conn.execute(
+                self.queries["retried_parked"],
+                {"ids": [r["id"] for r in rows], "parked_at": [r["parked_at"] for r in rows]},
+            )
+            return cur.rowcount
 
     def purge(self, ids: Sequence[str] | None, older_than: float | None) -> int:
         with self._transaction("purging parked messages") as conn:

@@ -117,4 +117,10 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def open_store(settings: Settings) -> DeadLetterStore:
-    return DeadLetterStore(settings.dsn, settings.table, connect_timeout=settings.connect_timeout)
+    return DeadLetterStore(
+        settings.dsn,
+        settings.table,
+        connect_timeout=settings.connect_timeout,
+        statement_timeout=settings.statement_timeout,
+        lock_timeout=settings.lock_timeout,
+    )

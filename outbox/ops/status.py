@@ -14,10 +14,6 @@ from outbox.db import migrate, privileges, replication
 from outbox.db.horizon import Holder, Horizon, HorizonReader
 from resolver.decide import is_ours
 
-# Operators' tools wait at most this long for any statement or lock (or the relay's
-# --statement-timeout, if shorter): a status that hangs behind a lock helps nobody.
-TOOL_STATEMENT_TIMEOUT = 10.0
-
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
@@ -50,7 +46,9 @@ def read(settings: Settings) -> Observation:
         settings.dsn,
         settings.table,
         application_name="outbox-status",
-        statement_timeout=min(settings.statement_timeout, TOOL_STATEMENT_TIMEOUT),
+        connect_timeout=settings.connect_timeout,
+        statement_timeout=settings.statement_timeout,
+        lock_timeout=settings.lock_timeout,
     )
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
@@ -163,7 +161,7 @@ def judge_horizon(horizon: Horizon, table: str, max_age: float) -> list[str]:
     return [
         f"{describe_holder(oldest, table)} holds the MVCC horizon back "
         f"({holder_age(oldest)}): vacuum cannot remove the outbox's {dead} dead rows, "
-        f"and every claim reads them; {what_to_do(oldest, table)} "
+        f"and the table grows; {what_to_do(oldest, table)} "
         "(docs/how-to/operations.md#a-held-horizon)"
     ]
 

@@ -43,6 +43,10 @@ class Upgrade:
             self.settings.dsn,
             application_name="outbox-init",
             connect_timeout=self.settings.connect_timeout,
+            # The migration's own steps run under its lock_timeout (and without a
+            # statement_timeout: an index build may take long); these bound the rest.
+            statement_timeout=self.settings.statement_timeout,
+            lock_timeout=self.settings.lock_timeout,
         )
         try:
             return migrate.migrate(

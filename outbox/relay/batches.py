@@ -131,6 +131,13 @@ Every failure is counted by write (``Stats.write_failures``, the metric
 (``relay.retry write=…``); the relay's backoff grows until a batch is committed
 again (``process``), whichever write failed.
 
+Where the claims start: the work session's low-water mark and late rows
+(``BatchStore.front``, ``outbox.db.front``), so a claim does not re-read the dead
+rows a held MVCC horizon keeps.  No step above has to move it: a batch rolled back
+(by the relay, a resolver, or the end of a claim session before PREPARE) was
+visible to every claim all along, so no mark passed its rows; a new work session
+(after any reconnect) starts from the lowest id again.
+
 Transient failures roll the batch back and retry with backoff; they never
 dead-letter a row.  Rows that can never be published (``triage.Triage``) and
 unroutable returns become dead letters in the same pass.

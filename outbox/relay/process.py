@@ -47,6 +47,7 @@ from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.db import replication
 from outbox.db.batches import Backend, BatchStore
+from outbox.db.front import ClaimFront
 from outbox.db.relays import WakeupListener
 from outbox.errors import (
     BrokerUnavailable,
@@ -346,13 +347,15 @@ class Relay:
         assert wakeups is not None
         if wakeups.take_notifications():
             return
-        if not wakeups.wanting and wakeups.want_wakeups():
+        if not wakeups.wanting and wakeups.want_wakeups(self._front()):
             return
         pause = wakeups.poll_pause(self.settings.poll_interval)
         deadline = time.monotonic() + pause
         while not self.stop:
             now = time.monotonic()
             self.stats.last_progress = now  # idle is progress too (liveness)
+            if self.store is not None and self.store.rescan_due():
+                return  # one claim from the bottom (``BatchStore.rescan_due``)
             if self.liveness is None or self.liveness.lost:
                 raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:
@@ -361,7 +364,7 @@ class Relay:
                     return  # rolled-back rows are claimable again, without a NOTIFY
             if now >= deadline:
                 # Also takes the lock if someone held it exclusively before.
-                if wakeups.want_wakeups():
+                if wakeups.want_wakeups(self._front()):
                     return
                 pause = min(pause * 2, self.settings.poll_interval)
                 deadline = now + pause
@@ -374,6 +377,11 @@ class Relay:
                 return
             if not self.publisher.connected:
                 raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    def _front(self) -> ClaimFront | None:
+        """Where the work session's claims start: the idle polls look there too, not
+        at the dead rows behind it (``outbox.db.front``)."""
+        return self.store.front if self.store is not None else None
 
     def _busy(self) -> None:
         """A second step in a row found work: applications' commits need not notify

@@ -44,10 +44,14 @@ BODY_SHOWN = 64 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class InboxTarget:
-    """One inbox table in the consumer's database."""
+    """One inbox table in the consumer's database, and the bounds of its sessions
+    and of a retry's publishes (``outbox web``'s options)."""
 
     dsn: str
     table: str
+    statement_timeout: float = Settings.statement_timeout
+    lock_timeout: float = Settings.lock_timeout
+    publish_timeout: float = Settings.publish_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +200,12 @@ def dead_letter(settings: Settings, row_id: int) -> dict[str, Any] | None:
 
 
 def parked_store(target: InboxTarget) -> ParkedStore:
-    return ParkedStore(target.dsn, target.table)
+    return ParkedStore(
+        target.dsn,
+        target.table,
+        statement_timeout=target.statement_timeout,
+        lock_timeout=target.lock_timeout,
+    )
 
 
 def parked_entries(target: InboxTarget, limit: int) -> list[dict[str, Any]]:
@@ -348,7 +357,9 @@ def retry_parked(target: InboxTarget, amqp_url: str, message_ids: Sequence[str])
     """``outbox parked retry ID…``: the message ids sent back to their queues."""
     store = parked_store(target)
     try:
-        return parked_ops.retry(store, amqp_url, list(message_ids))
+        return parked_ops.retry(
+            store, amqp_url, list(message_ids), confirm_timeout=target.publish_timeout
+        )
     finally:
         store.close()
 

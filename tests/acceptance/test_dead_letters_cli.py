@@ -173,3 +173,33 @@ def test_dead_letters_retry__a_row_also_back_in_the_outbox_is_not_doubled(
     assert result.returncode == 0, result.stderr
     assert dead_letters(settings.dsn) == {}
     assert remaining_rows(settings.dsn) == 1
+
+
+def test_dead_letters_retry__a_row_held_by_an_in_doubt_batch_names_it_and_exits_6(
+    settings: Settings,
+) -> None:
+    """Issue 30, item 1: the dead letter of a row whose batch is in doubt (its relay
+    killed before COMMIT PREPARED, none running): `retry` waited on the prepared
+    batch forever (`Lock/transactionid`, no lock_timeout).  Now it gives up after
+    --lock-timeout with one line naming the batch and `outbox resolve`."""
+    message_id = add_dead_letter(settings.dsn)
+    gid = f"obx:outbox:{uuid.uuid4().hex}:1"
+    with psycopg.connect(settings.dsn, autocommit=True) as conn:
+        # The row the batch claimed and dead-lettered, deleted by the batch, prepared.
+        conn.execute(
+            "INSERT INTO outbox (id, message_id, exchange, routing_key, payload)"
+            " OVERRIDING SYSTEM VALUE"
+            " SELECT id, message_id, exchange, routing_key, payload FROM outbox_dead_letters"
+        )
+        conn.execute("BEGIN")
+        conn.execute("DELETE FROM outbox")
+        conn.execute(f"PREPARE TRANSACTION '{gid}'")
+    env = {**settings_env(settings), "OUTBOX_LOCK_TIMEOUT": "1"}
+    result = run_cli("dead-letters", "retry", message_id, env=env, timeout=30)
+    assert result.returncode == 6, result.stderr
+    first, *rest = result.stderr.splitlines()
+    assert first.startswith("error: PostgreSQL gave up waiting for a lock while retrying")
+    assert f"in-doubt batch {gid!r}" in first and "`outbox resolve`" in first, first
+    assert [line for line in rest if not line.startswith("  hint: ")] == []
+    listed = run_cli("dead-letters", "list", "--json", env=env)
+    assert [e["message_id"] for e in json.loads(listed.stdout)["dead_letters"]] == [message_id]

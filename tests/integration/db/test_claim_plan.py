@@ -20,6 +20,7 @@ import pytest
 from psycopg import sql
 
 from outbox.db.batches import KEYED_WINDOW, PINNED_CLAIM_PLAN, BatchStore
+from outbox.db.front import ClaimFront
 from outbox.db.queries import Queries
 
 LIMIT = 100
@@ -62,6 +63,7 @@ def claim_params(limit: int) -> dict[str, Any]:
         "max_bytes": 2**40,
         "hold": True,
         "own": [],
+        **ClaimFront().params(),
     }
 
 
@@ -138,6 +140,9 @@ CLAIM_PARAMETERS = {
     "max_bytes": "bigint",
     "hold": "boolean",
     "own": "bigint[]",
+    "low_water": "bigint",
+    "late": "bigint[]",
+    "seen": "text",
 }
 
 
@@ -159,6 +164,12 @@ def _explain_generic(
         ).fetchone()
     finally:
         conn.execute("DEALLOCATE generic_claim")
+
+
+def deleted(plan: dict[str, Any]) -> int:
+    """Rows the claim deleted (its result has one more record: the next front)."""
+    [node] = [n for n, _ in _nodes(plan) if n["Node Type"] == "ModifyTable"]
+    return int(node["Actual Rows"])
 
 
 def locking_problems(plan: dict[str, Any]) -> list[str]:
@@ -203,8 +214,8 @@ def test_claim_plan__locks_once_and_claims_at_most_limit(
             generic=generic,
         )
         assert locking_problems(plan) == []
-        assert plan["Node Type"] == "ModifyTable"
-        assert plan["Actual Rows"] == LIMIT
+        assert deleted(plan) == LIMIT
+        assert plan["Actual Rows"] == LIMIT + 1  # and the next front
         # The keyed front is read up to its window, never by walking the whole table
         # (with no keyed row at all: through the partial index, reading nothing).
         [front] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE keyed"]
@@ -240,8 +251,12 @@ def test_claim_plan__checker_catches_the_rescanned_semi_join(dsn: str) -> None:
 def test_claim_plan__claimable_rows_probe_locks_once(dsn: str, statistics: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         STATISTICS[statistics](conn)
-        plan = explain(conn, Queries("outbox")["has_claimable_rows"], {}, adversarial=True)
-    assert [n["Actual Loops"] for n, _ in _nodes(plan) if n["Node Type"] == "LockRows"] == [1]
+        plan = explain(
+            conn, Queries("outbox")["has_claimable_rows"], ClaimFront().params(), adversarial=True
+        )
+    # One look per place the claim looks; the first that finds a row ends it.
+    loops = [n["Actual Loops"] for n, _ in _nodes(plan) if n["Node Type"] == "LockRows"]
+    assert loops == [1, 0, 0, 0], loops
 
 
 def test_claim_plan__claims_of_two_sessions_never_overlap(dsn: str) -> None:
@@ -331,7 +346,7 @@ def test_claim_plan__never_jit_compiled(dsn: str, generic: bool) -> None:
                 ).fetchone()
     assert row is not None
     explained = row[0][0]
-    assert explained["Plan"]["Actual Rows"] == LIMIT
+    assert deleted(explained["Plan"]) == LIMIT
     assert "JIT" not in explained, explained["JIT"]
 
 
@@ -362,7 +377,7 @@ def test_claim_plan__own_rows_are_looked_up_by_hash(
     finally:
         _keys = None
     assert locking_problems(plan) == []
-    assert plan["Actual Rows"] == LIMIT
+    assert deleted(plan) == LIMIT
     [front] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE keyed"]
     filters = [n.get("Filter", "") for n, _ in _nodes(front)]
     assert not any("<> ALL" in f for f in filters), filters
@@ -375,3 +390,47 @@ def test_claim_plan__own_rows_are_looked_up_by_hash(
         store.abandon_claim()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom_plan", "generic_plan"])
+@pytest.mark.parametrize("statistics", list(STATISTICS))
+def test_claim_plan__starts_at_the_front_through_indexes(
+    dsn: str, statistics: str, generic: bool
+) -> None:
+    """With a front (``outbox.db.front``) the claim reads the outbox only through its
+    indexes: the primary key from W on, the late ids by id, the rows committed since
+    the last snapshot through the txid index; never a sequential scan, which would
+    read every dead row from the start of the table."""
+    global _keys
+    _keys = 30
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            STATISTICS[statistics](conn)
+            ids = [r[0] for r in conn.execute("SELECT id FROM outbox ORDER BY id").fetchall()]
+            seen = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+            assert seen is not None
+            _fill(conn, 10)  # committed after the snapshot: found by their txid
+            front = ClaimFront(ids[len(ids) // 2], (ids[0], ids[1]), seen[0])
+            params = {**claim_params(LIMIT), **front.params()}
+            plan = explain(conn, Queries("outbox")["claim_batch"], params, generic=generic)
+    finally:
+        _keys = None
+    assert locking_problems(plan) == []
+    assert deleted(plan) == LIMIT
+    nodes = [n for n, _ in _nodes(plan)]
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"]
+    # Every index scan has a condition: none reads an index from its start.
+    assert all("Index Cond" in n for n in nodes if "Index" in n["Node Type"]), [
+        (n["Node Type"], n.get("Index Name"), n.get("Filter")) for n in nodes
+    ]
+    assert any(n.get("Index Name") == "outbox_txid" for n in nodes)
+    # The keyed window and the heads start at W: a walk from the bottom would read
+    # the first half of the table.
+    [window] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE keyed"]
+    for node, _ in _nodes(window):
+        read = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        assert read <= LIMIT * KEYED_WINDOW + 10, (node["Node Type"], read)
+    [heads] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE front_heads"]
+    assert any(
+        ">=" in n.get("Index Cond", "") for n, _ in _nodes(heads) if "Index" in n["Node Type"]
+    )

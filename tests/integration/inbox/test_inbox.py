@@ -578,11 +578,13 @@ class Died(Exception):
     pass
 
 
-def test_inbox__retry_that_dies_before_commit_leaves_the_message_parked(
+def test_inbox__retry_that_dies_before_removing_the_parked_row_applies_the_message_once(
     topology: Topology, consumer_dsn: str
 ) -> None:
-    """Publish, then crash before the commit: the copy on the queue is skipped as a
-    duplicate and the message is still parked, so nothing is applied twice or lost."""
+    """The retry's steps: release the inbox id (committed), publish, crash before the
+    parked row goes.  The copy is applied (nothing of the retry holds its inbox row);
+    the message is still listed, and a second retry's copy is skipped as a duplicate:
+    nothing is applied twice or lost."""
     [bad] = new_ids(1)
     publish(topology, [(bad, b"bad")])
 
@@ -594,19 +596,24 @@ def test_inbox__retry_that_dies_before_commit_leaves_the_message_parked(
         wait_for(lambda: inbox.stats.parked == 1, 20)
     store = ParkedStore(consumer_dsn, INBOX)
     try:
-        with pytest.raises(Died), store.taking(None, 10) as rows:
-            ch = topology.channel()
-            ch.basic_publish("", topology.queue, b"bad", pika.BasicProperties(message_id=bad))
-            ch.connection.close()
-            assert len(rows) == 1
-            raise Died  # before the commit
+        [(parked_id, _)] = store.retry_sizes(None, after=0, last=2**62, limit=10)
+        [row] = store.release([parked_id])
+        ch = topology.channel()
+        ch.basic_publish(
+            "", topology.queue, bytes(row["body"]), pika.BasicProperties(message_id=bad)
+        )
+        ch.connection.close()
+        # ... and the retry dies here, before step 3.
         assert [e["message_id"] for e in store.entries(10)] == [bad]
+        inbox = Inbox(record, consumer_settings(topology, consumer_dsn))
+        with running(inbox):
+            wait_for(lambda: inbox.stats.handled == 1, 20, "the copy to be applied")
+            assert parked.retry(store, topology.amqp_url, None) == [bad]
+            wait_for(lambda: inbox.stats.duplicates_skipped == 1, 20, "the 2nd copy skipped")
+        assert store.entries(10) == []
     finally:
         store.close()
-    inbox = Inbox(record, consumer_settings(topology, consumer_dsn))
-    with running(inbox):
-        wait_for(lambda: inbox.stats.duplicates_skipped == 1, 20, "the copy to be skipped")
-    assert effects(consumer_dsn) == []
+    assert effects(consumer_dsn) == [(bad, b"bad")]
 
 
 def test_inbox__a_failure_of_a_copy_whose_original_was_applied_parks_nothing(

@@ -74,7 +74,7 @@ def holders(logical_dsn: str) -> Iterator[dict[str, object]]:
 
 
 def settings_for(dsn: str, statement_timeout: float = 30.0) -> Settings:
-    return Settings(dsn=dsn, statement_timeout=statement_timeout)
+    return Settings(dsn=dsn, statement_timeout=statement_timeout, lock_timeout=statement_timeout)
 
 
 def test_status__names_the_session_slot_and_prepared_transaction_holding_the_horizon(
@@ -122,7 +122,8 @@ def test_status__nothing_held_reports_no_session(logical_dsn: str) -> None:
 
 def test_status__waits_for_a_lock_no_longer_than_its_timeout(logical_dsn: str) -> None:
     """A migration or a TRUNCATE holding the outbox's ACCESS EXCLUSIVE lock: status
-    gives up after its lock_timeout with a one-line error instead of hanging."""
+    (its horizon queries included) gives up after its lock_timeout with a one-line
+    error instead of hanging."""
     locker = psycopg.connect(logical_dsn)
     locker.execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
     outcome: list[BaseException | dict[str, object]] = []

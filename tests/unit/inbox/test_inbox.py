@@ -212,3 +212,13 @@ def test_settings__a_batch_takes_half_the_prefetch(prefetch: int, batch: int) ->
 def test_settings__the_default_prefetch_keeps_a_full_batch_in_the_socket() -> None:
     settings = ConsumerSettings(queue="q")
     assert settings.prefetch == 200 and settings.batch_size == 100
+
+
+def test_parked_retry_pages__fill_the_byte_budget_and_take_a_larger_body_alone() -> None:
+    from outbox.inbox.parked import fitting
+
+    assert fitting([(1, 10), (2, 10), (3, 10)], 25) == [1, 2]
+    assert fitting([(1, 10), (2, 15), (3, 1)], 25) == [1, 2]
+    assert fitting([(7, 100), (8, 1)], 25) == [7]  # alone: never an empty page
+    assert fitting([(1, 30), (2, 1)], 25) == [1]
+    assert fitting([(1, 1), (2, 30)], 25) == [1]

@@ -231,7 +231,8 @@ def test_killer__a_parked_and_retried_message_starts_counting_afresh() -> None:
     while run.deliver([dataclasses.replace(killer, redelivered=True)]) is None:
         pass
     assert [p.message_id for p in run.store.parked] == ["k"] and run.deaths == 3
-    # retry (take_parked): parked row, inbox id and attempts go; published anew
+    # retry (release_parked, retried_parked): parked row, inbox id and attempts go;
+    # published anew
     run.store.parked.clear()
     run.store.inbox.discard("k")
     run.store.attempts.pop("k", None)

@@ -1,0 +1,136 @@
+"""Where a relay's claims start (``ClaimFront``): past the rows known to be gone.
+
+Why.  Every row the relay commits leaves a dead tuple and a dead index entry that
+only vacuum removes, and vacuum cannot while anything holds the MVCC horizon back
+(a REPEATABLE READ report, ``pg_dump``, a session idle in transaction, a
+replication slot, a prepared transaction).  A claim that starts at the lowest id
+walks every row deleted since then, on every claim: measured 7.7 → 42.5 ms p50
+after 4 minutes at 1,000 rows/s, and ``python -m outbox.bench.deadrows`` shows
+the claim's cost linear in the dead rows
+(docs/explanation/how-it-works.md#claims-and-dead-rows).
+
+The state, kept per work session by ``BatchStore`` (``front``), returned by each
+claim and handed to the next (``queries.sql``, ``claim_batch``):
+
+- ``low_water`` (W): the smallest id *visible* to the previous claim's snapshot
+  among the ids ≥ the W before it (plain MVCC, no SKIP LOCKED: rows being
+  claimed, rows held by any relay's batch, prepared or not, are all visible).
+  The claim's scans start at W.  ``None``: from the bottom (a new session).
+- ``late``: ids below W that became visible after W passed them, found by the
+  sweep below and kept until a claim sees them gone (deleted by a committed
+  batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
+  committed late moves W back to its first row instead (lowering W is always
+  safe), and the claims then take that stretch in id order, walking it once.
+- ``seen``: the previous claim's snapshot (``pg_current_snapshot()`` as text).
+
+Invariant, after each claim with snapshot S: every row with id < W that still
+exists is in ``late``, or was inserted by a transaction S does not see (its
+``txid`` is in ``pg_snapshot_xip(S)`` or ≥ ``pg_snapshot_xmax(S)``).  So the next
+claim finds every row below W that became visible since, by its ``txid`` (the
+inserting transaction, column of schema 0006, a btree index): point lookups for
+the transactions S saw in progress and a range from ``xmax(S)``, which holds only
+the rows inserted since S.  Ids and transaction ids are not ordered together
+(``nextval`` runs before the transaction has an xid, a sequence with CACHE > 1
+hands each session a block, an application may insert with OVERRIDING SYSTEM
+VALUE, ``outbox dead-letters retry`` does): a row that took its id early and
+committed late is found by its transaction, whatever its id.
+
+Why W never passes a row that could still be claimed:
+- a row claimed by a batch that is later rolled back (ROLLBACK PREPARED by its
+  relay or a resolver, a claim session killed before PREPARE) was visible all
+  along: a delete counts only once committed.  W stays at or below it;
+- a row skipped because another relay held it is visible too;
+- a row whose insert had not committed is found by its txid (above);
+- a row gone (its delete committed) never comes back; a dead letter retried is
+  a new insert, with a new txid.
+
+Per-key order holds: a key's rows that exist and are visible are all in ``late``
+or at ≥ W, so the claim's ``keyed`` window (the late rows, then the front from
+W) sees a key's first row exactly as a walk from the bottom would.
+
+The cost of a claim is then the rows deleted since the previous claim's W (a
+batch or two per relay in flight), not since the horizon was taken.  What
+still costs a walk, once: a new session (the relay's start, every reconnect)
+starts from the bottom, which also covers the rows written before schema 0006
+(``txid`` NULL: the migration's lock waited for every transaction that wrote
+them, so all are committed before any relay of this version claims).  Starting
+afresh after a reconnect is deliberate: after a failover to a standby, ids and
+transaction ids seen on the old primary may be handed out again.  And a batch
+prepared by a dead relay, until a resolver finishes it, holds every W at or below
+its first row (its rows are visible), as it holds the horizon.
+
+Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
+selects a batch's events between two tick snapshots: a range of txids from the
+earlier snapshot's xmax, and the transactions it saw in progress that committed
+since as an IN list, so a long transaction does not widen the range.  Here the
+"batch" is everything committed since the relay's previous claim, and the
+low-water mark replaces PgQ's rotating tables: no tick, so no tick's latency.
+Que and River select from a job table by an index and rely on (auto)vacuum
+(River issue #59, "Autovacuum Starvation"; Que's docs advise a manual VACUUM every
+few minutes), which a held horizon defeats.
+
+Design B, measured beside it (``python -m outbox.bench.deadrows``): the same W without a
+txid, and a full walk from the bottom every N seconds to catch late rows: each
+such walk costs what every claim costs today, and a late row waits up to N
+seconds.  A partitioned outbox (drained partitions detached and dropped) needs
+ACCESS EXCLUSIVE or a ``DETACH … CONCURRENTLY`` that waits for every snapshot
+that may see the partition, and ``pg_dump`` or a report holding ACCESS SHARE on
+it postpones the drop for hours: not chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from psycopg.types.numeric import Int8
+
+# Below every id: "from the bottom" (a bigint).
+BOTTOM = -(2**63)
+
+# Most late ids kept: the claim looks each one up.  Beyond this (a bulk load that
+# took its ids early and committed late), W moves back to the first late row
+# instead, and the claims walk that stretch once, in id order, as they take it.
+LATE_MOST = 1_000
+
+
+# How often a session's claims start from the bottom again, as a new session's
+# do (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net,
+# not the way late rows are found: a row below W whose ``txid`` is not its
+# inserting transaction's (an application that wrote the column, NULL or copied
+# with ``INSERT … SELECT *`` from a copy of the outbox) is invisible to the sweep,
+# and without it would wait for the relay's next reconnect.  One walk over the
+# dead rows per interval and session: behind a held horizon at 1,000 rows/s,
+# 600,000 rows every 10 minutes, what every claim of 0.5 read after 10 minutes.
+RESCAN_SECONDS = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimFront:
+    """Where the next claim starts (module docstring)."""
+
+    low_water: int | None = None
+    late: tuple[int, ...] = ()
+    seen: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The claim's (and the polls') parameters for this front.  Typed: the driver
+        prepares the claim once per set of parameter types, and would otherwise
+        send a small id as int2 or int4, a large one as int8."""
+        return {
+            "low_water": Int8(BOTTOM if self.low_water is None else self.low_water),
+            "late": list(self.late),
+            "seen": self.seen,
+        }
+
+    def after(self, low_water: int | None, late: list[int], seen: str) -> ClaimFront:
+        """The front after a claim that returned these (``low_water`` None: the claim
+        saw no row at or after W, which then stays).
+
+        More than ``LATE_MOST`` late ids: W moves back to the first of them and none
+        is kept (lowering W is always safe: fewer rows are then below it)."""
+        mark = self.low_water if low_water is None else low_water
+        if len(late) > LATE_MOST:
+            first = min(late)
+            return ClaimFront(first if mark is None else min(mark, first), (), seen)
+        return ClaimFront(mark, tuple(late), seen)
