@@ -193,6 +193,7 @@ class Receiver(threading.Thread):
     def __init__(self, amqp_url: str, queue: str) -> None:
         super().__init__(daemon=True)
         self.arrived: dict[str, float] = {}
+        self.duplicates = 0  # messages that arrived again (first arrival kept)
         self._amqp_url, self._queue = amqp_url, queue
         self._halt = threading.Event()
         self.ready = threading.Event()
@@ -203,7 +204,10 @@ class Receiver(threading.Thread):
         channel.basic_qos(prefetch_count=1000)
 
         def on_message(_ch: Any, _method: Any, props: Any, _body: bytes) -> None:
-            self.arrived.setdefault(props.message_id, time.perf_counter())
+            if props.message_id in self.arrived:
+                self.duplicates += 1
+            else:
+                self.arrived[props.message_id] = time.perf_counter()
 
         channel.basic_consume(self._queue, on_message, auto_ack=True)
         self.ready.set()
@@ -227,6 +231,7 @@ class RelayProcesses:
         *,
         log_level: str = "warning",
         log_format: str = "text",
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
@@ -236,6 +241,7 @@ class RelayProcesses:
                 env[f"OUTBOX_{field.name.upper()}"] = str(value)
         env["OUTBOX_LOG_LEVEL"] = log_level
         env["OUTBOX_LOG_FORMAT"] = log_format
+        env.update(extra_env or {})
         self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
@@ -330,7 +336,11 @@ class Database:
 
 
 @contextlib.contextmanager
-def bench_database(dsn: str | None, echo: Echo) -> Iterator[Database]:
+def bench_database(
+    dsn: str | None, echo: Echo, *, server_settings: dict[str, str] | None = None
+) -> Iterator[Database]:
+    """The server given by ``dsn`` (a table of its own), or a private cluster with
+    fsync on and ``server_settings`` (e.g. ``wal_level = logical``)."""
     suffix = uuid.uuid4().hex[:8]
     if dsn:
         table = f"outbox_bench_{suffix}"
@@ -345,7 +355,7 @@ def bench_database(dsn: str | None, echo: Echo) -> Iterator[Database]:
             conn.close()
         return
     echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")
-    with PostgresCluster(durable=True) as cluster:
+    with PostgresCluster(durable=True, extra_settings=server_settings) as cluster:
         admin = session.connect(cluster.dsn, application_name="outbox-bench")
         admin.execute("CREATE DATABASE bench")
         admin.close()

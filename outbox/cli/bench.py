@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from outbox import urls
+from outbox.bench.horizon import DEFAULT_HOLDERS
 from outbox.bench.memory import DEFAULT_BACKLOGS as DEFAULT_MEMORY_BACKLOGS
 from outbox.cli.common import (
     known_errors,
@@ -148,6 +149,66 @@ from outbox.errors import ExitCode
     "(pgbench, 16 clients, single-row INSERTs; --rows transactions per run).",
 )
 @click.option(
+    "--horizon",
+    is_flag=True,
+    help="Instead: one relay while something holds the MVCC horizon (--holders), "
+    "writers committing --rate rows/s for --horizon-seconds; latency, claim time, dead "
+    "rows and table size per --window-seconds (--payload defaults to 200 here).",
+)
+@click.option(
+    "--soak",
+    is_flag=True,
+    help="Instead: --soak-seconds of steady load (--rate) on a private PostgreSQL and "
+    "RabbitMQ node with a fault every twelfth of the run (relay kill -9, broker restart, "
+    "PostgreSQL restart, a snapshot held a sixth of the run): latency, throughput, "
+    "relay RSS and open files, dead rows per window; exit 1 if a row was lost or "
+    "duplicates exceed the bound.",
+)
+@click.option(
+    "--soak-seconds",
+    default=3600.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 7 * DAY, min_open=True),
+    help="Length of the soak (given alone, it asks for --soak); windows are a twelfth "
+    "of it unless --window-seconds.",
+)
+@click.option(
+    "--holders",
+    default=DEFAULT_HOLDERS,
+    show_default=True,
+    help="--horizon: what holds it, one run each: none (control), snapshot (REPEATABLE "
+    "READ that read the outbox, as pg_dump), untouched (REPEATABLE READ, outbox never "
+    "read), logical-slot, prepared (another application's prepared transaction).",
+)
+@click.option(
+    "--horizon-seconds",
+    default=240.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--horizon: length of each run.",
+)
+@click.option(
+    "--window-seconds",
+    default=None,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--horizon and --soak: figures per window of this length "
+    "[default: 60 for --horizon, a twelfth of --soak-seconds for --soak].",
+)
+@click.option(
+    "--rate",
+    default=1000.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 1_000_000, min_open=True),
+    help="--horizon and --soak: rows committed per second.",
+)
+@click.option(
+    "--rows-per-commit",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 100_000),
+    help="--horizon and --soak: rows per application transaction.",
+)
+@click.option(
     "--prefetch",
     default=200,
     show_default=True,
@@ -166,6 +227,14 @@ def bench(
     commits: bool,
     prefetch: int,
     memory_backlogs: str,
+    horizon: bool,
+    soak: bool,
+    soak_seconds: float,
+    holders: str,
+    horizon_seconds: float,
+    window_seconds: float | None,
+    rate: float,
+    rows_per_commit: int,
     **options: Any,
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
@@ -175,6 +244,58 @@ def bench(
     from outbox.bench.run import render, run_bench
 
     echo: Callable[[str], None] = (lambda _line: None) if as_json else click.echo
+
+    def given(option: str) -> bool:
+        source = click.get_current_context().get_parameter_source(option)
+        return source not in (None, click.core.ParameterSource.DEFAULT)
+
+    payload_given = given("payload")
+    if soak or given("soak_seconds"):
+        from outbox.bench import soak as bench_soak
+
+        if dsn:
+            raise click.UsageError(
+                "--soak restarts PostgreSQL and RabbitMQ: it runs servers of its own; omit --dsn"
+            )
+        soak_report = bench_soak.run_soak(
+            bench_soak.SoakOptions(
+                seconds=soak_seconds,
+                window_seconds=window_seconds,
+                rate=rate,
+                rows_per_commit=rows_per_commit,
+                payload=options["payload"] if payload_given else 200,
+            ),
+            echo,
+        )
+        click.echo(json.dumps(soak_report, indent=2) if as_json else bench_soak.render(soak_report))
+        healthy = soak_report["nothing_lost"] and soak_report["duplicates_within_bound"]
+        sys.exit(0 if healthy else int(ExitCode.FAILURE))
+    if horizon:
+        from outbox.bench import horizon as bench_horizon
+
+        try:
+            holder_kinds = bench_horizon.parse_holders(holders)
+        except ValueError as exc:
+            raise click.UsageError(f"--holders: {exc}") from exc
+        horizon_report = bench_horizon.run_horizon_bench(
+            bench_horizon.HorizonOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                holders=holder_kinds,
+                seconds=horizon_seconds,
+                window_seconds=window_seconds or 60.0,
+                rate=rate,
+                rows_per_commit=rows_per_commit,
+                payload=options["payload"] if payload_given else 200,
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(horizon_report, indent=2, default=str)
+            if as_json
+            else bench_horizon.render(horizon_report)
+        )
+        sys.exit(0 if horizon_report["every_row_arrived"] else int(ExitCode.FAILURE))
     if commits:
         from outbox.bench import commits as bench_commits
 

@@ -41,20 +41,35 @@ from outbox.errors import ExitCode
     type=FiniteFloatRange(0, 365 * 86400),
     help="An outbox row older than this (s) needs attention (exit 1).",
 )
+@env_option(
+    "--max-horizon-age",
+    "OUTBOX_MAX_HORIZON_AGE",
+    default=600.0,
+    type=FiniteFloatRange(0, 365 * 86400),
+    help="A session or prepared transaction holding the outbox's dead rows (the MVCC "
+    "horizon) for longer than this (s) needs attention (exit 1).",
+)
 @known_errors
 def status(
     as_json: bool,
     max_prepared_age: float,
     max_backlog_age: float,
+    max_horizon_age: float,
     log_level: str,
     log_format: str,
     **options: Any,
 ) -> None:
-    """Backlog, prepared batches, live relays and dead letters; exit 1 if attention needed."""
+    """Backlog, prepared batches, live relays, dead letters and what holds the MVCC
+    horizon; exit 1 if attention needed."""
     from outbox.ops.status import collect, render
 
     settings = settings_from(**options)
-    report = collect(settings, max_prepared_age=max_prepared_age, max_backlog_age=max_backlog_age)
+    report = collect(
+        settings,
+        max_prepared_age=max_prepared_age,
+        max_backlog_age=max_backlog_age,
+        max_horizon_age=max_horizon_age,
+    )
     click.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
     if report["attention"]:
         sys.exit(int(ExitCode.FAILURE))

@@ -10,7 +10,8 @@ translation), the relay's batch store (``batches``), where its claims start
 (``relays``), the SQL
 (``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and
 ``schema/*.sql``), the privileges each command needs (``privileges``), the
-replication check (``replication``) and throw-away clusters for demos and tests
+replication check (``replication``), what holds the MVCC horizon and the outbox's
+dead rows (``horizon``, ``horizon.sql``) and throw-away clusters for demos and tests
 (``devcluster``).
 
 May import: the plain modules of ``outbox`` only.

@@ -11,7 +11,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.db import migrate, privileges, replication
-from outbox.db.batches import BatchStore
+from outbox.db.horizon import Holder, Horizon, HorizonReader
 from resolver.decide import is_ours
 
 
@@ -29,6 +29,7 @@ class Observation:
     dead_letters: int
     dead_letter_ordering_keys: int
     replication_warning: str | None
+    horizon: Horizon | None = None
 
     @property
     def oldest_prepared_age_seconds(self) -> float:
@@ -41,7 +42,7 @@ class Observation:
 
 def read(settings: Settings) -> Observation:
     """Every query ``status`` needs, on one short session; no judgement here."""
-    store = BatchStore(
+    store = HorizonReader(
         settings.dsn,
         settings.table,
         application_name="outbox-status",
@@ -80,6 +81,7 @@ def read(settings: Settings) -> Observation:
         ]
         dead_letters, dead_keys = store.dead_letter_summary()
         unsafe = replication.warning(store.replication())
+        horizon = store.horizon()
     finally:
         store.close()
     return Observation(
@@ -93,12 +95,25 @@ def read(settings: Settings) -> Observation:
         dead_letters=dead_letters,
         dead_letter_ordering_keys=dead_keys,
         replication_warning=unsafe,
+        horizon=horizon,
     )
 
 
-def judge(seen: Observation, *, max_prepared_age: float, max_backlog_age: float) -> list[str]:
+# A replication slot's age is known in transactions only: this many is attention.
+SLOT_XMIN_ATTENTION_XIDS = 1_000_000
+
+
+def judge(
+    seen: Observation,
+    *,
+    max_prepared_age: float,
+    max_backlog_age: float,
+    max_horizon_age: float = 600.0,
+) -> list[str]:
     """What needs an operator's attention, each with what to do (pure)."""
     problems = []
+    if seen.horizon is not None:
+        problems += judge_horizon(seen.horizon, seen.table, max_horizon_age)
     oldest_prepared = seen.oldest_prepared_age_seconds
     if oldest_prepared > max_prepared_age:
         problems.append(
@@ -127,6 +142,65 @@ def judge(seen: Observation, *, max_prepared_age: float, max_backlog_age: float)
     return problems
 
 
+def judge_horizon(horizon: Horizon, table: str, max_age: float) -> list[str]:
+    """A holder of the outbox's dead rows older than ``max_age`` seconds (or a slot
+    more than ``SLOT_XMIN_ATTENTION_XIDS`` behind), named with what to do (pure)."""
+    late = [
+        h
+        for h in horizon.holders
+        if h.holds_outbox
+        and (
+            (h.age_seconds is not None and h.age_seconds > max_age)
+            or (h.kind == "replication_slot" and h.xmin_age_xids > SLOT_XMIN_ATTENTION_XIDS)
+        )
+    ]
+    if not late:
+        return []
+    dead = f"{horizon.dead_rows:,}" if horizon.dead_rows is not None else "an unknown number of"
+    oldest = late[0]
+    return [
+        f"{describe_holder(oldest, table)} holds the MVCC horizon back "
+        f"({holder_age(oldest)}): vacuum cannot remove the outbox's {dead} dead rows, "
+        f"and the table grows; {what_to_do(oldest, table)} "
+        "(docs/how-to/operations.md#a-held-horizon)"
+    ]
+
+
+def describe_holder(holder: Holder, table: str) -> str:
+    d = holder.detail
+    if holder.kind == "session":
+        app = d.get("application_name") or "no application_name"
+        state = d.get("state") or d["backend_type"]
+        return f"session pid {d['pid']} ({app}, role {d.get('role')}, {state})"
+    if holder.kind == "replication_slot":
+        active = "active" if d.get("active") else "inactive"
+        return f"replication slot {holder.name!r} ({d.get('slot_type')}, {active})"
+    mine = is_ours(holder.name, local=True, table=table)
+    return f"prepared transaction {holder.name!r} ({'a relay batch' if mine else 'not ours'})"
+
+
+def holder_age(holder: Holder) -> str:
+    when = f"{holder.age_seconds:.0f}s, " if holder.age_seconds is not None else ""
+    return f"{when}{holder.xmin_age_xids:,} transactions"
+
+
+def what_to_do(holder: Holder, table: str) -> str:
+    if holder.kind == "session":
+        pid = holder.detail["pid"]
+        return (
+            "end its transaction if its owner agrees, or "
+            f"`SELECT pg_terminate_backend({pid})`; set idle_in_transaction_session_timeout"
+        )
+    if holder.kind == "replication_slot":
+        return (
+            "bring its standby or consumer back, or drop it if it is abandoned "
+            f"(`SELECT pg_drop_replication_slot('{holder.name}')`)"
+        )
+    if is_ours(holder.name, local=True, table=table):
+        return "run `outbox resolve --dry-run`"
+    return "its owner must COMMIT PREPARED or ROLLBACK PREPARED it (outbox never touches it)"
+
+
 def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
     """The JSON document of ``outbox status --json`` (and what ``render`` prints)."""
     return {
@@ -141,18 +215,53 @@ def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
         "live_relays": seen.live_relays,
         "dead_letters": seen.dead_letters,
         "dead_letter_ordering_keys": seen.dead_letter_ordering_keys,
+        "horizon": horizon_report(seen.horizon),
         "attention": problems,
         # Worth knowing, not a failure of the relay: does not change the exit code.
         "warnings": [seen.replication_warning] if seen.replication_warning else [],
     }
 
 
+def horizon_report(horizon: Horizon | None) -> dict[str, Any] | None:
+    if horizon is None:
+        return None
+    return {
+        "age_xids": horizon.age_xids,
+        "age_seconds": round(horizon.age_seconds, 3),
+        "dead_rows": horizon.dead_rows,
+        "live_rows": horizon.live_rows,
+        "table_bytes": horizon.table_bytes,
+        "last_vacuum": horizon.last_vacuum.isoformat() if horizon.last_vacuum else None,
+        "hidden_sessions": horizon.hidden_sessions,
+        "holders": [
+            {
+                "kind": h.kind,
+                "name": h.name,
+                "xmin_age_xids": h.xmin_age_xids,
+                "age_seconds": None if h.age_seconds is None else round(h.age_seconds, 3),
+                "holds_outbox": h.holds_outbox,
+                **h.detail,
+            }
+            for h in horizon.holders
+        ],
+    }
+
+
 def collect(
-    settings: Settings, *, max_prepared_age: float, max_backlog_age: float = 300.0
+    settings: Settings,
+    *,
+    max_prepared_age: float,
+    max_backlog_age: float = 300.0,
+    max_horizon_age: float = 600.0,
 ) -> dict[str, Any]:
     """Read, judge, report: what ``outbox status`` prints."""
     seen = read(settings)
-    problems = judge(seen, max_prepared_age=max_prepared_age, max_backlog_age=max_backlog_age)
+    problems = judge(
+        seen,
+        max_prepared_age=max_prepared_age,
+        max_backlog_age=max_backlog_age,
+        max_horizon_age=max_horizon_age,
+    )
     return report(seen, problems)
 
 
@@ -180,6 +289,7 @@ def render(report: dict[str, Any]) -> str:
         )
     for batch in report["prepared_batches"]:
         lines.append(f"  batch {batch['gid']} prepared {batch['age_seconds']:.1f}s ago")
+    lines += render_horizon(report.get("horizon"))
     lines.extend(f"warning: {warning}" for warning in report["warnings"])
     if report["attention"]:
         lines.append("needs attention:")
@@ -187,3 +297,39 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("all good")
     return "\n".join(lines)
+
+
+def render_horizon(horizon: dict[str, Any] | None) -> list[str]:
+    if horizon is None:
+        return []
+    dead = "no statistics yet" if horizon["dead_rows"] is None else f"{horizon['dead_rows']:,}"
+    size = (
+        ""
+        if horizon["table_bytes"] is None
+        else f", table {horizon['table_bytes'] / 1024 / 1024:.1f} MiB with indexes"
+    )
+    lines = [
+        f"horizon            {horizon['age_xids']:,} transactions, "
+        f"{horizon['age_seconds']:.1f}s behind",
+        f"outbox dead rows   {dead}{size}",
+    ]
+    for h in horizon["holders"]:
+        age = "" if h["age_seconds"] is None else f"{h['age_seconds']:.1f}s, "
+        if h["kind"] == "session":
+            what = (
+                f"session pid {h['pid']} {h['application_name'] or '-'!r} "
+                f"{h['state'] or h['backend_type']}"
+            )
+        elif h["kind"] == "replication_slot":
+            active = "active" if h["active"] else "inactive"
+            what = f"slot {h['name']!r} ({h['slot_type']}, {active})"
+        else:
+            what = f"prepared {h['name']!r}"
+        scope = "" if h["holds_outbox"] else " (system catalogs only)"
+        lines.append(f"  held by {what}: {age}{h['xmin_age_xids']:,} transactions{scope}")
+    if horizon["hidden_sessions"]:
+        lines.append(
+            f"  {horizon['hidden_sessions']} sessions of other roles not shown "
+            "(grant pg_read_all_stats to see them)"
+        )
+    return lines

@@ -3,9 +3,10 @@
 Counters and the batch-duration histogram come from the relay's ``Stats`` and are
 read when Prometheus scrapes, so the relay's hot path pays nothing for them.
 Figures that need the database (backlog, prepared batches, dead letters, live
-relays) come from one query on a connection of the metrics endpoint's own,
+relays, the outbox's dead rows and the MVCC horizon's age) come from a few queries
+on a connection of the metrics endpoint's own, bounded by ``statement_timeout``,
 cached for ``DATABASE_CACHE_SECONDS`` so that frequent scrapes and probes cost
-one query per period.
+one round of queries per period.
 
 Database figures describe the whole table, so every relay exports the same
 values: aggregate them with ``max`` in alerts, never ``sum``.
@@ -28,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from outbox import health
 from outbox.db.batches import BatchStore
+from outbox.db.horizon import HorizonReader
 from outbox.errors import OutboxError
 from outbox.events import emit
 from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, histogram
@@ -60,6 +62,9 @@ class Relay(Protocol):
 
 log = logging.getLogger("outbox.metrics")
 
+# Bound on the metrics endpoint's statements and lock waits (seconds).
+METRICS_STATEMENT_TIMEOUT = 5.0
+
 
 class DatabaseFigures:
     """The cached result of the ``metrics_snapshot`` query, or why it failed."""
@@ -71,7 +76,7 @@ class DatabaseFigures:
         self._connect_timeout = min(connect_timeout, 3.0)  # probes time out in seconds
         self._ttl = ttl
         self._lock = threading.Lock()
-        self._store: BatchStore | None = None
+        self._store: HorizonReader | None = None
         self._expires = 0.0
         self.figures: dict[str, Any] | None = None
         self.error: str | None = "not read yet"
@@ -85,13 +90,20 @@ class DatabaseFigures:
             try:
                 if self._store is None or self._store.broken:
                     self.close()
-                    self._store = BatchStore(
+                    self._store = HorizonReader(
                         self._dsn,
                         self._table,
                         application_name="outbox-metrics",
                         connect_timeout=self._connect_timeout,
+                        # A scrape answers in seconds, whatever waits on the server.
+                        statement_timeout=METRICS_STATEMENT_TIMEOUT,
                     )
-                self.figures, self.error = dict(self._store.metrics_snapshot()), None
+                figures = dict(self._store.metrics_snapshot())
+                horizon = self._store.horizon(limit=1)
+                figures["dead_rows"] = horizon.dead_rows or 0
+                figures["horizon_age_seconds"] = horizon.age_seconds
+                figures["horizon_age_xids"] = horizon.age_xids
+                self.figures, self.error = figures, None
             except OutboxError as exc:
                 self.figures, self.error = None, exc.message
                 self.close()
@@ -200,6 +212,24 @@ class RelayCollector(Collector):
                 "Ordering keys with a dead letter (held back unless ordering_dead_letters=skip).",
             ),
             ("outbox_live_relays", "live_relays", "Relays whose control session is alive."),
+            (
+                "outbox_dead_rows",
+                "dead_rows",
+                "Dead rows in the outbox table (pg_stat_user_tables.n_dead_tup): deleted, "
+                "not yet removed by vacuum; they grow while the MVCC horizon is held.",
+            ),
+            (
+                "outbox_horizon_age_seconds",
+                "horizon_age_seconds",
+                "How long the oldest session or prepared transaction holding the MVCC "
+                "horizon has held it (0 if none); `outbox status` names it.",
+            ),
+            (
+                "outbox_horizon_age_xids",
+                "horizon_age_xids",
+                "Transactions committed since the oldest holder of the MVCC horizon "
+                "(sessions, replication slots' xmin, prepared transactions) took it.",
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=float(figures[key]))
 

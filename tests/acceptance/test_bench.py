@@ -203,3 +203,75 @@ def test_bench_commits__every_trigger_and_the_trigger_put_back(
     with psycopg.connect(pg_server) as conn:  # the bench's tables are gone
         left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'outbox_bench_%'")
         assert left.fetchone() == (0,)
+
+
+def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names(
+    pg_server: str, amqp_url: str
+) -> None:
+    common = ("bench", "--horizon", "--dsn", pg_server, "--amqp-url", amqp_url)
+    out = run_cli(
+        *common,
+        "--holders",
+        "none,snapshot,logical-slot",
+        "--horizon-seconds",
+        "2",
+        "--window-seconds",
+        "1",
+        "--rate",
+        "300",
+        "--json",
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["every_row_arrived"] is True
+    assert (report["rate"], report["rows_per_commit"], report["payload_bytes"]) == (300, 10, 200)
+    runs = {r["holder"]: r for r in report["runs"]}
+    # The shared test server has wal_level = replica: no logical slot there.
+    assert "wal_level = logical" in runs["logical-slot"]["skipped"]
+    for kind in ("none", "snapshot"):
+        run = runs[kind]
+        assert [w["window"] for w in run["windows"]] == [0, 1], kind
+        assert run["sent"] == run["delivered"] > 0 and run["duplicates"] == 0
+        assert all(w["claims"] > 0 and w["claim_mean_ms"] > 0 for w in run["windows"]), kind
+        assert all(w["p50_ms"] <= w["p99_ms"] for w in run["windows"]), kind
+        assert run["table_bytes_end"] > 0
+    # What `outbox status` names while each holds: the held snapshot by its session.
+    assert runs["none"]["status_names"] == "nothing"
+    assert runs["snapshot"]["status_names"] == "session 'outbox-bench-snapshot' idle in transaction"
+    assert runs["snapshot"]["dead_rows_end"] > 0 and runs["snapshot"]["horizon_age_xids_end"] > 0
+    with psycopg.connect(pg_server) as conn:  # the bench's tables are gone
+        left = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'outbox_horizon_%'"
+        )
+        assert left.fetchone() == (0,)
+    usage = run_cli(*common, "--holders", "snapshot,vacuum")
+    assert usage.returncode == 2 and "none, snapshot, untouched" in usage.stderr
+
+
+@pytest.mark.slow
+def test_bench_soak__faults_in_turn_nothing_lost_duplicates_within_the_bound() -> None:
+    """A 30 s soak: every fault once (relay kill -9, broker restart, PostgreSQL
+    restart, a held snapshot), per-window figures, and the end-of-run checks."""
+    out = run_cli("bench", "--soak-seconds", "30", "--rate", "200", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [f["fault"] for f in report["faults"]] == [
+        "relay-kill",
+        "broker-restart",
+        "postgres-restart",
+        "snapshot",
+    ]
+    assert report["relays_killed"] == 1 and len(report["windows"]) == 12
+    assert report["nothing_lost"] and report["lost"] == report["rows_left"] == 0
+    assert report["committed"] > 0 and report["prepared_left"] == 0
+    assert report["duplicates"] <= report["duplicate_bound"] == 3 * 2 * 1000
+    for window in report["windows"]:
+        assert window["rss_bytes"] is None or window["rss_bytes"] > 0
+        assert window["open_files"] is None or window["open_files"] > 0
+    assert any(w["dead_rows"] for w in report["windows"])
+
+
+def test_bench_soak__refuses_a_server_it_would_restart(pg_server: str) -> None:
+    usage = run_cli("bench", "--soak", "--soak-seconds", "10", "--dsn", pg_server)
+    assert usage.returncode == 2 and "omit --dsn" in usage.stderr

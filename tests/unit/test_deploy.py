@@ -442,6 +442,9 @@ def exported_metric_names() -> set[str]:
             "dead_letters",
             "dead_letter_ordering_keys",
             "live_relays",
+            "dead_rows",
+            "horizon_age_seconds",
+            "horizon_age_xids",
         ),
         0,
     )
@@ -461,6 +464,7 @@ def test_deploy__alert_rules_use_only_exported_metrics() -> None:
         "OutboxBacklogStale",
         "OutboxDeadLetters",
         "OutboxNoLiveRelay",
+        "OutboxHorizonHeld",
     }
     for alert in alerts:
         used = set(re.findall(r"\boutbox_[a-z_]+", alert["expr"]))
@@ -484,6 +488,8 @@ DASHBOARD_FIGURES = {
     "outbox_duplicates_possible_total",
     "outbox_dead_letters",
     "outbox_live_relays",
+    "outbox_dead_rows",
+    "outbox_horizon_age_seconds",
 }
 
 

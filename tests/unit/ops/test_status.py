@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from outbox.db.horizon import Holder, Horizon
 from outbox.ops.status import Observation, judge, report
 
 CALM = Observation(
@@ -63,3 +64,45 @@ def test_status__an_unsafe_replica_is_a_warning_not_a_problem() -> None:
     seen = dataclasses.replace(CALM, replication_warning="asynchronous standby")
     assert problems(seen) == []
     assert report(seen, [])["warnings"] == ["asynchronous standby"]
+
+
+def held(*holders: Holder, dead_rows: int = 240_000) -> Observation:
+    horizon = Horizon(list(holders), 0, dead_rows, 10, 75 * 2**20, None)
+    return dataclasses.replace(CALM, horizon=horizon)
+
+
+def session(age: float, pid: int = 4242) -> Holder:
+    detail = {"pid": pid, "application_name": "pg_dump", "role": "backup"}
+    return Holder("session", f"pid {pid}", 5000, age, True, {**detail, "state": "active"})
+
+
+def test_status__an_old_snapshot_is_named_with_its_pid_and_what_to_do() -> None:
+    (problem,) = judge(held(session(601)), max_prepared_age=60, max_backlog_age=300)
+    assert "session pid 4242 (pg_dump, role backup, active)" in problem
+    assert "601s, 5,000 transactions" in problem and "240,000 dead rows" in problem
+    assert "pg_terminate_backend(4242)" in problem
+
+
+def test_status__a_young_snapshot_is_normal() -> None:
+    assert judge(held(session(599)), max_prepared_age=60, max_backlog_age=300) == []
+
+
+def test_status__a_logical_slot_holds_only_the_catalogs_and_needs_no_attention() -> None:
+    slot = Holder("replication_slot", "cdc", 9_000_000, None, False, {"slot_type": "logical"})
+    assert judge(held(slot), max_prepared_age=60, max_backlog_age=300) == []
+
+
+def test_status__a_slot_far_behind_says_drop_or_reconnect_it() -> None:
+    slot = Holder("replication_slot", "standby1", 2_000_000, None, True, {"slot_type": "physical"})
+    (problem,) = judge(held(slot), max_prepared_age=60, max_backlog_age=300)
+    assert "replication slot 'standby1' (physical, inactive)" in problem
+    assert "pg_drop_replication_slot('standby1')" in problem
+
+
+def test_status__prepared_transactions_ours_and_others_say_who_finishes_them() -> None:
+    ours = Holder("prepared_transaction", "obx:outbox:" + "a" * 32 + ":1", 10, 700.0, True, {})
+    theirs = Holder("prepared_transaction", "billing-42", 10, 700.0, True, {})
+    (mine,) = judge(held(ours), max_prepared_age=3600, max_backlog_age=300)
+    (other,) = judge(held(theirs), max_prepared_age=3600, max_backlog_age=300)
+    assert "outbox resolve --dry-run" in mine
+    assert "not ours" in other and "outbox never touches it" in other
