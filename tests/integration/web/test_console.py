@@ -548,8 +548,8 @@ def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
     with psycopg.connect(settings.dsn, autocommit=True) as conn:
         conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
     report = psycopg.connect(settings.dsn)
-    report.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-    report.execute("SELECT count(*) FROM outbox")  # the snapshot is taken here
+    report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    report.execute("SELECT count(*) FROM outbox")  # the snapshot is taken here, and kept
     running = start_console(config)
     try:
         page.goto(running.url)
