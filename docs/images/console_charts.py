@@ -7,7 +7,7 @@ It starts a private PostgreSQL cluster and uses the local RabbitMQ (guest/guest)
 about one row in 150 goes to a missing exchange (a dead letter) and one order in 500
 fails in the consumer's handler (parked after two attempts).  A report holds a
 REPEATABLE READ snapshot through the middle half of the run: the MVCC horizon ages
-and the outbox's dead rows pile up until it ends.
+and the outbox's dead rows pile up while it holds them.
 """
 
 from __future__ import annotations
