@@ -5,7 +5,9 @@ for a few minutes, then the console's charts screenshotted in chromium.
 
 It starts a private PostgreSQL cluster and uses the local RabbitMQ (guest/guest);
 about one row in 150 goes to a missing exchange (a dead letter) and one order in 500
-fails in the consumer's handler (parked after two attempts).
+fails in the consumer's handler (parked after two attempts).  A report holds a
+REPEATABLE READ snapshot through the middle half of the run: the MVCC horizon ages
+and the outbox's dead rows pile up while it holds them.
 """
 
 from __future__ import annotations
@@ -69,9 +71,16 @@ def main(minutes: float, shot: str) -> None:
         subprocess.Popen([OUTBOX, "web", "--port", str(port), *inbox], env=env, stderr=quiet),
     ]
     started, rows = time.monotonic(), 0
+    report = psycopg.connect(dsn)  # holds the horizon from a quarter to three quarters
+    report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             while (elapsed := time.monotonic() - started) < minutes * 60:
+                if elapsed >= minutes * 15 and report.info.transaction_status.name == "IDLE":
+                    if elapsed < minutes * 45:
+                        report.execute("SELECT count(*) FROM outbox")  # the snapshot
+                elif elapsed >= minutes * 45 and report.info.transaction_status.name != "IDLE":
+                    report.rollback()
                 for _ in range(int(40 + 35 * math.sin(elapsed / 50))):  # rows a second
                     rows += 1
                     target = exchange if rows % 150 else f"missing.{tag}"
@@ -94,6 +103,7 @@ def main(minutes: float, shot: str) -> None:
             browser.close()
         print(f"{rows} rows in {minutes:g} min; {shot}")
     finally:
+        report.close()
         for process in running:
             process.terminate()
         for process in running:

@@ -96,8 +96,10 @@ class DeadLetterStore(Session):
             ).fetchone()
 
     def chart_sample(self) -> Row:
-        """backlog, oldest_seconds, and the counters ``deleted`` (rows ever deleted from
-        the outbox) and ``dead_lettered`` (rows ever inserted into the dead letters)."""
+        """backlog, oldest_seconds, the counters ``deleted`` (rows ever deleted from
+        the outbox) and ``dead_lettered`` (rows ever inserted into the dead letters),
+        ``dead_rows`` (the outbox's) and ``horizon_seconds`` (how long the horizon has
+        been held)."""
         with self._translated("sampling the outbox"):
             row = self.conn.execute(
                 self.queries["chart_sample"],

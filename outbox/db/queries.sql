@@ -512,7 +512,11 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
 -- backlog, its oldest row's age, and two counters of the statistics system (which
 -- the server keeps anyway): rows ever deleted from the outbox (published or
 -- dead-lettered) and rows ever inserted into the dead letters.  Their differences
--- between two samples are what was published and dead-lettered in between.
+-- between two samples are what was published and dead-lettered in between.  And
+-- the MVCC horizon (``horizon.sql``): the outbox's dead rows, and for how long the
+-- oldest transaction of this database, a session's or a prepared one, has held its
+-- snapshot (as ``outbox_horizon_age_seconds``; bounded by max_connections and
+-- max_prepared_transactions).
 SELECT (SELECT count(*) FROM {outbox}) AS backlog,
        coalesce((SELECT extract(epoch FROM now() - created_at)
                  FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
@@ -520,7 +524,17 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog,
        coalesce((SELECT n_tup_del FROM pg_stat_user_tables
                  WHERE relid = to_regclass(%(outbox)s)), 0) AS deleted,
        coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
-                 WHERE relid = to_regclass(%(dead_letters)s)), 0) AS dead_lettered
+                 WHERE relid = to_regclass(%(dead_letters)s)), 0) AS dead_lettered,
+       coalesce((SELECT n_dead_tup FROM pg_stat_user_tables
+                 WHERE relid = to_regclass(%(outbox)s)), 0) AS dead_rows,
+       coalesce(greatest(
+           (SELECT max(extract(epoch FROM now() - xact_start)) FROM pg_stat_activity
+            WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+              AND pid <> pg_backend_pid()
+              AND (datname = current_database() OR datid IS NULL
+                   OR current_setting('server_version_num')::int < 140000)),
+           (SELECT max(extract(epoch FROM now() - prepared)) FROM pg_prepared_xacts
+            WHERE database = current_database())), 0)::float8 AS horizon_seconds
 
 -- table_privileges --
 -- Which of the (table, privilege) pairs the current role holds.  A table that does

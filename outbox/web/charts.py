@@ -122,6 +122,8 @@ OUTBOX_CHARTS = (
     ("oldest_seconds", "Oldest row", "s", "level"),
     ("published", "Published", "per minute", "rate"),
     ("dead_lettered", "Dead-lettered", "per minute", "rate"),
+    ("dead_rows", "Dead rows", "rows", "level"),
+    ("horizon_seconds", "MVCC horizon age", "s", "level"),
 )
 INBOX_CHARTS = (
     ("applied", "Applied", "per minute", "rate"),

@@ -5,8 +5,9 @@ database once per interval, whoever is looking, and kept in memory.
   ``refresh_seconds``; every tab's refresh within that time gets the same copy (a
   tab used to cost a dozen queries every refresh: ten tabs, ten times that).
 - **The charts** (``charts``): a background thread runs one statement per table
-  every ``sample_seconds`` (``chart_sample``: a count, an index probe and two
-  counters the statistics system keeps anyway) and keeps the last hour of samples,
+  every ``sample_seconds`` (``chart_sample``: a count, an index probe, three
+  figures the statistics system keeps anyway, and the age of the oldest transaction
+  holding the MVCC horizon) and keeps the last hour of samples,
   about 360 per table at 10 s.  The thread starts with the application (or on its
   first request) and stops with it.
 """
@@ -146,6 +147,8 @@ def _outbox_values(settings: Settings) -> dict[str, float]:
         # Rows deleted from the outbox are published or dead-lettered.
         "published": float(row["deleted"]) - float(row["dead_lettered"]),
         "dead_lettered": float(row["dead_lettered"]),
+        "dead_rows": float(row["dead_rows"]),
+        "horizon_seconds": float(row["horizon_seconds"]),
     }
 
 

@@ -539,12 +539,17 @@ def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
     settings: Settings, web_config: WebConfig, page: Page, tmp_path: Any
 ) -> None:
     """What a relay and a consumer do, done by hand in the database (each step on a
-    connection of its own, closed: the statistics counters are flushed then)."""
+    connection of its own, closed: the statistics counters are flushed then), while a
+    report holds a REPEATABLE READ snapshot: the horizon ages, the deleted rows stay
+    dead."""
     config = dataclasses.replace(
         web_config, console=dataclasses.replace(web_config.console, sample_seconds=0.2)
     )
     with psycopg.connect(settings.dsn, autocommit=True) as conn:
         conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
+    report = psycopg.connect(settings.dsn)
+    report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    report.execute("SELECT count(*) FROM outbox")  # the snapshot is taken here, and kept
     running = start_console(config)
     try:
         page.goto(running.url)
@@ -590,6 +595,26 @@ def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
         chart = page.locator("section.charts figure[data-key='dead_lettered'] rect.bar")
         assert [chart.nth(i).get_attribute("data-value") for i in range(chart.count())] == ["2.0"]
         assert page.locator("figure[data-key='backlog'] circle.point").count() >= 1
+        # The horizon: the five deleted rows are dead while the report holds them back.
+        dead = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox'"
+        wait_for(
+            lambda: shown("dead_rows", "data-latest") == count_of(settings.dsn, dead) >= 5,
+            10,
+            "the dead rows",
+        )
+        held = (
+            "SELECT extract(epoch FROM now() - xact_start)::float8 FROM pg_stat_activity "
+            f"WHERE pid = {report.info.backend_pid}"
+        )
+        with psycopg.connect(settings.dsn, autocommit=True) as conn:
+            before = conn.execute(held).fetchone()
+            shown_age = shown("horizon_seconds", "data-latest")
+            after = conn.execute(held).fetchone()
+        assert before is not None and after is not None
+        # Sampled up to a sample interval and a page refresh before it was read.
+        assert before[0] - 5.0 <= shown_age <= after[0], (before, shown_age, after)
+        assert shown_age > 0
+        assert page.locator("figure[data-key='horizon_seconds'] circle.point").count() >= 1
         shot = os.environ.get("OUTBOX_WEB_CHARTS_SCREENSHOT")
         box = page.locator("section.charts").bounding_box()  # htmx replaces it: a page shot
         assert box is not None
@@ -597,3 +622,4 @@ def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
     finally:
         page.goto("about:blank")  # no refresh of the overview after the console stops
         running.stop()
+        report.close()

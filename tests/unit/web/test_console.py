@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import pytest
 
@@ -123,6 +124,53 @@ def test_charts__levels_keep_their_last_sample_counters_add_their_increases() ->
     [chart] = charts.charts(samples, [("dead_lettered", "Dead", "per minute", "rate")], now)
     assert chart.total == 8.0 and chart.latest == 5.0 and chart.scale == 5.0
     assert [bar.minute for bar in chart.bars][-2:] == [1, 0]
+
+
+def test_sampler__charts_the_outboxs_dead_rows_and_the_horizons_age_from_its_one_sample(
+    monkeypatch: Any,
+) -> None:
+    """Issue 30: the charts show the MVCC horizon and the dead rows, from the same
+    one-statement sample as the backlog (levels: the last sample of each minute)."""
+    from outbox.config import Settings
+    from outbox.web import sampler as sampler_module
+    from outbox.web.app import Pages, WebConfig
+    from outbox.web.security import Credentials
+
+    rows = iter(
+        [
+            {"backlog": 2, "oldest_seconds": 1.0, "deleted": 10, "dead_lettered": 1,
+             "dead_rows": 40, "horizon_seconds": 12.5},
+            {"backlog": 1, "oldest_seconds": 0.5, "deleted": 13, "dead_lettered": 1,
+             "dead_rows": 43, "horizon_seconds": 75.0},
+        ]
+    )  # fmt: skip
+
+    class Store:
+        def chart_sample(self) -> dict[str, float]:
+            return next(rows)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(sampler_module.deadletters, "open_store", lambda settings: Store())
+    now = [60 * 1000 + 10.0]
+    config = console.ConsoleConfig((Settings(),))
+    sampler = sampler_module.Sampler(config, clock=lambda: now[0])
+    sampler.sample()
+    now[0] += 30
+    sampler.sample()
+    [section] = sampler.charts()
+    found = {chart.key: chart for chart in section["charts"]}
+    assert found["dead_rows"].latest == 43.0 and found["dead_rows"].kind == "level"
+    assert found["horizon_seconds"].latest == 75.0 and found["horizon_seconds"].unit == "s"
+    assert found["published"].total == 3.0  # the other series are unchanged
+
+    pages = Pages(WebConfig(config, "amqp://localhost", Credentials()))
+    html = pages.env.get_template("_charts.html").render(charts=[section])
+    assert 'data-key="dead_rows" data-latest="43.0"' in html
+    assert 'data-key="horizon_seconds" data-latest="75.0"' in html
+    assert 'Dead rows: <strong class="figure">43</strong> rows now' in " ".join(html.split())
+    assert 'MVCC horizon age: <strong class="figure">1.2m</strong>' in " ".join(html.split())
 
 
 def test_in_console__what_status_finds_links_the_console_page_not_a_command() -> None:
