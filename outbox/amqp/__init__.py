@@ -5,8 +5,9 @@ baseline it measures.
 Owns the bytes of a publish (``frames``, pure), confirm and return bookkeeping
 (``confirms``, pure), the publisher's I/O (``publisher``), failing over across the
 nodes of a cluster (``failover``, pure decisions) and the ledger stream that holds
-the evidence of finished batches (``ledger``).  The ledger sits here, below both the
-relay and the resolver, because both read it.
+the evidence of finished batches (``ledger``), and a private node for what must stop
+or restart a broker, the soak and the fault tests (``devnode``).  The ledger sits
+here, below both the relay and the resolver, because both read it.
 
 May import: the plain modules of ``outbox`` only.
 """

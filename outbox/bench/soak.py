@@ -38,8 +38,8 @@ from typing import Any
 
 import pika
 
+from outbox.amqp.devnode import RabbitNode
 from outbox.bench.harness import PRODUCER_START_SECONDS, RelayProcesses, percentile
-from outbox.bench.rabbit import PrivateRabbit
 from outbox.config import Settings
 from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
@@ -186,7 +186,7 @@ class SoakReceiver(threading.Thread):
     acked it when the connection dropped) is our own doing, not the relay's: only a
     repeat that is not a redelivery counts as a duplicate."""
 
-    def __init__(self, rabbit: PrivateRabbit, queue: str) -> None:
+    def __init__(self, rabbit: RabbitNode, queue: str) -> None:
         super().__init__(daemon=True)
         self.rabbit, self.queue = rabbit, queue
         self.arrived: dict[str, float] = {}
@@ -287,9 +287,9 @@ class Relay:
 
 # -- the run ------------------------------------------------------------------------------
 @contextlib.contextmanager
-def soak_servers(echo: Any) -> Iterator[tuple[PostgresCluster, str, PrivateRabbit]]:
+def soak_servers(echo: Any) -> Iterator[tuple[PostgresCluster, str, RabbitNode]]:
     echo("starting a private PostgreSQL (fsync on) and a private RabbitMQ node ...")
-    rabbit = PrivateRabbit()
+    rabbit = RabbitNode(prefix="obxsoak")
     try:
         rabbit.start()
         with PostgresCluster(durable=True) as cluster:
@@ -305,7 +305,7 @@ def soak_servers(echo: Any) -> Iterator[tuple[PostgresCluster, str, PrivateRabbi
         rabbit.destroy()
 
 
-def declare(rabbit: PrivateRabbit, exchange: str, queue: str) -> None:
+def declare(rabbit: RabbitNode, exchange: str, queue: str) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(rabbit.url))
     channel = conn.channel()
     channel.exchange_declare(exchange, "topic", durable=True)
@@ -324,7 +324,7 @@ class Faults(threading.Thread):
         relay: Relay,
         cluster: PostgresCluster,
         dsn: str,
-        rabbit: PrivateRabbit,
+        rabbit: RabbitNode,
         echo: Any,
     ) -> None:
         super().__init__(daemon=True)
