@@ -235,6 +235,11 @@ class Publisher:
         return len(self._nodes)
 
     @property
+    def servers(self) -> list[tuple[str, int]]:
+        """Every node's (host, port), for knocking while it is down (``relay.recovery``)."""
+        return [(str(params.host), int(params.port)) for params, _address in self._nodes]
+
+    @property
     def address(self) -> str:
         """Where the current (or last) connection points, without credentials."""
         return self._nodes[self._node or 0][1]

@@ -232,7 +232,11 @@ class RelayProcesses:
         log_level: str = "warning",
         log_format: str = "text",
         extra_env: dict[str, str] | None = None,
+        log_dir: str | None = None,
+        log_name: str = "relay",
     ) -> None:
+        """``log_dir``: keep each relay's stderr there (``<log_name>-<n>.log``) for a
+        reader after the run; otherwise it lives in an unnamed temporary file."""
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
             value = getattr(settings, field.name)
@@ -242,7 +246,13 @@ class RelayProcesses:
         env["OUTBOX_LOG_LEVEL"] = log_level
         env["OUTBOX_LOG_FORMAT"] = log_format
         env.update(extra_env or {})
-        self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
+        self.log_paths: list[str] = []
+        if log_dir is None:
+            self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
+        else:
+            self.log_paths = [os.path.join(log_dir, f"{log_name}-{n}.log") for n in range(count)]
+            # Appending: the relay's writes land at the end whatever the offset.
+            self._logs = [open(path, "a+b") for path in self.log_paths]  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "outbox", "relay"],
@@ -259,6 +269,19 @@ class RelayProcesses:
                 log.seek(0)
                 text = log.read().decode(errors="replace")[-2000:]
                 raise OutboxError(f"a bench relay exited with {proc.returncode}:\n{text}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of each relay's log so far (its stderr)."""
+        tails = []
+        for n, log in enumerate(self._logs):
+            if log.closed:
+                continue
+            # pread: the relay writes through the same open file (and offset).
+            size = os.fstat(log.fileno()).st_size
+            start = max(0, size - chars)
+            text = os.pread(log.fileno(), size - start, start).decode(errors="replace")
+            tails.append(f"-- relay {n} (last {min(size, chars)} of {size} bytes) --\n{text}")
+        return "\n".join(tails)
 
     def cpu_seconds(self) -> float:
         """User + system CPU of the relay processes so far."""

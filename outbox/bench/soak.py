@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -230,19 +231,37 @@ class SoakReceiver(threading.Thread):
 class Relay:
     """One relay process at a time; ``kill`` (-9) starts the next."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, log_dir: str) -> None:
+        """``log_dir``: where each relay's log is kept (``relay-<k>-0.log``, k the
+        number of relays killed before it), to read after a stall or a failure."""
         self.settings = settings
+        self.log_dir = log_dir
         self._lock = threading.Lock()
-        self.current = RelayProcesses(settings, 1, log_level="info", log_format="json")
         self.killed = 0
+        self.current = self._start()
+
+    def _start(self) -> RelayProcesses:
+        return RelayProcesses(
+            self.settings,
+            1,
+            log_level="info",
+            log_format="json",
+            log_dir=self.log_dir,
+            log_name=f"relay-{self.killed}",
+        )
 
     def kill(self) -> None:
         with self._lock:
             self.current.procs[0].kill()
             self.current.procs[0].wait()
             self.current.stop()
-            self.current = RelayProcesses(self.settings, 1, log_level="info", log_format="json")
             self.killed += 1
+            self.current = self._start()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the running relay's log."""
+        with self._lock:
+            return self.current.log_tail(chars)
 
     def process_figures(self) -> tuple[int | None, int | None]:
         """(RSS bytes, open files) of the running relay; None if it is gone."""
@@ -406,7 +425,9 @@ def run_soak(o: SoakOptions, echo: Any) -> dict[str, Any]:
         )
         receiver = SoakReceiver(rabbit, queue)
         receiver.start()
-        relay = Relay(settings)
+        log_dir = tempfile.mkdtemp(prefix="outbox-soak-logs-")
+        echo(f"the relays' logs: {log_dir}")
+        relay = Relay(settings, log_dir)
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         start = time.perf_counter() + PRODUCER_START_SECONDS
@@ -419,6 +440,7 @@ def run_soak(o: SoakOptions, echo: Any) -> dict[str, Any]:
         samples: list[dict[str, Any]] = []
         try:
             windows = max(1, round(o.seconds / o.window))
+            received = 0
             for i in range(1, windows + 1):
                 at = start + min(o.seconds, i * o.window)
                 while time.perf_counter() < at:
@@ -430,6 +452,10 @@ def run_soak(o: SoakOptions, echo: Any) -> dict[str, Any]:
                     f"  {i * o.window:.0f} s: {len(receiver.arrived):,} received, relay RSS "
                     f"{(rss or 0) / 2**20:.0f} MiB, {files} open files"
                 )
+                if len(receiver.arrived) == received:
+                    # A window without a message: what the relay was doing meanwhile.
+                    echo(f"  nothing received in this window; the relay's log:\n{relay.log_tail()}")
+                received = len(receiver.arrived)
             outcome = results.get(timeout=PRODUCER_START_SECONDS + 120)
             if isinstance(outcome, str):
                 raise OutboxError(f"the soak's producer failed: {outcome}")
@@ -444,6 +470,9 @@ def run_soak(o: SoakOptions, echo: Any) -> dict[str, Any]:
                     break
                 time.sleep(0.5)
             rows_left, prepared_left = leftovers(dsn)
+        except BaseException:
+            echo(f"the soak failed; the running relay's log ({log_dir}):\n{relay.log_tail()}")
+            raise
         finally:
             relay.stop()
             receiver.stop()
@@ -476,6 +505,7 @@ def run_soak(o: SoakOptions, echo: Any) -> dict[str, Any]:
         "duplicate_bound": bound,
         "consumer_redeliveries": receiver.redelivered,
         "relays_killed": relay.killed,
+        "relay_logs": log_dir,
         "nothing_lost": lost == 0 and rows_left == 0 and prepared_left == 0,
         "duplicates_within_bound": receiver.duplicates <= bound,
     }

@@ -269,6 +269,8 @@ def bench(
         )
         click.echo(json.dumps(soak_report, indent=2) if as_json else bench_soak.render(soak_report))
         healthy = soak_report["nothing_lost"] and soak_report["duplicates_within_bound"]
+        if not healthy:
+            click.echo(f"the relays' logs are kept in {soak_report['relay_logs']}", err=True)
         sys.exit(0 if healthy else int(ExitCode.FAILURE))
     if horizon:
         from outbox.bench import horizon as bench_horizon

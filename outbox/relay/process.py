@@ -59,6 +59,7 @@ from outbox.errors import (
     PreparedSlotsExhausted,
 )
 from outbox.events import emit
+from outbox.relay import recovery
 from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
 from outbox.relay.metrics import RelayEndpoints
@@ -232,7 +233,19 @@ class Relay:
             fields["hint"] = error.hint
         emit(log, "relay.retry", logging.WARNING, **fields)
         deadline = time.monotonic() + pause
+        # Knock on the servers whose session is lost: one that comes back during the
+        # wait ends it, so an outage long enough to grow the backoff to its ceiling
+        # does not cost that ceiling again once it is over (``relay.recovery``).
+        watch = recovery.RecoveryWatch(self._lost_servers(error), now=time.monotonic())
         while not self.stop and time.monotonic() < deadline:
+            if watch.back(time.monotonic()):
+                # A server that was down is back: the failures were the outage's,
+                # and a session it killed silently must not pay for them again.
+                self._failures = 0
+                emit(
+                    log, "relay.server_back", waited=f"{pause - (deadline - time.monotonic()):.2f}s"
+                )
+                break
             step = min(0.2, max(0.0, deadline - time.monotonic()))
             if self.publisher.connected:
                 # Serve the connection while waiting: heartbeats, and the broker's
@@ -245,6 +258,21 @@ class Relay:
             self._connect_broker()
         except (DatabaseUnavailable, BrokerUnavailable) as exc:
             emit(log, "relay.reconnect_failed", logging.WARNING, error=exc.message)
+
+    def _lost_servers(self, error: OutboxError) -> list[list[recovery.Address]]:
+        """Where the servers answer whose session ``error`` (or an earlier one) lost."""
+        lost = []
+        if isinstance(error, BrokerUnavailable) and not self.publisher.connected:
+            lost.append(self.publisher.servers)
+        sessions = (self.store, self.wakeups)
+        if (
+            isinstance(error, DatabaseUnavailable)
+            or any(session is None or session.broken for session in sessions)
+            or self.liveness is None
+            or self.liveness.lost
+        ):
+            lost.append(recovery.database_addresses(self.settings.dsn))
+        return lost
 
     def close(self) -> None:
         if self.liveness is not None:
