@@ -194,7 +194,7 @@ def test_relay__wakes_on_notify_without_waiting_for_the_poll(
     relay.start()
     assert relay.wakeups is not None
     wakeups = relay.wakeups
-    monkeypatch.setattr(wakeups, "rows_waiting", lambda: False)
+    monkeypatch.setattr(wakeups, "rows_waiting", lambda *_: False)
     thread = threading.Thread(target=relay.run)
     thread.start()
     try:
