@@ -66,8 +66,7 @@ class Horizon:
 
     @property
     def oldest(self) -> Holder | None:
-        held = [h for h in self.holders if h.holds_outbox]
-        return max(held, key=lambda h: h.xmin_age_xids) if held else None
+        return next((h for h in self.holders if h.holds_outbox), None)
 
 
 class HorizonReader(BatchStore):
@@ -100,7 +99,7 @@ class HorizonReader(BatchStore):
             )
             for r in prepared
         ]
-        holders.sort(key=lambda h: h.xmin_age_xids, reverse=True)
+        holders.sort(key=ranked, reverse=True)
         return Horizon(
             holders=holders,
             hidden_sessions=int(hidden["hidden"]) if hidden else 0,
@@ -109,6 +108,14 @@ class HorizonReader(BatchStore):
             table_bytes=table["table_bytes"] if table else None,
             last_vacuum=table["last_vacuum"] if table else None,
         )
+
+
+def ranked(holder: Holder) -> tuple[int, float]:
+    """Oldest first, by transactions; among holders of the same age, the one that has
+    held it longest.  A snapshot taken while the oldest transaction runs has that
+    transaction's xid as its xmin: the same age, but it came later (the console's own
+    statement, say), so the older holder is named first."""
+    return holder.xmin_age_xids, holder.age_seconds or 0.0
 
 
 def session_holder(row: dict[str, Any]) -> Holder:

@@ -7,7 +7,8 @@
 -- only the shared catalogs back, not this database's tables; a walsender (no
 -- database) holds every database when its standby sends hot_standby_feedback.  A
 -- session of another role shows NULL here unless this role has pg_read_all_stats:
--- those are counted apart (hidden).
+-- those are counted apart (hidden).  Autovacuum workers are left out: VACUUM ignores
+-- the xmin of other vacuums, and a worker holds its snapshot only for one table.
 SELECT pid, application_name, state, usename AS role, datname AS database,
        backend_type, client_addr::text AS client_addr,
        greatest(age(backend_xmin), age(backend_xid))::bigint AS xmin_age_xids,
@@ -17,6 +18,7 @@ SELECT pid, application_name, state, usename AS role, datname AS database,
 FROM pg_stat_activity
 WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
   AND pid <> pg_backend_pid()
+  AND backend_type <> 'autovacuum worker'
   AND (datname = current_database() OR datid IS NULL
        OR current_setting('server_version_num')::int < 140000)
 ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC

@@ -180,6 +180,11 @@ def test_console__overview_names_a_prepared_transaction_holding_the_horizon(
     other.execute("BEGIN")
     other.execute("SELECT pg_current_xact_id()")
     other.execute("PREPARE TRANSACTION 'billing-43'")
+    # A snapshot taken now has the prepared transaction's xid as its xmin: the same
+    # age.  The session only follows; the prepared transaction is named.
+    follower = psycopg.connect(logical_dsn, autocommit=True)
+    follower.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    follower.execute("SELECT 1")
     try:
         config = WebConfig(
             ConsoleConfig((settings_for(logical_dsn),)), "amqp://localhost", Credentials()
@@ -188,5 +193,6 @@ def test_console__overview_names_a_prepared_transaction_holding_the_horizon(
         assert code == 200, body
         assert "by prepared transaction <code>billing-43</code>." in body.decode()
     finally:
+        follower.close()
         other.execute("ROLLBACK PREPARED 'billing-43'")
         other.close()
