@@ -14,11 +14,7 @@ import pytest
 
 from outbox.config import Settings
 from outbox.events import JsonFormatter, TextFormatter
-from outbox.inbox.store import render_sql
-from outbox.web.app import WebConfig
-from outbox.web.console import ConsoleConfig, InboxTarget
-from outbox.web.security import Credentials
-from tests.fixtures.web import Console, csrf_headers, http, start_console
+from tests.fixtures.web import Console, csrf_headers, http, inbox_console
 
 INBOX = "audit_inbox"
 FORGED = "2026-01-01 00:00:00,000 WARNING outbox.web web.dead_letters_purged who=alice rows=5000"
@@ -28,16 +24,8 @@ BREAKS = ["\n", "\r", "\x1b[2K\r", "\u2028", "\x85", "\x00"]
 
 @pytest.fixture
 def console(settings: Settings) -> Iterator[Console]:
-    with psycopg.connect(settings.dsn, autocommit=True) as conn:
-        conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
-    config = WebConfig(
-        ConsoleConfig((settings,), inboxes=(InboxTarget(settings.dsn, INBOX),)),
-        settings.amqp_url,
-        Credentials(),
-    )
-    running = start_console(config)
-    yield running
-    running.stop()
+    with inbox_console(settings, INBOX) as running:
+        yield running
 
 
 @pytest.fixture

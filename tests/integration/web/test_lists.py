@@ -10,27 +10,15 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.inbox.store import render_sql
-from outbox.web.app import WebConfig
-from outbox.web.console import ConsoleConfig, InboxTarget
-from outbox.web.security import Credentials
-from tests.fixtures.web import Console, http, start_console
+from tests.fixtures.web import Console, http, inbox_console
 
 INBOX = "lists_inbox"
 
 
 @pytest.fixture
 def console(settings: Settings) -> Iterator[Console]:
-    with psycopg.connect(settings.dsn, autocommit=True) as conn:
-        conn.execute(render_sql(INBOX).replace("BEGIN;", "").replace("COMMIT;", ""))
-    config = WebConfig(
-        ConsoleConfig((settings,), inboxes=(InboxTarget(settings.dsn, INBOX),)),
-        settings.amqp_url,
-        Credentials(),
-    )
-    running = start_console(config)
-    yield running
-    running.stop()
+    with inbox_console(settings, INBOX) as running:
+        yield running
 
 
 def add_dead_letters(dsn: str, count: int) -> None:
