@@ -38,7 +38,10 @@ class Queries:
 
     def __init__(self, table: str) -> None:
         ids = table_identifiers(table)
-        self._composed = {name: sql.SQL(body).format(**ids) for name, body in _raw_blocks().items()}
+        raw = _raw_blocks()
+        # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups.
+        parts = {**ids, "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids)}
+        self._composed = {name: sql.SQL(body).format(**parts) for name, body in raw.items()}
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._composed[name]

@@ -270,18 +270,10 @@ SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) I
 -- An idle relay asks for NOTIFYs, then looks for rows, in one round trip.  The
 -- outbox trigger notifies only while someone holds this lock (schema 0005): an
 -- application commit the look missed (its INSERT ran before the lock was taken)
--- is found by the relay's next polls (``Relay._wait_for_work``).
+-- is found by the relay's next polls (``Relay._wait_for_work``).  The look is
+-- ``rows_waiting``'s statement, composed in (``outbox.db.queries``).
 SELECT pg_try_advisory_lock_shared(%(lock_class)s, %(relid)s) AS listening,
-       (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1) IS NOT NULL
-    OR (SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[]) LIMIT 1) IS NOT NULL
-    OR (SELECT txid FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
-        ORDER BY txid LIMIT 1) IS NOT NULL
-    OR (SELECT txid FROM {outbox}
-        WHERE txid = ANY (ARRAY (
-            SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
-            WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
-        ORDER BY txid LIMIT 1) IS NOT NULL
-       AS rows_waiting
+       ({rows_waiting}) AS rows_waiting
 
 -- stop_wanting_wakeups --
 -- A busy relay claims until the outbox is empty: commits meanwhile need not notify.
