@@ -4,9 +4,10 @@
 ``commits`` (what the wake-up trigger costs the applications' commits) are the
 scenarios, ``deadrows`` the claim's cost behind the dead rows a held horizon keeps,
 ``horizon`` the relay while a snapshot, a slot or a prepared transaction holds the
-horizon, ``soak`` an hour of load with a fault every few minutes (on a private
-broker, ``outbox.amqp.devnode``), over the ``harness`` (servers, relays as
-subprocesses, the bare publisher, one run);
+horizon, ``retries`` what a retry queue would cost the consumer (the
+broker's head-of-line expiry and dead-lettering), ``soak`` an hour of load with
+a fault every few minutes (on a private broker, ``outbox.amqp.devnode``), over
+the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
 ``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
 Benchmarks print figures, they never assert timings.
 

@@ -275,3 +275,22 @@ def test_bench_soak__faults_in_turn_nothing_lost_duplicates_within_the_bound() -
 def test_bench_soak__refuses_a_server_it_would_restart(pg_server: str) -> None:
     usage = run_cli("bench", "--soak", "--soak-seconds", "10", "--dsn", pg_server)
     assert usage.returncode == 2 and "omit --dsn" in usage.stderr
+
+
+def test_bench_retries__reports_each_retry_queue_kind(
+    amqp_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m outbox.bench.retries``: a row per retry queue type in each table,
+    (structure only: the figures are the broker's)."""
+    from outbox.bench import retries
+
+    assert retries.main(["--amqp-url", amqp_url, "--long", "1", "--short", "0.2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for table in ("head_of_line", "into_full_queue"):
+        assert [row["queue_type"] for row in report[table]] == ["classic", "quorum"]
+    assert all(row["waited_s"] is not None for row in report["head_of_line"])
+    assert {row["fate"] for row in report["into_full_queue"]} <= {
+        "arrived",
+        "dropped",
+        "still waiting",
+    }
