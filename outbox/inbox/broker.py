@@ -399,6 +399,9 @@ class Broker:
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
         self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
         self._heartbeats: Heartbeats | None = None
+        # Deliveries that arrived while ``resubscribe`` waited for its replies:
+        # handed out first by the next ``drain``.
+        self._early: list[Any] = []
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -544,11 +547,11 @@ class Broker:
         conn = self.conn
         if conn is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
-        received: list[Any] = []
+        received, self._early = self._early, []
         self._received = received
         batch_size = self.settings.batch_size
         try:
-            conn.drain_events(timeout=timeout)
+            conn.drain_events(timeout=0 if received else timeout)
             with _nonblocking(conn):
                 if self._frames is not None:
                     # The frames straight from the buffer to py-amqp's frame handler:
@@ -604,6 +607,38 @@ class Broker:
         finally:
             heartbeats.stop()
 
+    def subscribed(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` came through the current subscription (it counts
+        against that subscription's ``--prefetch``)."""
+        consumer = self._consumer
+        tag = delivery.handle.delivery_info.get("consumer_tag")
+        return consumer is not None and tag in consumer._active_tags.values()
+
+    def resubscribe(self) -> None:
+        """Cancel the subscription and start a new one on the same channel, with
+        a fresh ``--prefetch`` window.
+
+        RabbitMQ counts a consumer's prefetch per subscription (consumer tag): the
+        messages the old one delivered stay unacked on the channel, settled by
+        their delivery tags as before (or requeued when the channel closes), but
+        no longer take the new subscription's slots.  So messages held in hand
+        for a retry, or waiting behind one of their ordering key, do not stop the
+        healthy ones behind them from being delivered.  Deliveries that arrive
+        while this waits for the broker's replies are kept for the next ``drain``."""
+        conn, consumer = self.conn, self._consumer
+        if conn is None or consumer is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        received: list[Any] = []
+        self._received = received
+        try:
+            consumer.cancel()
+            consumer.consume()
+        except broker_errors(conn) as exc:
+            raise self._translate("subscribing again", exc) from exc
+        finally:
+            self._received = None
+            self._early.extend(received)
+
     def stop_consuming(self) -> None:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""
         if self._consumer is not None and self.conn is not None:
@@ -613,6 +648,7 @@ class Broker:
 
     def close(self) -> None:
         self._consumer = None
+        self._early = []
         self._frames = None
         if self._heartbeats is not None:
             self._heartbeats.close()

@@ -284,6 +284,7 @@ class ConsumerStats:
         default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
     )
     reconnects: int = 0
+    resubscribed: int = 0  # new subscriptions to make room (``Inbox._make_room``)
     pruned: int = 0
     handler_seconds: Durations = dataclasses.field(default_factory=Durations)
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
@@ -444,6 +445,12 @@ class BrokerPort(Protocol):
     def drain(self, timeout: float) -> Sequence[Any]: ...
 
     def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None: ...
+
+    # Whether a delivery counts against the current subscription's prefetch, and a
+    # new subscription with a fresh prefetch window (``Broker.resubscribe``).
+    def subscribed(self, delivery: Any) -> bool: ...
+
+    def resubscribe(self) -> None: ...
 
     # Around the loop's handler calls, which make no broker call: the connection's
     # heartbeats go on meanwhile.
@@ -1020,6 +1027,7 @@ class Inbox:
                 if deliveries:
                     self._handle(deliveries)
                 self._retry_due()
+                self._make_room()
                 self.stats.last_progress = time.monotonic()
                 self.stats.last_error = None
                 failures = 0
@@ -1202,6 +1210,24 @@ class Inbox:
         due = min(h.due for h in self._held)
         return min(1.0, max(0.0, due - time.monotonic()))
 
+    def _make_room(self) -> None:
+        """Messages held for a retry, or waiting behind one of their key, take
+        slots of the subscription's ``--prefetch``: once they take half of them,
+        a new subscription with a fresh window (``Broker.resubscribe``), so that
+        the healthy messages behind them keep coming.  At most ``HAND_MOST`` times
+        ``--prefetch`` messages unacked (their bodies are in memory): with a hand
+        that full the consumer waits for the first retry, as with a full prefetch."""
+        waiting = [h.delivery for h in self._held]
+        waiting += [d for behind in self._behind.values() for d in behind]
+        prefetch = self.settings.prefetch
+        if not waiting or len(waiting) + prefetch > HAND_MOST * prefetch:
+            return
+        mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
+        if mine >= max(1, prefetch // 2):
+            self.broker.resubscribe()
+            self.stats.resubscribed += 1
+            emit(log, "consumer.resubscribed", in_hand=len(waiting), prefetch=prefetch)
+
     def _retry_due(self) -> None:
         """The next attempt of each held message whose delay is over (on a stop,
         those still held go back to the queue when the channel closes)."""
@@ -1226,6 +1252,10 @@ class Inbox:
 # A failed message is kept in hand (unacked) for at most this long: RabbitMQ closes
 # the channel of a delivery unacked for ``consumer_timeout`` (30 min by default).
 MAX_HOLD = 15 * 60.0
+
+# At most this many times ``--prefetch`` messages in hand, held for a retry or
+# behind their key (``Inbox._make_room``).
+HAND_MOST = 4
 
 
 @dataclasses.dataclass(frozen=True)

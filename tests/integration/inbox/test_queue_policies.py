@@ -203,3 +203,22 @@ def test_retry__a_failing_keyed_message_holds_its_own_key_only(
     parked_at = rows(consumer_dsn, f"SELECT parked_at FROM {INBOX}_parked")[0][0]
     applied_at = rows(consumer_dsn, "SELECT at FROM effects WHERE body = 'ok:a2'")[0][0]
     assert applied_at >= parked_at
+
+
+def test_retry__more_failing_messages_than_the_prefetch_do_not_hold_the_healthy_ones(
+    tmp_path: Path, consumer_dsn: str, topology: Topology
+) -> None:
+    """--prefetch 4 and 6 failing messages (a downstream outage for some keys, say),
+    each waiting 20 s for its next attempt, then 5 healthy ones: the failing ones held
+    in hand must not take every unacked slot the broker allows, or the healthy
+    messages behind them would wait for the retries."""
+    good = [f"ok:{i}".encode() for i in range(5)]
+    env = {"OUTBOX_RETRY_DELAY": "20", "OUTBOX_RETRY_DELAY_MAX": "20", "OUTBOX_PREFETCH": "4"}
+    with consumer(tmp_path, consumer_dsn, topology, max_attempts=3, env=env):
+        started = time.monotonic()
+        publish(topology, [(i, b"raise:always") for i in ids(6)])
+        publish(topology, list(zip(ids(5), good, strict=True)))
+        wait_for(lambda: len(effect_bodies(consumer_dsn)) == 5, 15, "the healthy messages")
+        waited = time.monotonic() - started
+    assert waited < 10, waited
+    assert sorted(effect_bodies(consumer_dsn)) == sorted(good)

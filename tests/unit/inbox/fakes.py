@@ -270,6 +270,7 @@ class FakeStore:
 class FakeDelivery:
     message: InboxMessage
     tag: int
+    subscription: int = 0
 
 
 class FakeBroker:
@@ -283,6 +284,7 @@ class FakeBroker:
         self.connected = False
         self.policy = QueuePolicy()
         self._tag = 0
+        self.subscription = 0
         self.journal: Journal = []
         self.fail_next: dict[str, OutboxError] = {}
 
@@ -296,10 +298,10 @@ class FakeBroker:
         if not self.connected:
             raise BrokerUnavailable("not connected")
         got = []
-        while self.ready and len(self.unacked) < self.prefetch:
+        while self.ready and sum(map(self.subscribed, self.unacked)) < self.prefetch:
             self._tag += 1
             message = self.ready.pop(0)
-            delivery = FakeDelivery(message, self._tag)
+            delivery = FakeDelivery(message, self._tag, self.subscription)
             self.unacked.append(delivery)
             got.append(delivery)
         return got
@@ -315,6 +317,14 @@ class FakeBroker:
             self.unacked.remove(delivery)
             self.ready.insert(0, dataclasses.replace(delivery.message, redelivered=True))
             self.journal.append(f"reject {delivery.message.message_id}")
+
+    def subscribed(self, delivery: FakeDelivery) -> bool:
+        """RabbitMQ counts a consumer's prefetch per subscription."""
+        return delivery.subscription == self.subscription
+
+    def resubscribe(self) -> None:
+        self.subscription += 1
+        self.journal.append("resubscribe")
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from outbox.inbox.loop import (
+    HAND_MOST,
     ConsumerSettings,
     ConsumerStats,
     Disposition,
@@ -155,6 +156,34 @@ def test_inbox__a_failed_message_is_held_in_hand_while_the_others_go_on() -> Non
     # Acked one by one: a multiple ack would also ack the held message.
     assert broker.journal == ["ack a", "ack b"]
     assert inbox._drain_timeout() == 1.0
+
+
+def test_inbox__more_messages_in_hand_than_the_prefetch_do_not_stop_the_others() -> None:
+    """Prefetch 4, six failing messages waiting a minute each, then healthy ones:
+    once the messages in hand take half the subscription's slots the consumer
+    subscribes again, so the healthy ones are delivered and applied at once; it
+    keeps at most ``HAND_MOST`` x prefetch unacked."""
+    store = FakeStore()
+    failing = [message(f"bad{i}", b"raise") for i in range(6)]
+    broker = FakeBroker([*failing, message("a", b"ok"), message("b", b"ok")], prefetch=4)
+    settings = dataclasses.replace(SETTINGS, prefetch=4, retry_delay=60.0, retry_delay_max=60.0)
+    inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    for _ in range(4):
+        inbox._handle(broker.drain(0))
+        inbox._make_room()
+    assert store.effects == ["a", "b"]
+    assert len(inbox._held) == 6 and broker.journal.count("resubscribe") == 2
+    # A hand full: no more room made.
+    broker.ready += [message(f"more{i}", b"raise") for i in range(20)]
+    for _ in range(10):
+        inbox._handle(broker.drain(0))
+        inbox._make_room()
+    assert 2 * 4 < len(inbox._held) <= len(broker.unacked) <= HAND_MOST * 4
+    made = broker.journal.count("resubscribe")
+    inbox._handle(broker.drain(0))
+    inbox._make_room()
+    assert broker.journal.count("resubscribe") == made
 
 
 def test_inbox__a_keyed_failed_message_holds_its_key_only() -> None:
