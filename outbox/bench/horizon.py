@@ -182,11 +182,20 @@ def commit_batches(
 class Producer:
     """``commit_batches`` in a spawned process (no fork of a threaded process)."""
 
-    def __init__(self, dsn: str, table: str, exchange: str, o: HorizonOptions, rate: float) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        exchange: str,
+        o: HorizonOptions,
+        *,
+        rate: float,
+        seconds: float,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._results = context.Queue()
         self.start = time.perf_counter() + PRODUCER_START_SECONDS
-        self.until = self.start + o.seconds
+        self.until = self.start + seconds
         self._process = context.Process(
             target=commit_batches,
             args=(
@@ -413,7 +422,7 @@ def horizon_run(
             if cannot:
                 echo(f"  {kind}: skipped, {cannot}")
                 return {"holder": kind, "skipped": cannot}
-            producer = Producer(db.dsn, table, broker.exchange, o, rate)
+            producer = Producer(db.dsn, table, broker.exchange, o, rate=rate, seconds=seconds)
             samples: list[Sample] = []
 
             def sample(at: float) -> None:
@@ -490,18 +499,21 @@ def backlog(committed: dict[str, float], arrived: dict[str, float], at: float) -
     return sum(1 for m, when in committed.items() if when <= at and arrived.get(m, math.inf) > at)
 
 
-def sustained(run: dict[str, Any]) -> str | None:
-    """Why the run's rate was not sustained over its last window (None: it was):
-    the writers committed less than the rate, or the backlog grew, each by more
+def sustained(run: dict[str, Any]) -> tuple[str, str] | None:
+    """Who fell short of the run's rate over its last window and how (None: no
+    one): the writers committed less than the rate ("writers": the ramp found
+    their ceiling, not the relays'), or the backlog grew ("relays"), each by more
     than ``RAMP_SLACK`` of the window's rows."""
     planned = run["rate"] * run["last_window_seconds"]
     if run["committed_last_window"] < (1 - RAMP_SLACK) * planned:
-        return (
+        return "writers", (
             f"the writers committed {run['committed_last_window']:,} of "
             f"{planned:,.0f} rows in the last window"
         )
     if run["backlog_growth_last_window"] > RAMP_SLACK * planned:
-        return f"the backlog grew by {run['backlog_growth_last_window']:,} rows in the last window"
+        return "relays", (
+            f"the backlog grew by {run['backlog_growth_last_window']:,} rows in the last window"
+        )
     return None
 
 
@@ -515,19 +527,20 @@ def find_rate(db: Database, o: HorizonOptions, echo: Echo) -> dict[str, Any]:
     for _ in range(RAMP_STEPS):
         echo(f"  ramp: {rate:,.0f} rows/s ...")
         run = horizon_run(db, o, "none", echo, rate=rate, seconds=RAMP_WINDOWS * o.window_seconds)
-        why = sustained(run)
+        short = sustained(run)
         steps.append(
             {
                 "rate": rate,
-                "sustained": why is None,
-                "why_not": why,
+                "sustained": short is None,
+                "fell_short": short[0] if short else None,
+                "why_not": short[1] if short else None,
                 "committed_last_window": run["committed_last_window"],
                 "backlog_growth_last_window": run["backlog_growth_last_window"],
                 "p99_last_ms": run["windows"][-1]["p99_ms"],
             }
         )
-        if why is not None:
-            echo(f"  ramp: {rate:,.0f} rows/s not sustained: {why}")
+        if short is not None:
+            echo(f"  ramp: {rate:,.0f} rows/s not sustained: {short[1]}")
             break
         found = rate
         rate *= 2
@@ -660,6 +673,12 @@ def render_ramp(ramp: dict[str, Any] | None) -> list[str]:
             f"| {step['rate']:,.0f} | {verdict} | {step['committed_last_window']:,} | "
             f"{step['backlog_growth_last_window']:,} | {_ms(step['p99_last_ms'])} ms |"
         )
+    if ramp["steps"] and ramp["steps"][-1]["fell_short"] == "writers":
+        lines += [
+            "",
+            "the writers, not the relays, fell short: the relays' ceiling is higher "
+            "(more --rows-per-commit lifts the writers')",
+        ]
     return lines
 
 

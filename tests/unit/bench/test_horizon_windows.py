@@ -83,5 +83,11 @@ def test_horizon_ramp__a_rate_is_sustained_unless_the_writers_or_the_relay_fall_
     # 2,000 rows due in the window; 5% of them is the slack either way.
     assert sustained(run(2000, 0)) is None
     assert sustained(run(1900, 100)) is None
-    assert sustained(run(1899, 0)) == "the writers committed 1,899 of 2,000 rows in the last window"
-    assert sustained(run(2000, 101)) == "the backlog grew by 101 rows in the last window"
+    assert sustained(run(1899, 0)) == (
+        "writers",
+        "the writers committed 1,899 of 2,000 rows in the last window",
+    )
+    assert sustained(run(2000, 101)) == (
+        "relays",
+        "the backlog grew by 101 rows in the last window",
+    )
