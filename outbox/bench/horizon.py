@@ -128,7 +128,7 @@ def commit_batches(
     results: Any,
 ) -> None:
     """Commit ``rows_per_commit`` rows at ``start + i / commits_per_s`` until ``until``
-    (``time.perf_counter``); puts {message_id: when its COMMIT returned} on ``results``
+    (``time.perf_counter``: due or now); puts {message_id: when its COMMIT returned} on ``results``
     (or the error, as text); with ``keys``, row *i* (counting from 1 over the run)
     has the key ``fill`` gives it.  One libpq call per transaction (the INSERT in
     autocommit), as ``harness.commit_rows`` does: the producer stands for an
@@ -158,7 +158,9 @@ def commit_batches(
             i = 0
             while True:
                 due = start + i / commits_per_s
-                if due >= until:
+                # Behind the rate (a ramp's step past the writers' ceiling), they
+                # stop at ``until`` all the same: the run keeps its length.
+                if due >= until or time.perf_counter() >= until:
                     break
                 pause = due - time.perf_counter()
                 if pause > 0:

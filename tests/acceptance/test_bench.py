@@ -290,6 +290,44 @@ def test_bench_horizon__a_standby_holds_it_through_a_physical_slot(
     assert "every row arrived exactly once" in out.stdout
 
 
+def test_bench_horizon__find_rate_ramps_until_a_step_falls_short_and_runs_the_holders_at_it(
+    pg_server: str, amqp_url: str
+) -> None:
+    """The ramp's structure, whatever this machine's speed: rates doubling from
+    --rate, every step sustained but the last, the holders at the last sustained."""
+    out = run_cli(
+        "bench",
+        "--horizon",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--find-rate",
+        "--rate",
+        "2000",
+        "--holders",
+        "none",
+        "--horizon-seconds",
+        "1",
+        "--window-seconds",
+        "0.5",
+        "--json",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    steps = report["ramp"]["steps"]
+    assert [s["rate"] for s in steps] == [2000 * 2**n for n in range(len(steps))]
+    assert all(s["sustained"] and s["fell_short"] is None for s in steps[:-1])
+    last = steps[-1]
+    assert not last["sustained"] and last["fell_short"] in ("writers", "relays")
+    assert last["why_not"].startswith(("the writers committed", "the backlog grew"))
+    found = steps[-2]["rate"] if len(steps) > 1 else None
+    assert report["ramp"]["found"] == found
+    assert report["rate"] == (found or 2000)
+    assert report["runs"][0]["rate"] == report["rate"]
+
+
 @pytest.mark.slow
 def test_bench_soak__faults_in_turn_nothing_lost_duplicates_within_the_bound() -> None:
     """A 30 s soak: every fault once (relay kill -9, broker restart, PostgreSQL
