@@ -4,12 +4,13 @@
 ``commits`` (what the wake-up trigger costs the applications' commits) are the
 scenarios, ``deadrows`` the claim's cost behind the dead rows a held horizon keeps,
 ``horizon`` the relay while a snapshot, a slot or a prepared transaction holds the
-horizon (``standby``: the hot standby whose feedback holds it through a physical
-slot), ``soak`` an hour of load with a fault every few minutes (on a private
+horizon, ``soak`` an hour of load with a fault every few minutes (on a private
 broker, ``outbox.amqp.devnode``), over the ``harness`` (servers, relays as
 subprocesses, the bare publisher, one run);
 ``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
-Benchmarks print figures, they never assert timings.
+Benchmarks print figures, they never assert timings.  ``standby`` is the hot
+standby whose feedback holds the horizon through a physical slot (``horizon``'s
+``physical-slot`` holder).
 
 May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.
