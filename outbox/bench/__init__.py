@@ -9,7 +9,9 @@ broker's head-of-line expiry and dead-lettering), ``soak`` an hour of load with
 a fault every few minutes (on a private broker, ``outbox.amqp.devnode``), over
 the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
 ``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
-Benchmarks print figures, they never assert timings.
+Benchmarks print figures, they never assert timings.  ``standby`` is the hot
+standby whose feedback holds the horizon through a physical slot (``horizon``'s
+``physical-slot`` holder).
 
 May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.

@@ -232,10 +232,12 @@ class RelayProcesses:
         log_level: str = "warning",
         log_format: str = "text",
         extra_env: dict[str, str] | None = None,
+        env_per_relay: Sequence[dict[str, str]] = (),
         log_dir: str | None = None,
         log_name: str = "relay",
     ) -> None:
-        """``log_dir``: keep each relay's stderr there (``<log_name>-<n>.log``) for a
+        """``env_per_relay``: relay n's own variables (a metrics port each, say);
+        ``log_dir``: keep each relay's stderr there (``<log_name>-<n>.log``) for a
         reader after the run; otherwise it lives in an unnamed temporary file."""
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
@@ -256,11 +258,11 @@ class RelayProcesses:
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "outbox", "relay"],
-                env=env,
+                env={**env, **(env_per_relay[n] if n < len(env_per_relay) else {})},
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )
-            for log in self._logs
+            for n, log in enumerate(self._logs)
         ]
 
     def check_alive(self) -> None:
@@ -397,10 +399,18 @@ def fill(
         f'INSERT INTO "{table}" (exchange, routing_key, payload, ordering_key) '
         "SELECT %s, 'bench.' || (i %% 16), "
         "convert_to(rpad(i::text || ':', %s, 'x'), 'UTF8'), "
-        "CASE WHEN %s::int IS NOT NULL THEN 'key-' || (i %% %s::int) END "
+        f"{ordering_key_sql('i', '%s')} "
         "FROM generate_series(1, %s) AS i",
         [exchange, payload, keys, keys, rows],
     )
+
+
+def ordering_key_sql(index: str, keys: str) -> str:
+    """The SQL of row ``index``'s ordering key when the rows share ``keys`` keys
+    (NULL: no key), ``'key-' || index mod keys``: the keys every bench writes
+    (``fill``'s backlog, ``horizon``'s writers).  ``keys`` appears twice, ``mod()``
+    spares the caller escaping ``%``."""
+    return f"CASE WHEN {keys}::int IS NOT NULL THEN 'key-' || mod({index}, {keys}::int) END"
 
 
 def wait_registered(conn: session.Conn, table: str, count: int, relays: RelayProcesses) -> None:

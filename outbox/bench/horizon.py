@@ -3,9 +3,10 @@
 Every row the relay deletes stays in the table as a dead tuple until no snapshot
 can see it (DESIGN, "Facts for the MVCC horizon").  Here an application commits at
 a fixed rate (``rate`` rows/s in transactions of ``rows_per_commit`` rows with
-``payload``-byte payloads: 1,000 rows/s, 10 rows, 200 B as issue 33 measured) to a
-fresh outbox table while one relay with default settings runs, for ``seconds``,
-once per holder of the horizon:
+``payload``-byte payloads: 1,000 rows/s, 10 rows, 200 B as issue 33 measured; row
+*i*'s ordering key is *i* mod ``keys`` as ``outbox bench``'s ordering runs write
+them, or none) to a fresh outbox table while ``relays`` relays with default
+settings run, for ``seconds``, once per holder of the horizon:
 
 - ``none``: nothing held (the control run);
 - ``snapshot``: a REPEATABLE READ transaction that read the outbox, keeping its
@@ -15,16 +16,27 @@ once per holder of the horizon:
 - ``logical-slot``: a logical replication slot (``test_decoding``; needs
   ``wal_level = logical``, which the private cluster has).  It holds only
   ``catalog_xmin``: the system catalogs' dead rows, not the outbox's;
+- ``physical-slot``: a physical replication slot whose hot standby
+  (``hot_standby_feedback = on``, ``outbox.bench.standby``) holds a REPEATABLE READ
+  snapshot: the slot's ``xmin`` holds every table's dead rows (the private cluster
+  only: the standby is a base backup of the whole server);
 - ``prepared``: another application's prepared transaction.
 
 Per window of ``window_seconds`` (by commit time): commit → delivery latency
 p50/p99 (the consumer's clock and the producers' are the same machine's
-CLOCK_MONOTONIC), claims and the claim's mean time (the relay's own
-``outbox_claim_duration_seconds`` histogram, scraped from its metrics endpoint),
-the relay's and its PostgreSQL backends' CPU per claim (``/proc``), the outbox's
+CLOCK_MONOTONIC), claims and the claim's mean time (the relays' own
+``outbox_claim_duration_seconds`` histograms, scraped from each one's metrics
+endpoint and summed), the relays' and their PostgreSQL backends' CPU per claim
+(``/proc``, all relays together), the outbox's
 dead rows (``pg_stat_user_tables.n_dead_tup``) and its size with indexes; and at
-the end what ``outbox status`` names as the horizon's holder.  Benchmarks print
-figures; nothing here is a timed assertion.
+the end what ``outbox status`` names as the horizon's holder.
+
+With ``find_rate`` a ramp runs first, nothing held: ``rate``, then double, each
+step two windows, until the backlog (rows committed and not yet delivered) grows
+over the second window by more than a twentieth of its rows, or the writers fall
+short of the rate; the last rate sustained is the holders' rate
+(``sustained`` decides).  Benchmarks print figures; nothing here is a timed
+assertion.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import multiprocessing
 import time
 import urllib.request
@@ -51,16 +64,18 @@ from outbox.bench.harness import (
     Receiver,
     RelayProcesses,
     bench_database,
+    ordering_key_sql,
     percentile,
     wait_registered,
 )
+from outbox.bench.standby import standby_holding
 from outbox.config import Settings
 from outbox.db import migrate, session
 from outbox.db.devcluster import free_port
 from outbox.db.horizon import Horizon, HorizonReader
 from outbox.errors import OutboxError
 
-HOLDERS = ("none", "snapshot", "untouched", "logical-slot", "prepared")
+HOLDERS = ("none", "snapshot", "untouched", "logical-slot", "physical-slot", "prepared")
 DEFAULT_HOLDERS = "none,snapshot,untouched,logical-slot"
 
 # The private cluster can host a logical slot; everything else is the bench's default.
@@ -68,6 +83,12 @@ LOGICAL_SETTINGS = {"wal_level": "logical", "max_replication_slots": "8", "max_w
 
 # After the writers stop, how long the bench waits for the last messages.
 DRAIN_SECONDS = 120.0
+
+# The ramp (``find_rate``): windows per step, the most steps, and what a step may
+# fall short by (of the rate's rows in its last window) and still be sustained.
+RAMP_WINDOWS = 2
+RAMP_STEPS = 12
+RAMP_SLACK = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +101,9 @@ class HorizonOptions:
     rate: float = 1000.0  # rows per second
     rows_per_commit: int = 10
     payload: int = 200
+    relays: int = 1
+    keys: int = 0  # ordering keys the rows share; 0: none
+    find_rate: bool = False
 
 
 def parse_holders(text: str) -> tuple[str, ...]:
@@ -97,14 +121,16 @@ def commit_batches(
     exchange: str,
     payload: int,
     rows_per_commit: int,
+    keys: int,
     commits_per_s: float,
     until: float,
     start: float,
     results: Any,
 ) -> None:
     """Commit ``rows_per_commit`` rows at ``start + i / commits_per_s`` until ``until``
-    (``time.perf_counter``); puts {message_id: when its COMMIT returned} on ``results``
-    (or the error, as text).  One libpq call per transaction (the INSERT in
+    (``time.perf_counter``: due or now); puts {message_id: when its COMMIT returned} on ``results``
+    (or the error, as text); with ``keys``, row *i* (counting from 1 over the run)
+    has the key ``fill`` gives it.  One libpq call per transaction (the INSERT in
     autocommit), as ``harness.commit_rows`` does: the producer stands for an
     application elsewhere and must cost the relay it measures little."""
     committed: dict[str, float] = {}
@@ -113,23 +139,35 @@ def commit_batches(
             pgconn = producer.pgconn
             prepared = pgconn.prepare(
                 b"bench_commit",
-                f'INSERT INTO "{table}" (message_id, exchange, routing_key, payload) '
-                "SELECT m, $2, 'bench.horizon', $3::bytea FROM unnest($1::uuid[]) AS m".encode(),
+                f'INSERT INTO "{table}" (message_id, exchange, routing_key, payload, '
+                "ordering_key) SELECT m, $2, 'bench.horizon', $3::bytea, "
+                f"{ordering_key_sql('$4::bigint + n', 'nullif($5::int, 0)')} "
+                "FROM unnest($1::uuid[]) WITH ORDINALITY AS u(m, n)".encode(),
             )
             if prepared.status != pq.ExecStatus.COMMAND_OK:
                 raise OutboxError(prepared.get_error_message())
-            params = [b"", exchange.encode(), b"x" * payload]
-            formats = [pq.Format.TEXT, pq.Format.TEXT, pq.Format.BINARY]
+            params = [
+                b"",
+                exchange.encode(),
+                b"x" * payload,
+                b"0",
+                str(keys).encode(),  # 0: no key
+            ]
+            text, binary = pq.Format.TEXT, pq.Format.BINARY
+            formats = [text, text, binary, text, text]
             i = 0
             while True:
                 due = start + i / commits_per_s
-                if due >= until:
+                # Behind the rate (a ramp's step past the writers' ceiling), they
+                # stop at ``until`` all the same: the run keeps its length.
+                if due >= until or time.perf_counter() >= until:
                     break
                 pause = due - time.perf_counter()
                 if pause > 0:
                     time.sleep(pause)
                 ids = [str(uuid.uuid4()) for _ in range(rows_per_commit)]
                 params[0] = ("{" + ",".join(ids) + "}").encode()
+                params[3] = str(i * rows_per_commit).encode()
                 result = pgconn.exec_prepared(b"bench_commit", params, formats)
                 if result.status != pq.ExecStatus.COMMAND_OK:
                     raise OutboxError(result.get_error_message())
@@ -146,11 +184,20 @@ def commit_batches(
 class Producer:
     """``commit_batches`` in a spawned process (no fork of a threaded process)."""
 
-    def __init__(self, dsn: str, table: str, exchange: str, o: HorizonOptions) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        exchange: str,
+        o: HorizonOptions,
+        *,
+        rate: float,
+        seconds: float,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._results = context.Queue()
         self.start = time.perf_counter() + PRODUCER_START_SECONDS
-        self.until = self.start + o.seconds
+        self.until = self.start + seconds
         self._process = context.Process(
             target=commit_batches,
             args=(
@@ -159,7 +206,8 @@ class Producer:
                 exchange,
                 o.payload,
                 o.rows_per_commit,
-                o.rate / o.rows_per_commit,
+                o.keys,
+                rate / o.rows_per_commit,
                 self.until,
                 self.start,
                 self._results,
@@ -182,11 +230,19 @@ class Producer:
 
 # -- what holds the horizon -------------------------------------------------------------
 @contextlib.contextmanager
-def hold(kind: str, dsn: str, table: str, suffix: str) -> Iterator[str | None]:
+def hold(kind: str, dsn: str, table: str, suffix: str, *, private: bool) -> Iterator[str | None]:
     """Hold the horizon as ``kind`` says until the block ends; yields why the run
-    cannot be done on this server (None: held)."""
+    cannot be done on this server (None: held).  ``private``: the bench's own
+    cluster (a standby may be made of it)."""
     if kind == "none":
         yield None
+        return
+    if kind == "physical-slot":
+        if not private:
+            yield "needs the private cluster (omit --dsn): its standby is a base backup"
+            return
+        with standby_holding(dsn, f"outbox_bench_{suffix}"):
+            yield None
         return
     conn = session.connect(dsn, application_name=f"outbox-bench-{kind}")
     try:
@@ -223,8 +279,19 @@ def hold(kind: str, dsn: str, table: str, suffix: str) -> Iterator[str | None]:
 
 
 # -- one run ----------------------------------------------------------------------------
-def scrape_claims(port: int) -> tuple[float, float]:
-    """(claims, seconds spent claiming) so far, from the relay's metrics endpoint."""
+def scrape_claims(ports: Sequence[int]) -> tuple[float, float]:
+    """(claims, seconds spent claiming) so far, summed over the relays' metrics
+    endpoints."""
+    claims = seconds = 0.0
+    for port in ports:
+        count, total = scrape_relay_claims(port)
+        claims += count
+        seconds += total
+    return claims, seconds
+
+
+def scrape_relay_claims(port: int) -> tuple[float, float]:
+    """(claims, seconds spent claiming) so far, from one relay's metrics endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     count = total = 0.0
@@ -328,7 +395,10 @@ def holder_named(horizon: Horizon) -> str:
     return f"{oldest.kind.replace('_', ' ')} {oldest.name!r}"
 
 
-def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[str, Any]:
+def horizon_run(
+    db: Database, o: HorizonOptions, kind: str, echo: Echo, *, rate: float, seconds: float
+) -> dict[str, Any]:
+    """One run of ``seconds`` at ``rate`` rows/s while ``kind`` holds the horizon."""
     suffix = uuid.uuid4().hex[:8]
     table = f"outbox_horizon_{suffix}"
     conn = session.connect(db.dsn, application_name="outbox-bench")
@@ -336,21 +406,25 @@ def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[
     # A topology per run: its blocking connection, idle for the whole run, would miss
     # its heartbeats and be closed by the broker.
     broker = BenchTopology(o.amqp_url, suffix)
-    port = free_port()
+    ports = [free_port() for _ in range(o.relays)]
     settings = Settings(dsn=db.dsn, amqp_url=o.amqp_url, table=table, ledger_queue=broker.ledger)
     reader = HorizonReader(db.dsn, table, application_name="outbox-bench-horizon")
     receiver = Receiver(o.amqp_url, broker.queue)
     receiver.start()
     receiver.ready.wait(10)
-    relays = RelayProcesses(settings, 1, extra_env={"OUTBOX_METRICS_PORT": str(port)})
+    relays = RelayProcesses(
+        settings,
+        o.relays,
+        env_per_relay=[{"OUTBOX_METRICS_PORT": str(port)} for port in ports],
+    )
     try:
-        wait_registered(conn, table, 1, relays)
+        wait_registered(conn, table, o.relays, relays)
         backends = Backends(conn)
-        with hold(kind, db.dsn, table, suffix) as cannot:
+        with hold(kind, db.dsn, table, suffix, private=o.dsn is None) as cannot:
             if cannot:
                 echo(f"  {kind}: skipped, {cannot}")
                 return {"holder": kind, "skipped": cannot}
-            producer = Producer(db.dsn, table, broker.exchange, o)
+            producer = Producer(db.dsn, table, broker.exchange, o, rate=rate, seconds=seconds)
             samples: list[Sample] = []
 
             def sample(at: float) -> None:
@@ -358,7 +432,7 @@ def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[
                 if pause > 0:
                     time.sleep(pause)
                 relays.check_alive()
-                claims, claim_seconds = scrape_claims(port)
+                claims, claim_seconds = scrape_claims(ports)
                 samples.append(
                     Sample(
                         time.perf_counter(),
@@ -370,9 +444,9 @@ def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[
                     )
                 )
 
-            windows = max(1, round(o.seconds / o.window_seconds))
+            windows = max(1, round(seconds / o.window_seconds))
             for i in range(windows + 1):
-                sample(producer.start + min(o.seconds, i * o.window_seconds))
+                sample(producer.start + min(seconds, i * o.window_seconds))
                 if i:
                     echo(
                         f"  {kind}: {i * o.window_seconds:.0f} s, "
@@ -399,9 +473,16 @@ def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[
     delivered = sum(1 for m in committed if m in receiver.arrived)
     first, last = rows[0], rows[-1]
     end = samples[-1].horizon
+    last_from = producer.start + (len(rows) - 1) * o.window_seconds
+    last_to = producer.start + min(seconds, len(rows) * o.window_seconds)
     return {
         "holder": kind,
         "skipped": None,
+        "rate": rate,
+        "last_window_seconds": last_to - last_from,
+        "committed_last_window": sum(1 for t in committed.values() if last_from <= t < last_to),
+        "backlog_growth_last_window": backlog(committed, receiver.arrived, last_to)
+        - backlog(committed, receiver.arrived, last_from),
         "windows": rows,
         "sent": len(committed),
         "delivered": delivered,
@@ -415,6 +496,59 @@ def horizon_run(db: Database, o: HorizonOptions, kind: str, echo: Echo) -> dict[
     }
 
 
+def backlog(committed: dict[str, float], arrived: dict[str, float], at: float) -> int:
+    """Rows committed by ``at`` and not yet delivered then."""
+    return sum(1 for m, when in committed.items() if when <= at and arrived.get(m, math.inf) > at)
+
+
+def sustained(run: dict[str, Any]) -> tuple[str, str] | None:
+    """Who fell short of the run's rate over its last window and how (None: no
+    one): the writers committed less than the rate ("writers": the ramp found
+    their ceiling, not the relays'), or the backlog grew ("relays"), each by more
+    than ``RAMP_SLACK`` of the window's rows."""
+    planned = run["rate"] * run["last_window_seconds"]
+    if run["committed_last_window"] < (1 - RAMP_SLACK) * planned:
+        return "writers", (
+            f"the writers committed {run['committed_last_window']:,} of "
+            f"{planned:,.0f} rows in the last window"
+        )
+    if run["backlog_growth_last_window"] > RAMP_SLACK * planned:
+        return "relays", (
+            f"the backlog grew by {run['backlog_growth_last_window']:,} rows in the last window"
+        )
+    return None
+
+
+def find_rate(db: Database, o: HorizonOptions, echo: Echo) -> dict[str, Any]:
+    """From ``o.rate``, doubling, nothing held, ``RAMP_WINDOWS`` windows a step,
+    until a step is not sustained; the highest rate sustained (None: not even
+    ``o.rate``) and each step."""
+    steps: list[dict[str, Any]] = []
+    found = None
+    rate = o.rate
+    for _ in range(RAMP_STEPS):
+        echo(f"  ramp: {rate:,.0f} rows/s ...")
+        run = horizon_run(db, o, "none", echo, rate=rate, seconds=RAMP_WINDOWS * o.window_seconds)
+        short = sustained(run)
+        steps.append(
+            {
+                "rate": rate,
+                "sustained": short is None,
+                "fell_short": short[0] if short else None,
+                "why_not": short[1] if short else None,
+                "committed_last_window": run["committed_last_window"],
+                "backlog_growth_last_window": run["backlog_growth_last_window"],
+                "p99_last_ms": run["windows"][-1]["p99_ms"],
+            }
+        )
+        if short is not None:
+            echo(f"  ramp: {rate:,.0f} rows/s not sustained: {short[1]}")
+            break
+        found = rate
+        rate *= 2
+    return {"found": found, "steps": steps}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
@@ -422,10 +556,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def run_horizon_bench(o: HorizonOptions, echo: Echo) -> dict[str, Any]:
     """Every holder's run, the control first; returns the figures."""
     with bench_database(o.dsn, echo, server_settings=LOGICAL_SETTINGS) as db:
+        ramp = find_rate(db, o, echo) if o.find_rate else None
+        rate = ramp["found"] if ramp and ramp["found"] else o.rate
+        if ramp:
+            echo(f"  ramp: the holders' runs at {rate:,.0f} rows/s")
         runs = []
         for kind in o.holders:
-            echo(f"  {kind}: {o.seconds:.0f} s at {o.rate:,.0f} rows/s ...")
-            runs.append(horizon_run(db, o, kind, echo))
+            echo(f"  {kind}: {o.seconds:.0f} s at {rate:,.0f} rows/s ...")
+            runs.append(horizon_run(db, o, kind, echo, rate=rate, seconds=o.seconds))
     control = next((r for r in runs if r["holder"] == "none" and not r["skipped"]), None)
     for run in runs:
         if run["skipped"] or control is None:
@@ -439,7 +577,10 @@ def run_horizon_bench(o: HorizonOptions, echo: Echo) -> dict[str, Any]:
     done = [r for r in runs if not r["skipped"]]
     return {
         "postgres": db.description,
-        "rate": o.rate,
+        "rate": rate,
+        "ramp": ramp,
+        "relays": o.relays,
+        "keys": o.keys,
         "rows_per_commit": o.rows_per_commit,
         "payload_bytes": o.payload,
         "seconds": o.seconds,
@@ -463,11 +604,13 @@ def _mib(size: int | None) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
+    relays = "one relay" if report["relays"] == 1 else f"{report['relays']} relays"
+    keys = f"{report['keys']:,} ordering keys" if report["keys"] else "no ordering key"
     lines = [
         f"outbox bench --horizon: {report['rate']:,.0f} rows/s in {report['rows_per_commit']}-row "
-        f"transactions of {report['payload_bytes']} B payloads, {report['seconds']:.0f} s per "
-        f"run, windows of {report['window_seconds']:.0f} s; one relay, default settings; "
-        f"PostgreSQL: {report['postgres']}",
+        f"transactions of {report['payload_bytes']} B payloads, {keys}, "
+        f"{report['seconds']:.0f} s per run, windows of {report['window_seconds']:.0f} s; "
+        f"{relays}, default settings; PostgreSQL: {report['postgres']}",
         "",
         "| holder | p50 first → last | p99 first → last | last/first p50 | last p50 vs "
         "nothing held | dead rows at the end | table at the end | `outbox status` names |",
@@ -487,8 +630,8 @@ def render(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "per window (commit time); claim: the relay's outbox_claim_duration_seconds; CPU: "
-        "the relay process and its PostgreSQL backends (/proc), per claim",
+        "per window (commit time); claim: the relays' outbox_claim_duration_seconds; CPU: "
+        "the relay processes and their PostgreSQL backends (/proc), per claim",
         "",
         "| holder | window | p50 | p99 | claims | claim mean | relay CPU/claim | "
         "PostgreSQL CPU/claim | dead rows | table |",
@@ -505,11 +648,40 @@ def render(report: dict[str, Any]) -> str:
                 f"{_ms3(w['backend_cpu_ms_per_claim'])} ms | {w['dead_rows'] or 0:,} | "
                 f"{_mib(w['table_bytes'])} |"
             )
+    lines += render_ramp(report["ramp"])
     lines += [
         "",
         "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
     ]
     return "\n".join(lines)
+
+
+def render_ramp(ramp: dict[str, Any] | None) -> list[str]:
+    if ramp is None:
+        return []
+    found = ramp["found"]
+    lines = [
+        "",
+        f"the highest rate sustained, nothing held: {found:,.0f} rows/s"
+        if found
+        else "the highest rate sustained, nothing held: none (not even --rate)",
+        "",
+        "| ramp rows/s | sustained | committed in the last window | backlog growth | p99 |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for step in ramp["steps"]:
+        verdict = "yes" if step["sustained"] else f"no: {step['why_not']}"
+        lines.append(
+            f"| {step['rate']:,.0f} | {verdict} | {step['committed_last_window']:,} | "
+            f"{step['backlog_growth_last_window']:,} | {_ms(step['p99_last_ms'])} ms |"
+        )
+    if ramp["steps"] and ramp["steps"][-1]["fell_short"] == "writers":
+        lines += [
+            "",
+            "the writers, not the relays, fell short: the relays' ceiling is higher "
+            "(more --rows-per-commit lifts the writers')",
+        ]
+    return lines
 
 
 def _ms3(value: float | None) -> str:

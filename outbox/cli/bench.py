@@ -151,9 +151,10 @@ from outbox.errors import ExitCode
 @click.option(
     "--horizon",
     is_flag=True,
-    help="Instead: one relay while something holds the MVCC horizon (--holders), "
-    "writers committing --rate rows/s for --horizon-seconds; latency, claim time, dead "
-    "rows and table size per --window-seconds (--payload defaults to 200 here).",
+    help="Instead: --horizon-relays relays while something holds the MVCC horizon "
+    "(--holders), writers committing --rate rows/s (over --keys ordering keys) for "
+    "--horizon-seconds; latency, claim time, dead rows and table size per "
+    "--window-seconds (--payload defaults to 200 here).",
 )
 @click.option(
     "--soak",
@@ -178,7 +179,32 @@ from outbox.errors import ExitCode
     show_default=True,
     help="--horizon: what holds it, one run each: none (control), snapshot (REPEATABLE "
     "READ that read the outbox, as pg_dump), untouched (REPEATABLE READ, outbox never "
-    "read), logical-slot, prepared (another application's prepared transaction).",
+    "read), logical-slot, physical-slot (a hot standby with hot_standby_feedback = on "
+    "holding a snapshot; private cluster only), prepared (another application's prepared "
+    "transaction).",
+)
+@click.option(
+    "--horizon-relays",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="--horizon: relays side by side (claims and CPU per claim over all of them).",
+)
+@click.option(
+    "--keys",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 10_000_000),
+    help="--horizon: ordering keys the writers' rows share, row i getting key i mod N "
+    "as in the ordering runs (0: no key).",
+)
+@click.option(
+    "--find-rate",
+    is_flag=True,
+    help="--horizon: first a ramp with nothing held, from --rate doubling, two "
+    "--window-seconds a step, until the writers fall short or the backlog grows over "
+    "the second window by more than 5% of its rows; prints the highest rate sustained "
+    "and runs the holders at it (at --rate if none was).",
 )
 @click.option(
     "--horizon-seconds",
@@ -231,6 +257,9 @@ def bench(
     soak: bool,
     soak_seconds: float,
     holders: str,
+    horizon_relays: int,
+    keys: int,
+    find_rate: bool,
     horizon_seconds: float,
     window_seconds: float | None,
     rate: float,
@@ -289,6 +318,9 @@ def bench(
                 rate=rate,
                 rows_per_commit=rows_per_commit,
                 payload=options["payload"] if payload_given else 200,
+                relays=horizon_relays,
+                keys=keys,
+                find_rate=find_rate,
             ),
             echo,
         )

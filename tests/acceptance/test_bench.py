@@ -212,13 +212,17 @@ def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names
     out = run_cli(
         *common,
         "--holders",
-        "none,snapshot,logical-slot",
+        "none,snapshot,logical-slot,physical-slot",
         "--horizon-seconds",
         "2",
         "--window-seconds",
         "1",
         "--rate",
         "300",
+        "--horizon-relays",
+        "2",
+        "--keys",
+        "10",
         "--json",
         timeout=180,
     )
@@ -226,9 +230,12 @@ def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names
     report = json.loads(out.stdout)
     assert report["every_row_arrived"] is True
     assert (report["rate"], report["rows_per_commit"], report["payload_bytes"]) == (300, 10, 200)
+    assert (report["relays"], report["keys"], report["ramp"]) == (2, 10, None)
     runs = {r["holder"]: r for r in report["runs"]}
     # The shared test server has wal_level = replica: no logical slot there.
     assert "wal_level = logical" in runs["logical-slot"]["skipped"]
+    # Nor a standby: it would be a base backup of the whole server.
+    assert "needs the private cluster" in runs["physical-slot"]["skipped"]
     for kind in ("none", "snapshot"):
         run = runs[kind]
         assert [w["window"] for w in run["windows"]] == [0, 1], kind
@@ -247,6 +254,78 @@ def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names
         assert left.fetchone() == (0,)
     usage = run_cli(*common, "--holders", "snapshot,vacuum")
     assert usage.returncode == 2 and "none, snapshot, untouched" in usage.stderr
+
+
+def test_bench_horizon__a_standby_holds_it_through_a_physical_slot(
+    pg_server: str, amqp_url: str
+) -> None:
+    """On the bench's private cluster: a hot standby with hot_standby_feedback holds
+    the horizon through its slot, and `outbox status` names the slot; two relays
+    claiming keyed rows."""
+    out = run_cli(
+        "bench",
+        "--horizon",
+        "--amqp-url",
+        amqp_url,
+        "--holders",
+        "physical-slot",
+        "--horizon-seconds",
+        "2",
+        "--window-seconds",
+        "1",
+        "--rate",
+        "300",
+        "--horizon-relays",
+        "2",
+        "--keys",
+        "10",
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("outbox bench --horizon:"))
+    assert "10 ordering keys" in header and "2 relays" in header
+    held = next(line for line in lines if line.startswith("| physical-slot | ") and " → " in line)
+    assert "| replication slot 'outbox_bench_" in held
+    assert "every row arrived exactly once" in out.stdout
+
+
+def test_bench_horizon__find_rate_ramps_until_a_step_falls_short_and_runs_the_holders_at_it(
+    pg_server: str, amqp_url: str
+) -> None:
+    """The ramp's structure, whatever this machine's speed: rates doubling from
+    --rate, every step sustained but the last, the holders at the last sustained."""
+    out = run_cli(
+        "bench",
+        "--horizon",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--find-rate",
+        "--rate",
+        "2000",
+        "--holders",
+        "none",
+        "--horizon-seconds",
+        "1",
+        "--window-seconds",
+        "0.5",
+        "--json",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    steps = report["ramp"]["steps"]
+    assert [s["rate"] for s in steps] == [2000 * 2**n for n in range(len(steps))]
+    assert all(s["sustained"] and s["fell_short"] is None for s in steps[:-1])
+    last = steps[-1]
+    assert not last["sustained"] and last["fell_short"] in ("writers", "relays")
+    assert last["why_not"].startswith(("the writers committed", "the backlog grew"))
+    found = steps[-2]["rate"] if len(steps) > 1 else None
+    assert report["ramp"]["found"] == found
+    assert report["rate"] == (found or 2000)
+    assert report["runs"][0]["rate"] == report["rate"]
 
 
 @pytest.mark.slow

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.bench.horizon import Sample, holder_named, parse_holders, window_figures
+from outbox.bench.horizon import (
+    Sample,
+    backlog,
+    holder_named,
+    parse_holders,
+    sustained,
+    window_figures,
+)
 from outbox.db.horizon import Holder, Horizon
 
 
@@ -45,6 +52,42 @@ def test_horizon_names__the_oldest_holder_not_a_momentary_claim_or_a_logical_slo
 
 def test_horizon_holders__parsed_or_refused() -> None:
     assert parse_holders("none, snapshot") == ("none", "snapshot")
+    assert parse_holders("physical-slot") == ("physical-slot",)
     for bad in ("", "snapshot,vacuum"):
         with pytest.raises(ValueError, match="none, snapshot, untouched"):
             parse_holders(bad)
+
+
+def test_horizon_backlog__committed_by_then_and_not_yet_delivered() -> None:
+    committed = {"a": 1.0, "b": 2.0, "c": 3.0}
+    arrived = {"a": 1.5, "b": 4.0}  # c never arrived
+    assert [backlog(committed, arrived, at) for at in (0.5, 1.2, 1.6, 2.5, 3.5, 9.0)] == [
+        0,
+        1,
+        0,
+        1,
+        2,
+        1,
+    ]
+
+
+def test_horizon_ramp__a_rate_is_sustained_unless_the_writers_or_the_relay_fall_behind() -> None:
+    def run(committed: int, growth: int) -> dict[str, float]:
+        return {
+            "rate": 1000.0,
+            "last_window_seconds": 2.0,
+            "committed_last_window": committed,
+            "backlog_growth_last_window": growth,
+        }
+
+    # 2,000 rows due in the window; 5% of them is the slack either way.
+    assert sustained(run(2000, 0)) is None
+    assert sustained(run(1900, 100)) is None
+    assert sustained(run(1899, 0)) == (
+        "writers",
+        "the writers committed 1,899 of 2,000 rows in the last window",
+    )
+    assert sustained(run(2000, 101)) == (
+        "relays",
+        "the backlog grew by 101 rows in the last window",
+    )
