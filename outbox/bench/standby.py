@@ -14,18 +14,13 @@ server must be local (its binaries and a port on this machine).
 from __future__ import annotations
 
 import contextlib
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 
 import psycopg
 
 from outbox.db import session
-from outbox.db.devcluster import PostgresCluster, free_port, postgres_bindir
+from outbox.db.devcluster import PostgresCluster, standby_of
 from outbox.errors import OutboxError
 
 # The standby's feedback, and so the slot's xmin, follows its snapshots this often.
@@ -39,42 +34,21 @@ def standby_holding(primary_dsn: str, slot: str) -> Iterator[None]:
     """A standby of ``primary_dsn`` streaming through the physical slot ``slot``,
     holding a REPEATABLE READ snapshot until the block ends; then the standby is
     stopped, its folder removed and the slot dropped."""
-    base = tempfile.mkdtemp(prefix="outbox-bench-standby-")
-    data = os.path.join(base, "data")
-    backup = [
-        os.path.join(postgres_bindir(), "pg_basebackup"),
-        "-d",
-        primary_dsn,
-        "-D",
-        data,
-        "-R",  # standby.signal and primary_conninfo
-        "-C",  # the slot, made by the backup (so no WAL is missed)
-        "-S",
-        slot,
-        "-X",
-        "stream",
-        "--checkpoint=fast",  # a spread one takes minutes
-        "--no-sync",
-    ]
-    if os.geteuid() == 0:
-        entry = pwd.getpwnam("postgres")
-        os.chown(base, entry.pw_uid, entry.pw_gid)
-        backup = ["runuser", "-u", "postgres", "--", *backup]
     cluster: PostgresCluster | None = None
     try:
-        done = subprocess.run(backup, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OutboxError(f"pg_basebackup failed: {done.stderr.strip()[-800:]}")
-        port = free_port()
-        with open(os.path.join(data, "postgresql.auto.conf"), "a") as conf:
-            conf.write(
-                f"port = '{port}'\nunix_socket_directories = '{base}'\n"
-                "hot_standby = 'on'\nhot_standby_feedback = 'on'\n"
-                f"wal_receiver_status_interval = '{STATUS_INTERVAL_SECONDS}'\n"
-            )
-        # start() finds PG_VERSION and runs pg_ctl on the backup as it is.
-        cluster = PostgresCluster(base, port=port)
-        cluster.start()
+        cluster = standby_of(
+            primary_dsn,
+            backup_options=(
+                "-C",  # the slot, made by the backup (so no WAL is missed)
+                *("-S", slot),
+                "--checkpoint=fast",  # a spread one takes minutes
+            ),
+            settings={
+                "hot_standby": "on",
+                "hot_standby_feedback": "on",
+                "wal_receiver_status_interval": str(STATUS_INTERVAL_SECONDS),
+            },
+        )
         with session.connect(cluster.dsn, application_name="outbox-bench-standby") as standby:
             standby.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
             standby.execute("SELECT 1")
@@ -82,8 +56,7 @@ def standby_holding(primary_dsn: str, slot: str) -> Iterator[None]:
             yield
     finally:
         if cluster is not None:
-            cluster.stop("immediate")
-        shutil.rmtree(base, ignore_errors=True)
+            cluster.destroy()
         drop_slot(primary_dsn, slot)
 
 

@@ -179,3 +179,47 @@ class PostgresCluster:
 
     def __exit__(self, *_: object) -> None:
         self.destroy()
+
+
+def standby_of(
+    primary_dsn: str,
+    *,
+    backup_options: Sequence[str] = (),
+    settings: dict[str, str] | None = None,
+    durable: bool = True,
+    max_prepared_transactions: int = 64,
+) -> PostgresCluster:
+    """Base-backup the server at ``primary_dsn`` (``pg_basebackup -R -X stream``,
+    plus ``backup_options``) into a new folder and start it as a streaming standby
+    on a port of its own, with ``settings`` added to its configuration.  The
+    caller destroys it (``destroy()`` removes the folder)."""
+    base = tempfile.mkdtemp(prefix="outbox-pg-standby-")
+    data = os.path.join(base, "data")
+    command = [
+        os.path.join(postgres_bindir(), "pg_basebackup"),
+        *("-d", primary_dsn, "-D", data, "-R", "-X", "stream", "--no-sync"),
+        *backup_options,
+    ]
+    if os.geteuid() == 0:
+        entry = pwd.getpwnam("postgres")
+        os.chown(base, entry.pw_uid, entry.pw_gid)
+        command = ["runuser", "-u", "postgres", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        raise OutboxError(f"pg_basebackup failed: {done.stderr.strip()[-800:]}")
+    port = free_port()
+    with open(os.path.join(data, "postgresql.auto.conf"), "a") as conf:
+        for name, value in {
+            "port": str(port),
+            "unix_socket_directories": base,
+            **(settings or {}),
+        }.items():
+            conf.write(f"{name} = '{value}'\n")
+    # start() finds PG_VERSION and runs pg_ctl on the backup as it is.
+    standby = PostgresCluster(
+        base, port=port, durable=durable, max_prepared_transactions=max_prepared_transactions
+    )
+    standby._own_dir = True
+    standby.start()
+    return standby
