@@ -503,7 +503,7 @@ class Batches:
         return batch
 
     def _send(self, batch: Batch) -> None:
-        """Publish the batch's messages without waiting ("some messages published").
+        """Publish the batch's messages without waiting ("messages sent, not confirmed").
 
         Suspects go first, one at a time (``_send_alone``).  While some dead letters
         could not be written (``_unwritten``, whatever the error), the dead letters
@@ -568,7 +568,7 @@ class Batches:
         if others:
             batch.sent.append(self.broker.send([to_message(r) for r in others]))
             # Written to the socket, no confirm taken: how much of it the broker
-            # has is up to the broker (crash table: "some messages published").
+            # has is up to the broker (crash table: "messages sent, not confirmed").
             faults.reached("mid_publish")
         return True
 
