@@ -168,6 +168,10 @@ def test_crash__resolver_cleans_up_per_crash_table(
     report = check_delivery(
         dsn, topology, committed, max_duplicates=table.duplicates[-1], taken=before
     )
+    print(
+        f"{point}: left {actions}, {sum(before.values())} messages on the queue at the "
+        f"crash, {report.duplicates} duplicates"
+    )
     # Each duplicate is a row rolled back whose first copy was on the queue at the crash.
     assert report.duplicates == len(again & set(before))
     assert report.duplicates in table.duplicates
