@@ -4,9 +4,14 @@ Set ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's environment and the relay
 kills itself with SIGKILL the n-th time (default the first) it reaches that
 point.  The points are the step boundaries of ``batches.py``; when the variable is
 unset, ``reached`` is one dictionary lookup.  Pipelined, the n-th occurrence
-counts across batches: ``after_prepare:2`` is batch 2's PREPARE while batch 1
-awaits its confirms.  Before an armed crash the relay lets the broker confirm
-whatever is in flight, so each crash leaves an exact number of duplicates.
+counts across batches: ``after_prepare:2`` is batch 2's PREPARE, with batch 1 still
+in flight.
+
+A point only observes the relay: armed or not, the relay runs the production
+schedule (no confirm is awaited that production would not await), so what a crash
+leaves on the broker depends on how far the broker got, as after a real kill -9.
+The crash tests learn that from the evidence (the ledger, the queue) and assert
+the crash table's bounds (``outbox/relay/batches.py``).
 """
 
 from __future__ import annotations
@@ -61,15 +66,3 @@ def reached(point: str) -> None:
     _remaining -= 1
     if _remaining == 0:
         crash()
-
-
-def active() -> bool:
-    """True while a crash point is armed: the relay then lets the broker confirm what
-    is in flight before it picks the step's order (``Batches._confirms_in``), so that
-    the outcome of each crash does not depend on how fast the broker was."""
-    return bool(_point) and _remaining > 0
-
-
-def armed(point: str) -> bool:
-    """True if the next ``reached(point)`` will crash (lets the relay split a publish)."""
-    return point == _point and _remaining == 1

@@ -44,8 +44,8 @@ If N's confirms have all arrived when the step starts (taken without waiting:
 ``BrokerPort.collect_confirms``), 3 runs before 2.  A message's latency is the
 path from the claim to its publishing, and 3 then no longer sits on it; N's
 ledger record also goes out earlier, so 5 waits less, and a crash during 2
-finds N with its evidence sent (the crash table's depth-2 rows with "batch 1
-published" then cost nothing).  Under a backlog N's confirms are usually still
+finds N with its evidence sent (crash table: "ledger record sent"; committed
+once the ledger has it, no duplicate).  Under a backlog N's confirms are usually still
 due at that point, and 2 overlaps them as before.
 
 When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
@@ -75,22 +75,39 @@ claim (before PREPARE)         open transaction, dies with the  rows free at onc
                                session
 PREPARE                        prepared xact holding the rows   no evidence → ROLLBACK (resolver);
                                                                 no duplicate
-some messages published        some messages on the broker      no evidence → ROLLBACK (resolver);
-                                                                duplicates ≤ batch
+messages sent, not confirmed   none to all of the batch on the  no evidence → ROLLBACK (resolver);
+                               broker                           duplicates ≤ batch
 all messages confirmed         every message on the broker      no evidence → ROLLBACK (resolver);
                                                                 duplicates = batch (tiny window)
+ledger record sent             evidence on the broker, or soon  in the ledger → COMMIT; not →
+                                                                ROLLBACK, duplicates = batch
 ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
 COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
 =============================  ===============================  ==================================
 
 At depth 2 the crash also finds the other batch in flight at its own step of
-the table (N+1 is at most "PREPARE" while N is before "ledger record confirmed",
-and at most "all messages confirmed" while N is after it), so a crash leaves at
-most two batches to resolve.  Duplicates per crash: ≤ batch_size at depth 1,
-≤ 2 x batch_size at depth 2; at each crash point of ``outbox/fault_injection.py`` a kill
-costs at most one batch (``tests/integration/relay/test_faults_crash.py``).  A database
-outage costs at most one batch at either depth, and none at depth 2 while the
-control session survives.  "resolver" is any relay's periodic pass or ``outbox
+the table: N+1 is at most "PREPARE" until N's ledger record is sent, and at most
+"messages sent, not confirmed" until N is committed; whether N's confirms were in
+by N+1's claim (``collect_confirms``, above) decides only which of the two
+orders the crash cuts.  So a crash leaves at most two batches to resolve, and
+duplicates per crash are ≤ batch_size at depth 1, ≤ 2 x batch_size at depth 2.
+
+The crash points of ``outbox/fault_injection.py`` (``OUTBOX_CRASH_AT``) only
+observe this schedule: armed or not, the relay awaits exactly the confirms it
+awaits in production, so how much of an unconfirmed send reached the broker is
+the broker's business, as after a real kill -9.
+``tests/integration/relay/test_faults_crash.py`` learns it from the evidence (the
+ledger, the queue) and asserts the bounds above; ``mid_publish`` is "messages
+sent, not confirmed": reached once a send (the batch, or an ordering wave of it)
+is written to the socket, before any of its confirms is taken.  There is no
+point between two messages of one send: ``Publisher.send`` writes a batch in as
+few writes as it can (``FLUSH_BYTES``), and splitting it around a point would
+run a schedule production never runs; the kill after the send already leaves
+anything from none to all of it on the broker (the kernel may still deliver the
+socket's tail, or reset the connection and drop it).
+
+A database outage costs at most one batch at either depth, and none at depth 2
+while the control session survives.  "resolver" is any relay's periodic pass or ``outbox
 resolve`` (``resolver/decide.py``).
 
 A write that keeps failing (whatever the error: a lock, a timeout, a refused
@@ -432,10 +449,7 @@ class Batches:
     def _confirms_in(self, batch: Batch) -> bool:
         """Whether every confirm of ``batch`` has arrived (taking those the broker
         has sent so far, without waiting)."""
-        if faults.active():
-            self.broker.wait_for_confirms(self.settings.publish_timeout)
-        else:
-            self.broker.collect_confirms()
+        self.broker.collect_confirms()
         return all(pending.settled for pending in batch.sent)
 
     def _finish(self, batch: Batch) -> None:
@@ -471,7 +485,7 @@ class Batches:
             if not rows:
                 store.abandon_claim()
                 return None
-        self._crash_point("after_claim")
+        faults.reached("after_claim")
         self._seq += 1
         batch = Batch(str(Gid(self.settings.table, self.relay_id, self._seq)), rows, started)
         held_keys = {r.ordering_key for r in held}
@@ -485,11 +499,11 @@ class Batches:
             raise
         # From here on the batch is durable and undecided until finished.
         self.in_flight[batch.gid] = batch
-        self._crash_point("after_prepare")
+        faults.reached("after_prepare")
         return batch
 
     def _send(self, batch: Batch) -> None:
-        """Publish the batch's messages without waiting ("some messages published").
+        """Publish the batch's messages without waiting ("messages sent, not confirmed").
 
         Suspects go first, one at a time (``_send_alone``).  While some dead letters
         could not be written (``_unwritten``, whatever the error), the dead letters
@@ -551,17 +565,11 @@ class Batches:
         if suspects and not self._send_alone(batch, suspects):
             return False
         batch.good += others
-        messages = [to_message(r) for r in others]
-        if faults.armed("mid_publish") and len(messages) > 1:
-            half = len(messages) // 2
-            first = self.broker.send(messages[:half])
-            self.broker.confirmed(first, self.settings.publish_timeout)
-            self._crash_point("mid_publish")
-            batch.sent += [first, self.broker.send(messages[half:])]
-        elif messages:
-            if len(messages) > 1:
-                faults.reached("mid_publish")  # not armed: counts towards OUTBOX_CRASH_AT=…:n
-            batch.sent.append(self.broker.send(messages))
+        if others:
+            batch.sent.append(self.broker.send([to_message(r) for r in others]))
+            # Written to the socket, no confirm taken: how much of it the broker
+            # has is up to the broker (crash table: "messages sent, not confirmed").
+            faults.reached("mid_publish")
         return True
 
     def _send_alone(self, batch: Batch, suspects: Sequence[OutboxRow]) -> bool:
@@ -620,7 +628,7 @@ class Batches:
         failed = [d for d in deliveries if d.outcome in (Outcome.NACKED, Outcome.UNKNOWN)]
         if failed:
             self._not_confirmed(batch, deliveries, failed)
-        self._crash_point("after_publish")
+        faults.reached("after_publish")
         batch.dead.extend(returned)
         batch.published = len(batch.good) - len(returned)
         self._store_dead_letters(batch, returned)
@@ -702,9 +710,9 @@ class Batches:
                 accepted=batch.published,
                 reason=f"ledger record not confirmed: {entry.reason}",
             )
-        self._crash_point("after_ledger")
+        faults.reached("after_ledger")
         batch.state, batch.evidence = State.EVIDENCED, True
-        self._crash_point("before_commit_prepared")
+        faults.reached("before_commit_prepared")
         with self._writing("commit_prepared"):
             self._store().finish(batch.gid, commit=True)
         del self.in_flight[batch.gid]
@@ -816,14 +824,6 @@ class Batches:
         stats.largest_claim = max(stats.largest_claim, rows)
         if seconds >= SLOW_CLAIM_SECONDS:
             emit(log, "claim.slow", logging.WARNING, ms=f"{seconds * 1000:.0f}", rows=rows)
-
-    def _crash_point(self, point: str) -> None:
-        """``OUTBOX_CRASH_AT``: when this point is armed, let the broker confirm what
-        is in flight first (the other batch at depth 2), so that the crash leaves an
-        exact number of messages on the broker (tests only)."""
-        if faults.armed(point):
-            self.broker.wait_for_confirms(self.settings.publish_timeout)
-        faults.reached(point)
 
     def _probe_ledger(self) -> None:
         """Prove the ledger takes records again before publishing another batch.

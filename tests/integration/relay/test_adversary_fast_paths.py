@@ -1,7 +1,7 @@
 """The relay's early ledger record (``Batches.step``: a batch whose confirms are in
 is recorded before the next claim) followed at once by a failure of the database or
-of the broker.  The early order is forced (``faults.active``: the step waits for the
-confirms first), and the fault hits the claim that follows it."""
+of the broker.  The early order is forced (the test makes the step wait for the confirms
+before it looks), and the fault hits the claim that follows it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.relay import batches as batches_module
 from outbox.relay.batches import Batch, Batches, State
 from outbox.relay.process import Relay
 from tests.fixtures.faults import (
@@ -30,12 +29,24 @@ from tests.fixtures.servers import Topology
 BATCH = 10
 
 
+def _record_every_batch_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make each step wait for the kept batch's confirms before it looks whether
+    they are in, so that the batch is always recorded before the next claim."""
+    confirms_in = Batches._confirms_in
+
+    def confirms_in_after_waiting(self: Batches, batch: Batch) -> bool:
+        self.broker.wait_for_confirms(self.settings.publish_timeout)
+        return confirms_in(self, batch)
+
+    monkeypatch.setattr(Batches, "_confirms_in", confirms_in_after_waiting)
+
+
 def _fault_after_early_record(
     monkeypatch: pytest.MonkeyPatch, fault: Callable[[Batches], None]
 ) -> list[str]:
     """Record early every time; run ``fault`` once, at the first claim that follows a
     batch recorded early.  Returns the gids it hit."""
-    monkeypatch.setattr(batches_module.faults, "active", lambda: True)
+    _record_every_batch_early(monkeypatch)
     hit: list[str] = []
     claim = Batches._claim_and_prepare
 
@@ -111,7 +122,7 @@ def test_ordering_keys_with_every_record_early(
     """Rows of three keys, batches that follow the one recorded early: each key's
     messages arrive in row order, once."""
     settings = dataclasses.replace(settings, batch_size=BATCH, pipeline=True)
-    monkeypatch.setattr(batches_module.faults, "active", lambda: True)
+    _record_every_batch_early(monkeypatch)
     with psycopg.connect(settings.dsn) as conn:
         rows = conn.execute(
             "INSERT INTO outbox (exchange, routing_key, payload, ordering_key) "

@@ -107,10 +107,9 @@ def test_pg_crash__prepared_batches_survive_and_are_resolved(
     assert relay.wait() == 0, relay.output()
     relay.close()
     # No evidence: rolled back; evidence: committed.  Only a batch published without
-    # evidence (pipelined: batch 2) arrives twice.
-    duplicates = (left - 1) * BATCH
-    report = check_delivery(crash_settings.dsn, topology, committed, max_duplicates=duplicates)
-    assert report.duplicates == duplicates
+    # evidence (pipelined: batch 2, sent but not confirmed at the crash) may arrive
+    # twice, as far as the broker had it.
+    check_delivery(crash_settings.dsn, topology, committed, max_duplicates=(left - 1) * BATCH)
 
 
 @both_modes

@@ -44,6 +44,34 @@ def wakeup_lock_holders(dsn: str) -> int:
     return int(row[0]) if row else 0
 
 
+def wait_until_polls_apart(dsn: str, relays: int, seconds: float, timeout: float) -> None:
+    """Wait until each of ``relays`` idle relays has gone ``seconds`` without a poll.
+
+    Idle is holding the wake-up lock (a busy relay lets it go, and does not poll);
+    the last poll is the last query of the relay's wake-up session (notifications
+    arrive without one).  An idle relay doubles its pause after every poll
+    (``Relay._wait_for_work``), so once it has gone ``seconds`` without one its polls
+    stay at least that far apart until it has work again: each relay is counted from
+    the first time it is seen so (by its session's backend), not all at once."""
+    apart: set[int] = set()
+
+    def every_relay_slow() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid"
+                " WHERE a.datname = current_database()"
+                " AND a.application_name = 'outbox-relay-wakeup' AND a.state = 'idle'"
+                " AND clock_timestamp() - a.query_start >= make_interval(secs => %s)"
+                " AND l.locktype = 'advisory' AND l.granted AND l.classid = %s"
+                " AND l.objid = 'outbox'::regclass::oid::integer::oid",
+                [seconds, gids.WAKEUP_LOCK_CLASS],
+            ).fetchall()
+        apart.update(int(r[0]) for r in rows)
+        return len(apart) >= relays
+
+    wait_for(every_relay_slow, timeout, f"{relays} relays' polls {seconds} s apart")
+
+
 @pytest.fixture
 def listener(settings: Settings) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
     conn = psycopg.connect(settings.dsn, autocommit=True)
@@ -162,7 +190,8 @@ def test_relay__finds_a_commit_whose_insert_ran_before_it_waited(
         thread = threading.Thread(target=relay.run)
         thread.start()
         wait_for(lambda: wakeup_lock_holders(settings.dsn) == 1, 10, "the relay to wait")
-        time.sleep(0.5)
+        # Its early polls already a while apart: the commit comes after several.
+        wait_until_polls_apart(settings.dsn, 1, 0.25, 10)
         app.commit()
         committed = time.monotonic()
         wait_for(lambda: relay.stats.messages_published == 1, 15, "the late commit")
@@ -180,7 +209,8 @@ def test_relays__several_going_idle_and_busy_under_bursts_miss_no_wake_up(
     """Three relays, writers committing in bursts with pauses long and short, each
     transaction holding its INSERT a while before COMMIT: relays go busy (the lock let
     go, commits do not notify) and idle (the lock taken, early polls) in every order.
-    Half-way, 12 s with no commit: the relays' polls are then about 8 s apart, so a
+    Half-way, no commit until every relay has gone 4 s without a poll (its polls then
+    stay at least 4 s apart, about 8 s after 12 s idle), so a
     commit that neither notified nor was found by the early polls sits for seconds
     (the fallback poll is 30 s; with the trigger's NOTIFY removed, rows waited 1.9 to
     3.7 s in 4 runs of 4, and 0.05 s with it): no row may stay 1 s, nothing is lost,
@@ -227,7 +257,8 @@ def test_relays__several_going_idle_and_busy_under_bursts_miss_no_wake_up(
         watcher.start()
         for round_ in range(2):
             if round_:
-                time.sleep(12.0)  # every relay idle, its polls seconds apart
+                # every relay idle, its polls seconds apart
+                wait_until_polls_apart(settings.dsn, len(relays), 4.0, 60)
             writers = [
                 threading.Thread(target=write, args=(4 * round_ + seed,)) for seed in range(4)
             ]

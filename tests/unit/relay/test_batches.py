@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import pytest
 
@@ -28,7 +29,7 @@ from outbox.errors import (
     StatementTimedOut,
 )
 from outbox.message import DeadLetter, OutboxRow
-from outbox.relay.batches import Batches, State
+from outbox.relay.batches import Batches, BatchStorePort, BrokerPort, State
 from outbox.relay.stats import Stats
 from resolver.decide import Action, Owner, decide
 from tests.fixtures.fakes import FakeBroker, FakeStore, Journal, Routing, make_rows
@@ -166,13 +167,15 @@ CRASH_TABLE = [
     # point, nth occurrence, depth, duplicates after resolving and draining
     ("after_claim", 1, 1, 0),
     ("after_prepare", 1, 1, 0),
-    ("mid_publish", 1, 1, 5),
+    # the fake broker takes every message sent at once; a real one, none to all of
+    # them (crash table: "messages sent, not confirmed", duplicates ≤ batch)
+    ("mid_publish", 1, 1, 10),
     ("after_publish", 1, 1, 10),
     ("after_ledger", 1, 1, 0),
     ("before_commit_prepared", 1, 1, 0),
     ("after_claim", 1, 2, 0),
     ("after_prepare", 1, 2, 0),
-    ("mid_publish", 1, 2, 5),
+    ("mid_publish", 1, 2, 10),
     ("after_publish", 1, 2, 10),
     ("after_ledger", 1, 2, 10),  # batch 1 committed from evidence, batch 2 rolled back
     ("before_commit_prepared", 1, 2, 10),
@@ -180,14 +183,15 @@ CRASH_TABLE = [
     # ledger record went out first: committed from that evidence
     ("after_claim", 2, 2, 0),
     ("after_prepare", 2, 2, 0),
-    ("mid_publish", 2, 2, 5),  # batch 1 committed, half of batch 2 out
+    ("mid_publish", 2, 2, 10),  # batch 1 committed from its evidence, batch 2 out
 ]
 # The same crashes when batch 1's confirms had not come by the claim of batch 2: its
 # record is sent after that PREPARE, so the crash finds batch 1 without evidence.
 CRASH_TABLE_LATE_CONFIRMS = [
     ("after_claim", 2, 2, 10),
     ("after_prepare", 2, 2, 10),
-    ("mid_publish", 2, 2, 5),
+    # batch 1's record went out before batch 2 was sent: the fake ledger has it
+    ("mid_publish", 2, 2, 10),
 ]
 
 
@@ -216,6 +220,57 @@ def test_crash_table__resolved_and_drained_with_the_documented_duplicates(
     drain(make_batches(store, broker, depth=depth, relay_id="next"))
     assert store.rows == {} and store.prepared == {}
     assert duplicates(broker, 30) == expected
+
+
+class Recorder:
+    """A port that journals every call made to the port it wraps (method and sizes)."""
+
+    def __init__(self, port: object, calls: list[str]) -> None:
+        self._port, self._calls = port, calls
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._port, name)
+        if not callable(value):
+            self._calls.append(name)
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            sizes = [len(a) for a in args if isinstance(a, list | tuple)]
+            self._calls.append(f"{name}{sizes or ''}")
+            return value(*args, **kwargs)
+
+        return call
+
+
+def _recorded_run(point: str | None, nth: int, depth: int, late: bool) -> list[str]:
+    calls: list[str] = []
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    broker.confirms_late = late
+    batches = make_batches(store, broker, depth=depth)
+    batches.broker = cast(BrokerPort, Recorder(broker, calls))
+    batches.store = cast(BatchStorePort, Recorder(store, calls))
+    if point is not None:
+        faults.arm(point, nth)
+    with contextlib.suppress(Crashed):
+        drain(batches)
+    faults.disarm()
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("point", "nth", "depth", "late"),
+    [(p, n, d, False) for p, n, d, _ in CRASH_TABLE]
+    + [(p, n, d, True) for p, n, d, _ in CRASH_TABLE_LATE_CONFIRMS],
+)
+def test_crash_points__an_armed_point_does_not_change_the_schedule(
+    point: str, nth: int, depth: int, late: bool
+) -> None:
+    # Every call the batch makes to its ports, armed, is the call it makes unarmed:
+    # the crash table is proven on the production schedule, cut at the point.
+    production = _recorded_run(None, nth, depth, late)
+    crashed = _recorded_run(point, nth, depth, late)
+    assert 0 < len(crashed) < len(production)
+    assert crashed == production[: len(crashed)]
 
 
 # -- failure paths -------------------------------------------------------------------
