@@ -21,7 +21,7 @@ from outbox.cli.common import (
 )
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
 from outbox.events import configure
-from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY
+from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY, ConsumerSettings, parse_bindings
 
 
 @click.command()
@@ -120,7 +120,8 @@ def consume(
     if it is an async def); a message already there is acked and skipped.  Runs until
     SIGTERM/SIGINT, then finishes the message in hand."""
     from outbox.inbox import aio
-    from outbox.inbox import loop as inbox
+    from outbox.inbox.handlers import load_handler
+    from outbox.inbox.process import Inbox, serve
     from outbox.inbox.store import render_sql
     from outbox.ops.deadletters import parse_age
 
@@ -132,10 +133,10 @@ def consume(
     if not queue:
         raise click.UsageError("give the queue to consume: --queue (or OUTBOX_QUEUE)")
     try:
-        settings = inbox.ConsumerSettings(
+        settings = ConsumerSettings(
             queue=queue,
             inbox_retention=parse_age(inbox_retention),
-            bindings=inbox.parse_bindings(bind),
+            bindings=parse_bindings(bind),
             **options,
         )
     except ValueError as exc:
@@ -143,16 +144,14 @@ def consume(
     configure(log_level, log_format)
     for noisy in ("amqp", "kombu"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    loaded = inbox.load_handler(handler)
+    loaded = load_handler(handler)
     # An async def handler: the same consumer, its statements and handler awaited
     # on an event loop of this process (outbox.inbox.aio).
     loop = asyncio.new_event_loop() if aio.is_async(loaded) else None
-    consumer = (
-        inbox.Inbox(loaded, settings) if loop is None else aio.async_inbox(loaded, settings, loop)
-    )
+    consumer = Inbox(loaded, settings) if loop is None else aio.async_inbox(loaded, settings, loop)
     consumer.install_signal_handlers()
     try:
-        stats = inbox.serve(
+        stats = serve(
             consumer,
             metrics_port=metrics_port,
             metrics_address=metrics_address,

@@ -40,9 +40,11 @@ from psycopg.rows import tuple_row
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.session import cannot_connect, connect_options
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.loop import ConsumerStats, Handler, HandlerNotFound, Inbox
+from outbox.inbox.handlers import Handler, HandlerNotFound
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.store import InboxStore
 
 T = TypeVar("T")

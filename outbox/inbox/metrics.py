@@ -30,20 +30,20 @@ if TYPE_CHECKING:
 
 
 class Inbox(Protocol):
-    """What the metrics and endpoints read of an ``outbox.inbox.loop.Inbox`` (which
+    """What the metrics and endpoints read of an ``outbox.inbox.process.Inbox`` (which
     starts them: a protocol, so that neither module imports the other's)."""
 
     @property
     def settings(self) -> ConsumerSettings: ...
 
     @property
-    def stats(self) -> Any: ...  # loop.ConsumerStats
+    def stats(self) -> Any: ...  # stats.ConsumerStats
 
     @property
-    def broker(self) -> Any: ...  # loop.BrokerPort: .connected
+    def broker(self) -> Any: ...  # steps.BrokerPort: .connected
 
     @property
-    def store(self) -> Any: ...  # loop.StorePort or None: .broken
+    def store(self) -> Any: ...  # steps.StorePort or None: .broken
 
     @property
     def stopping(self) -> bool: ...

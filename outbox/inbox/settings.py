@@ -1,6 +1,7 @@
 """What ``outbox consume`` is told: its settings (each a CLI option and an
-``OUTBOX_*`` variable) and the ``--bind`` pairs.  Plain data, read by the loop
-(``outbox.inbox.loop``) and the broker (``outbox.inbox.broker``)."""
+``OUTBOX_*`` variable) and the ``--bind`` pairs.  Plain data, read by the consumer
+(``outbox.inbox.process``, ``outbox.inbox.steps``) and the broker
+(``outbox.inbox.broker``)."""
 
 from __future__ import annotations
 

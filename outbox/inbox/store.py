@@ -2,8 +2,8 @@
 
 ``InboxStore`` owns one connection and runs the inbox's statements on it; the
 order of the steps of a message (record its id, call the handler, check what the
-handler left, commit or fail) is the loop's (``outbox.inbox.loop``), which talks
-to this class through ``loop.StorePort``.  The connection is the one handed to
+handler left, commit or fail) is the steps' (``outbox.inbox.steps``), which talk
+to this class through ``steps.StorePort``.  The connection is the one handed to
 handlers (tuple rows, autocommit, as psycopg gives them).
 
 The session is read-only by default (``default_transaction_read_only``); only the

@@ -13,7 +13,8 @@ import pytest
 
 from outbox import cli, lifecycle, probes
 from outbox.config import Settings
-from outbox.inbox import loop
+from outbox.inbox import process as consumer
+from outbox.inbox.stats import ConsumerStats
 from outbox.relay import process
 
 
@@ -54,14 +55,14 @@ def calls(monkeypatch: pytest.MonkeyPatch, unfrozen: None) -> Call:
         return process.Stats(messages_published=3)
 
     monkeypatch.setattr(process.Relay, "run", relay_run)
-    monkeypatch.setattr(loop.Inbox, "start", lambda self: seen.append("start"))
-    monkeypatch.setattr(loop.Inbox, "close", lambda self: seen.append("close"))
+    monkeypatch.setattr(consumer.Inbox, "start", lambda self: seen.append("start"))
+    monkeypatch.setattr(consumer.Inbox, "close", lambda self: seen.append("close"))
 
-    def inbox_run(self: loop.Inbox) -> loop.ConsumerStats:
+    def inbox_run(self: consumer.Inbox) -> ConsumerStats:
         seen.append("run")
-        return loop.ConsumerStats()
+        return ConsumerStats()
 
-    monkeypatch.setattr(loop.Inbox, "run", inbox_run)
+    monkeypatch.setattr(consumer.Inbox, "run", inbox_run)
     return seen
 
 
@@ -116,7 +117,7 @@ def test_consumer__the_command_and_an_embedded_consume_live_the_same_life(
     command_logging: Callable[[], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(loop.Inbox, "install_signal_handlers", lambda self: None)
+    monkeypatch.setattr(consumer.Inbox, "install_signal_handlers", lambda self: None)
     with pytest.raises(SystemExit) as exited:
         cli.main(["consume", f"{__name__}:handler", "--queue", "q"])
     assert exited.value.code in (0, None)
@@ -125,7 +126,7 @@ def test_consumer__the_command_and_an_embedded_consume_live_the_same_life(
     calls.clear()
     command_logging()
     with caplog.at_level(logging.INFO):
-        loop.consume(handler, queue="q", install_signal_handlers=False)
+        consumer.consume(handler, queue="q", install_signal_handlers=False)
     assert calls == CONSUMER_LIFE
     assert "consumer.summary handled=0" in caplog.text
 
@@ -152,19 +153,19 @@ def test_lifecycle__embedded_processes_serve_the_endpoints_the_command_serves(
         probe()
         return process.Stats()
 
-    def inbox_run(self: loop.Inbox) -> loop.ConsumerStats:
+    def inbox_run(self: consumer.Inbox) -> ConsumerStats:
         probe()
-        return loop.ConsumerStats()
+        return ConsumerStats()
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(probes.Endpoints, "start", started)
         patch.setattr(process.Relay, "run", relay_run)
-        patch.setattr(loop.Inbox, "run", inbox_run)
+        patch.setattr(consumer.Inbox, "run", inbox_run)
         if which == "relay":
             settings = Settings(dsn="postgresql://127.0.0.1:1/none")
             process.Relay(settings).serve(metrics_port=free_port(), metrics_address="127.0.0.1")
         else:
-            loop.consume(
+            consumer.consume(
                 handler,
                 queue="q",
                 install_signal_handlers=False,

@@ -19,7 +19,9 @@ import psycopg
 import pytest
 
 from outbox.inbox import aio
-from outbox.inbox.loop import HandlerNotFound, Inbox, InboxMessage
+from outbox.inbox.handlers import HandlerNotFound
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.process import Inbox
 from outbox.inbox.store import ParkedStore
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology

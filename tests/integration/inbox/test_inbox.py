@@ -1,4 +1,4 @@
-"""The consumer's inbox (``outbox consume`` / ``outbox.inbox.loop``) against real servers.
+"""The consumer's inbox (``outbox consume`` / ``outbox.inbox.process``) against real servers.
 
 The consumer's database is a separate, empty database (``empty_dsn``), as it is in
 production; the handler writes one row per message into ``effects``, a table
@@ -27,14 +27,11 @@ import pytest
 
 from outbox.config import Settings
 from outbox.inbox import parked
-from outbox.inbox.loop import (
-    ConsumerSettings,
-    Disposition,
-    Inbox,
-    InboxMessage,
-    Processor,
-    parking_for,
-)
+from outbox.inbox.message import InboxMessage, parking_for
+from outbox.inbox.planning import Disposition
+from outbox.inbox.process import Inbox
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.steps import Processor
 from outbox.inbox.store import InboxStore, ParkedStore
 from tests.fixtures.faults import (
     RelayProcess,

@@ -5,7 +5,7 @@ until the queue drains.  Every other message has exactly one effect, none is los
 
 Redelivered messages are applied alone with their attempt committed before the
 handler is called, so only the killer accumulates attempts, also when it sits in
-the middle of a batch of 100 (``outbox/inbox/loop.py``, ``Processor.alone``).
+the middle of a batch of 100 (``outbox/inbox/steps.py``, ``Processor.alone``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ import pytest
 
 from outbox.errors import DatabaseUnavailable
 from outbox.inbox import parked
-from outbox.inbox.loop import ConsumerStats, Disposition, InboxMessage, Processor
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition
 from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
+from outbox.inbox.steps import Processor
 from outbox.inbox.store import InboxStore, ParkedStore
 from tests.fixtures.faults import TcpProxy, proxied_dsn
 from tests.fixtures.servers import Topology

@@ -22,7 +22,8 @@ import psycopg
 import pytest
 
 from outbox.inbox import store as inbox_store
-from outbox.inbox.loop import Inbox, InboxMessage
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.process import Inbox
 from outbox.inbox.store import ParkedStore
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, wait_for
 from tests.fixtures.servers import Topology

@@ -13,7 +13,8 @@ import psycopg
 import pytest
 from psycopg.pq import PipelineStatus
 
-from outbox.inbox.loop import Disposition, InboxMessage
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (
     _message,

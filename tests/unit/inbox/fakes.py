@@ -1,5 +1,5 @@
-"""In-memory doubles of the consumer loop's two ports (``loop.StorePort`` and
-``loop.BrokerPort``), like ``tests/fixtures/fakes.py`` for the relay's batch loop.
+"""In-memory doubles of the consumer loop's two ports (``steps.StorePort`` and
+``steps.BrokerPort``), like ``tests/fixtures/fakes.py`` for the relay's batch loop.
 
 ``FakeStore`` keeps an inbox, attempts, parked rows and effects, with one open
 transaction at a time; its ``FakeConnection`` is what a handler is handed and can

@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from outbox.inbox.loop import ConsumerSettings, ConsumerStats, Disposition, Processor
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
+from outbox.inbox.steps import Processor
 from outbox.inbox.store import InboxRowHeld, Started
 from tests.unit.inbox.fakes import FakeStore, message
 

@@ -13,19 +13,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.errors import ExitCode
-from outbox.inbox.loop import (
+from outbox.inbox.handlers import HandlerNotFound, load_handler
+from outbox.inbox.message import (
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
-    ConsumerSettings,
-    HandlerNotFound,
     json_safe,
-    load_handler,
     parking_for,
-    parse_bindings,
-    retry_delay,
     to_inbox_message,
 )
 from outbox.inbox.metrics import liveness_limit, readiness
+from outbox.inbox.planning import retry_delay
+from outbox.inbox.settings import ConsumerSettings, parse_bindings
 from outbox.inbox.store import describe, render_sql
 
 DELIVERY = {"exchange": "orders", "routing_key": "order.created", "redelivered": False}

@@ -13,15 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.loop import (
-    ConsumerSettings,
-    ConsumerStats,
-    Disposition,
-    Inbox,
-    Processor,
-    handler_left,
-)
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition
+from outbox.inbox.process import Inbox
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
+from outbox.inbox.steps import Processor, handler_left
 from outbox.inbox.store import SETTINGS, SessionState, StatementRefused
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 

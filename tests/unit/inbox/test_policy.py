@@ -1,5 +1,5 @@
 """Issue 31: the queue's own policies (pure decisions in ``outbox.inbox.policy`` and
-``loop.plan``), failed messages held in hand instead of holding the queue, and
+``planning.plan``), failed messages held in hand instead of holding the queue, and
 pipelining that survives a lost session, on the in-memory fakes."""
 
 from __future__ import annotations
@@ -8,17 +8,8 @@ import dataclasses
 
 import pytest
 
-from outbox.inbox.loop import (
-    HAND_MOST,
-    ConsumerSettings,
-    ConsumerStats,
-    Disposition,
-    Inbox,
-    Plan,
-    Processor,
-    plan,
-)
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition, Plan, plan
 from outbox.inbox.policy import (
     QueuePolicy,
     inequivalent,
@@ -26,6 +17,10 @@ from outbox.inbox.policy import (
     policy_from,
     refusal,
 )
+from outbox.inbox.process import HAND_MOST, Inbox
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
+from outbox.inbox.steps import Processor
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 from tests.unit.inbox.test_loop import act, passes
 
@@ -250,9 +245,9 @@ def test_inbox__a_message_still_failing_near_the_consumer_timeout_is_parked(
     """A held message whose next attempt would come after ``MAX_HOLD`` in hand (15
     minutes; 0 here) is parked with the reason, not held into RabbitMQ's
     consumer_timeout (which would close the channel and return everything in hand)."""
-    from outbox.inbox import loop
+    from outbox.inbox import planning
 
-    monkeypatch.setattr(loop, "MAX_HOLD", 0.0)
+    monkeypatch.setattr(planning, "MAX_HOLD", 0.0)
     store = FakeStore()
     broker = FakeBroker([message("bad", b"raise"), message("a", b"ok")])
     inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)

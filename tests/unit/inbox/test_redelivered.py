@@ -12,15 +12,11 @@ from typing import Any
 import pytest
 
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.loop import (
-    ConsumerSettings,
-    ConsumerStats,
-    Disposition,
-    Plan,
-    Processor,
-    plan,
-)
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.planning import Disposition, Plan, plan
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
+from outbox.inbox.steps import Processor
 from tests.unit.inbox.fakes import FakeConnection, FakeStore, message
 
 

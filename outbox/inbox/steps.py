@@ -1,4 +1,7 @@
-"""Exactly-once effects on the consumer side: ``outbox consume`` and ``Inbox``.
+"""The steps of each message: one transaction of messages over the store port.
+
+Exactly-once effects on the consumer side (``outbox consume`` and ``Inbox``), step
+by step, with the state of each message and the crash table.
 
 The promise: every delivered message ends in exactly one place, one committed
 effect or parked with the reason, and a later copy of either is skipped.  The
@@ -133,231 +136,57 @@ in hand and counts a delivery against each, so a message at its last delivery
 at once, and one whose earlier attempt failed or did not finish is parked unseen
 (``plan``): the broker would drop it if this attempt killed the process too.
 
-Roles: ``Processor`` is one transaction of messages (the steps above; the
-database only, through ``StorePort``); ``Inbox`` is the process (start, receive,
-settle, reconnect with backoff, retention, stop; the broker through
-``BrokerPort``).  ``store`` runs the statements, ``broker`` holds the kombu code,
-``message`` the handler's view of a delivery.  Unit tests run both roles on
-in-memory fakes (``tests/unit/inbox/fakes.py``).
+Roles: ``Processor`` (this module) is one transaction of messages (the steps
+above; the database only, through ``StorePort``); ``Inbox`` (``process``) is the
+process (start, receive, settle, reconnect with backoff, retention, stop; the
+broker through ``BrokerPort``); the decisions both take are pure (``planning``).
+``store`` runs the statements, ``broker`` holds the kombu code, ``message`` the
+handler's view of a delivery.  Unit tests run both roles on in-memory fakes
+(``tests/unit/inbox/fakes.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import importlib
 import logging
-import os
-import random
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import psycopg
-
-from outbox import backoff, lifecycle
-from outbox import fault_injection as faults
-from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
-from outbox.durations import Durations
-from outbox.errors import DatabaseUnavailable, ExitCode, OutboxError
+from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
-from outbox.inbox.broker import Broker, QueueMissing, QueuePublisher, QueueRefused, refuse
+from outbox.inbox.handlers import Handler
 from outbox.inbox.message import (
-    KEPT_PROPERTIES,
-    ORIGINAL_EXCHANGE_HEADER,
-    ORIGINAL_ROUTING_KEY_HEADER,
     InboxMessage,
     Parking,
-    json_safe,
     parking_for,
     text_safe,
-    to_inbox_message,
 )
-from outbox.inbox.metrics import ConsumerEndpoints
-from outbox.inbox.policy import QueuePolicy, from_stream, last_delivery
-from outbox.inbox.settings import ConsumerSettings, parse_bindings
+from outbox.inbox.planning import (
+    Disposition,
+    Dispositions,
+    Plan,
+    last_delivery_reason,
+    plan,
+    retry_delay,
+    unfinished_reason,
+    unusable,
+)
+from outbox.inbox.policy import QueuePolicy
+from outbox.inbox.settings import ConsumerSettings
+from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.store import (
-    DEFAULT_INBOX_TABLE,
     SETTINGS,
     Failure,
     InboxRowHeld,
-    InboxStore,
     SessionState,
     Started,
     StatementRefused,
     describe,
 )
-from outbox.message import ORDERING_KEY_HEADER
-
-__all__ = [
-    "DEFAULT_INBOX_TABLE",
-    "KEPT_PROPERTIES",
-    "ORDERING_KEY_HEADER",
-    "ORIGINAL_EXCHANGE_HEADER",
-    "ORIGINAL_ROUTING_KEY_HEADER",
-    "BrokerPort",
-    "ConsumerSettings",
-    "ConsumerStats",
-    "Disposition",
-    "HandlerNotFound",
-    "Inbox",
-    "InboxMessage",
-    "Plan",
-    "Processor",
-    "QueueMissing",
-    "QueuePolicy",
-    "QueuePublisher",
-    "QueueRefused",
-    "StorePort",
-    "consume",
-    "handler_left",
-    "json_safe",
-    "load_handler",
-    "parking_for",
-    "parse_bindings",
-    "plan",
-    "retry_delay",
-    "to_inbox_message",
-]
 
 log = logging.getLogger("outbox.inbox")
-
-
-class HandlerNotFound(OutboxError):
-    """``MODULE:FUNCTION`` cannot be imported."""
-
-    exit_code = ExitCode.USAGE
-
-
-Handler = Callable[["psycopg.Connection[Any]", InboxMessage], object]
-
-
-def load_handler(spec: str) -> Handler:
-    """Import ``FUNCTION`` from ``MODULE`` (``MODULE:FUNCTION``), with the current
-    directory on the path as other workers' ``--app`` options do."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise HandlerNotFound(
-            f"{spec!r} is not MODULE:FUNCTION", "e.g. `outbox consume handlers:on_order`"
-        )
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise HandlerNotFound(
-            f"cannot import module {module_name!r}: {exc}",
-            "run from the folder that holds it, or add that folder to PYTHONPATH",
-        ) from exc
-    except Exception as exc:
-        raise HandlerNotFound(f"importing {module_name!r} failed: {describe(exc)}") from exc
-    target: Any = module
-    for part in attribute.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise HandlerNotFound(f"module {module_name!r} has no {attribute!r}")
-    if not callable(target):
-        raise HandlerNotFound(f"{spec!r} is not callable")
-    return target  # type: ignore[no-any-return]
-
-
-# -- counters, decisions ---------------------------------------------------------------
-# Why a message was parked (``ConsumerStats.parked_by``, the metric's ``reason``):
-# its handler kept failing; its last attempt has no known outcome (``Plan.PARK``: the
-# handler may kill the process); it cannot be deduplicated (no message_id, or
-# properties that cannot be read).
-PARK_REASONS = ("failed", "unfinished", "unusable")
-
-
-@dataclasses.dataclass
-class ConsumerStats:
-    handled: int = 0
-    duplicates_skipped: int = 0
-    handler_failures: int = 0
-    retried: int = 0
-    parked: int = 0  # all reasons
-    parked_by: dict[str, int] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
-    )
-    reconnects: int = 0
-    resubscribed: int = 0  # new subscriptions to make room (``Inbox._make_room``)
-    pruned: int = 0
-    handler_seconds: Durations = dataclasses.field(default_factory=Durations)
-    last_progress: float = dataclasses.field(default_factory=time.monotonic)
-    last_error: str | None = None
-
-
-class Disposition(enum.Enum):
-    HANDLED = "handled"  # effect committed: ack
-    DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
-    RETRY = "retry"  # handler failed: kept unacked, applied again after a delay
-    PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
-    BEHIND = "behind"  # not applied: an earlier message of its ordering key waits to retry
-
-
-class Plan(enum.Enum):
-    BATCH = "batch"  # a first delivery: with the others, one transaction, nothing before
-    ALONE = "alone"  # redelivered: its attempt is committed first, then it is applied alone
-    PARK = "park"  # redelivered, its earlier attempts reached --max-attempts: parked unseen
-
-
-def plan(
-    redelivered: bool, attempts: int, max_attempts: int, *, last_delivery: bool = False
-) -> Plan:
-    """How a message is applied (pure).  ``attempts``: the committed count of its
-    earlier attempts, failed or unfinished (read only for a redelivered message:
-    a first delivery never costs a read).  ``last_delivery``: the queue drops the
-    message if it comes back once more (``policy.last_delivery``), so one that
-    failed or did not finish before is parked rather than risked: if its handler
-    kills the process, the broker would drop it."""
-    if not redelivered:
-        return Plan.BATCH
-    if attempts >= max_attempts or (last_delivery and attempts >= 1):
-        return Plan.PARK
-    return Plan.ALONE
-
-
-def last_delivery_reason(attempts: int, policy: QueuePolicy, last_error: str) -> str:
-    """Why a message at the queue's last delivery is parked (``plan``)."""
-    why = (
-        f"its last delivery under the queue's delivery limit ({policy.delivery_limit}): "
-        f"{attempts} earlier attempt(s) failed or did not finish, and if this one killed "
-        "the consumer the broker would drop the message"
-    )
-    return f"{why}; the last error recorded: {last_error}" if last_error else why
-
-
-def unfinished_reason(attempts: int, last_error: str) -> str:
-    """Why a message parked by ``Plan.PARK`` is parked: its last attempt was counted
-    and no outcome of it was ever recorded.  The handler may have killed the process,
-    or the consumer died or lost its database before it could record the outcome
-    (an error the handler raised included): which one, nothing here can tell."""
-    why = (
-        "the consumer died or lost its database before recording it: the handler may "
-        "kill the process (a segfault, the OOM killer, os._exit)"
-    )
-    if not last_error:
-        return f"redelivered {attempts} times, the outcome of the last attempt unknown ({why})"
-    return (
-        f"{attempts} attempts failed or did not finish, the outcome of the last one "
-        f"unknown ({why}); the last error recorded: {last_error}"
-    )
-
-
-def retry_delay(
-    attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
-) -> float:
-    """Seconds a failed message waits in hand for its next attempt (pure, capped)."""
-    return backoff.delay(
-        max(0, attempts - 1),
-        initial=settings.retry_delay,
-        maximum=settings.retry_delay_max,
-        rng=rng,
-    )
 
 
 # -- the ports ------------------------------------------------------------------------------
@@ -512,9 +341,6 @@ class Broken:
     lost: bool = False
 
 
-Dispositions = list[tuple[Disposition, float]]
-
-
 # -- one transaction of messages ------------------------------------------------------------
 class Processor:
     """Apply messages through the inbox; no broker I/O.  Returns each message's
@@ -568,7 +394,7 @@ class Processor:
         return outcomes
 
     def _batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
-        usable = [m for m in messages if _unusable(m) is None]
+        usable = [m for m in messages if unusable(m) is None]
         if len(usable) < 2:
             return [self.process(m) for m in messages]
         pipelined = self.pipelining and self.store.pipelining
@@ -588,7 +414,7 @@ class Processor:
                 emit(log, "consumer.pipeline_off", logging.WARNING, reason=done.reason)
             return replayed
         applied = iter(done)
-        return [self._park_unusable(m) if _unusable(m) else next(applied) for m in messages]
+        return [self._park_unusable(m) if unusable(m) else next(applied) for m in messages]
 
     def one_by_one(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """``process`` each message in turn, except those of an ordering key whose
@@ -613,7 +439,7 @@ class Processor:
         """Apply one message in its own transaction (a redelivered one: ``alone``;
         ``last_delivery``: see ``plan``)."""
         self.settle_owed()
-        if _unusable(message):
+        if unusable(message):
             return self._park_unusable(message)
         if message.redelivered:
             return self.alone(message, last_delivery=last_delivery)
@@ -834,7 +660,7 @@ class Processor:
         self.stats.parked_by[reason] += 1
 
     def _park_unusable(self, message: InboxMessage) -> tuple[Disposition, float]:
-        reason = _unusable(message) or ""
+        reason = unusable(message) or ""
         self.store.park(parking_for(message, reason))
         self._count_parked("unusable")
         emit(log, "consumer.parked", logging.WARNING, reason=reason)
@@ -932,411 +758,3 @@ class Processor:
 
 def _done(value: object) -> Callable[[], object]:
     return lambda: value
-
-
-def _unusable(message: InboxMessage) -> str | None:
-    """Why ``message`` cannot go to the handler at all (it is parked at once)."""
-    if message.unreadable is not None:
-        return f"its AMQP properties cannot be read: {message.unreadable}"
-    if message.message_id is None:
-        return "no message_id: cannot be deduplicated"
-    return None
-
-
-# -- the process ----------------------------------------------------------------------------
-class Inbox:
-    """A consumer with exactly-once effects: ``start()``, then ``run()`` until
-    ``stop()`` (or SIGTERM/SIGINT with ``install_signal_handlers``)."""
-
-    def __init__(
-        self,
-        handler: Handler,
-        settings: ConsumerSettings,
-        *,
-        broker: BrokerPort | None = None,
-        connect_store: Callable[[ConsumerSettings], StorePort] | None = None,
-    ) -> None:
-        self.handler = handler
-        self.settings = settings
-        self.stats = ConsumerStats()
-        self._stop = threading.Event()
-        self._signal_handlers = False
-        self.store: StorePort | None = None
-        self.processor: Processor | None = None
-        self.broker: BrokerPort = broker if broker is not None else Broker(settings)
-        self._connect_store = connect_store or _connect_store
-        self._next_prune = 0.0
-        # Failed messages waiting, unacked, for their next attempt (``_hold``), and
-        # per ordering key of one of them, the later messages of that key.
-        self._held: list[_Held] = []
-        self._behind: dict[str, list[Any]] = {}
-
-    # -- control --------------------------------------------------------------
-    def stop(self) -> None:
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT: finish the message in hand, commit, ack, then return."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-        # A KeyboardInterrupt inside a handler is then never Ctrl-C (see the policy).
-        self._signal_handlers = True
-        if self.processor is not None:
-            self.processor.on_interrupt = None
-
-    # -- life -------------------------------------------------------------------
-    def start(self) -> None:
-        """Connect to both servers, creating the inbox tables if missing.  Raises
-        ``DatabaseUnavailable``/``BrokerUnavailable`` (exit 3) or ``QueueMissing``."""
-        if self.store is None:
-            self._connect_database()
-        if not self.broker.connected:
-            self.broker.open()
-        self._adopt_policy()
-        self._maybe_prune()
-        s = self.settings
-        emit(
-            log,
-            "consumer.started",
-            queue=s.queue,
-            consumer=s.consumer,
-            inbox=s.inbox_table,
-            prefetch=s.prefetch,
-            batch=s.batch_size,
-            queue_policy=self.broker.policy.describe(),
-        )
-
-    def run(self) -> ConsumerStats:
-        """Consume until stopped; outages are retried with backoff, never fatal."""
-        if self.store is None:
-            self.start()
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                if self.store is None or self.store.broken:
-                    self._connect_database()
-                if not self.broker.connected:
-                    self.broker.open()
-                    self._adopt_policy()
-                self._maybe_prune()
-                deliveries = self.broker.drain(timeout=self._drain_timeout())
-                if deliveries:
-                    self._handle(deliveries)
-                self._retry_due()
-                self._make_room()
-                self.stats.last_progress = time.monotonic()
-                self.stats.last_error = None
-                failures = 0
-            except QueueRefused:
-                raise
-            except OutboxError as exc:  # an outage, or a statement the server refused
-                self._outage(exc, failures)
-                failures += 1
-        self.broker.stop_consuming()
-        self.close()
-        emit(
-            log,
-            "consumer.stopped",
-            handled=self.stats.handled,
-            duplicates_skipped=self.stats.duplicates_skipped,
-            parked=self.stats.parked,
-        )
-        return self.stats
-
-    def close(self) -> None:
-        self.broker.close()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-
-    def _outage(self, exc: OutboxError, failures: int) -> None:
-        self.stats.reconnects += 1
-        self.stats.last_error = exc.message
-        self.stats.last_progress = time.monotonic()  # backing off is progress
-        # Unacked messages go back to the queue; the inbox decides when they return.
-        # Those held for a retry too: their deliveries end with the channel.
-        self.broker.close()
-        self._held, self._behind = [], {}
-        # A new session as well, also after a refused statement: one of the consumer's
-        # own statements fails on a session whose settings a handler changed for good
-        # (a plain SET search_path that committed); a new session starts clean.
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        pause = backoff.delay(
-            failures, initial=self.settings.backoff_initial, maximum=self.settings.backoff_max
-        )
-        emit(log, "consumer.retry", logging.WARNING, error=exc.message, retry_in=f"{pause:.2f}s")
-        self._stop.wait(pause)
-
-    def _connect_database(self) -> None:
-        store = self._connect_store(self.settings)
-        try:
-            store.ensure_schema()
-        except Exception:
-            store.close()
-            raise
-        self.store = store
-        if self.processor is None:
-            self.processor = Processor(
-                store,
-                self.handler,
-                self.settings,
-                self.stats,
-                on_interrupt=None if self._signal_handlers else self.stop,
-            )
-            self.processor.policy = self.broker.policy
-        else:  # the same processor: it may owe attempts from before the outage
-            self.processor.store = store
-
-    def _maybe_prune(self) -> None:
-        now = time.monotonic()
-        if now < self._next_prune or self.store is None:
-            return
-        batch, max_batches = 1000, 10
-        deleted = self.store.prune(
-            self.settings.inbox_retention, batch=batch, max_batches=max_batches
-        )
-        self.stats.pruned += deleted
-        if deleted:
-            emit(log, "consumer.pruned", rows=deleted)
-        # A full pass means more is waiting: come back soon, between messages.
-        full = deleted >= batch * max_batches
-        self._next_prune = now + (1.0 if full else self.settings.prune_interval)
-
-    # -- the deliveries in hand -----------------------------------------------------
-    def _adopt_policy(self) -> None:
-        if self.processor is not None:
-            self.processor.policy = self.broker.policy
-
-    def _handle(self, deliveries: Sequence[Any]) -> None:
-        """Apply, then settle: ack what committed (or was skipped or parked); keep
-        failed ones in hand for their next attempt (``_hold``).  A message of an
-        ordering key whose earlier message waits for a retry waits behind it.  A
-        message at the queue's last delivery is applied first, alone, and acked at
-        once: a later handler that kills the process would make the broker drop it."""
-        processor = self.processor
-        if processor is None:
-            raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
-        policy = self.broker.policy
-        if not policy.queue_type and any(from_stream(d.message.headers) for d in deliveries):
-            # A stream that the start-up check could not see (no configure permission).
-            raise refuse(self.settings.queue, "its deliveries come from a stream")
-        if not self._behind and policy.delivery_limit is None:  # the hot path
-            with self.broker.busy():
-                outcomes = processor.process_batch([d.message for d in deliveries])
-            self._settle(deliveries, outcomes)
-            self.stats.last_progress = time.monotonic()
-            return
-        ready: list[Any] = []
-        for delivery in deliveries:
-            key = delivery.message.ordering_key
-            if key is not None and key in self._behind:
-                self._behind[key].append(delivery)
-            elif last_delivery(delivery.message.headers, policy):
-                with self.broker.busy():
-                    outcome = processor.process(delivery.message, last_delivery=True)
-                # Acked alone: a multiple ack would also ack the earlier ones not applied yet.
-                self._settle([delivery], [outcome], multiple=False)
-            else:
-                ready.append(delivery)
-        if ready:
-            with self.broker.busy():
-                outcomes = processor.process_batch([d.message for d in ready])
-            self._settle(ready, outcomes)
-        self.stats.last_progress = time.monotonic()
-
-    def _settle(
-        self, deliveries: Sequence[Any], outcomes: Dispositions, *, multiple: bool = True
-    ) -> None:
-        """Ack, hold or put behind each delivery by its outcome.  ``multiple``: every
-        delivery before these is settled already (one frame may ack them all)."""
-        if any(outcome is Disposition.HANDLED for outcome, _ in outcomes):
-            faults.reached("consume_after_commit")
-        settled = list(zip(deliveries, outcomes, strict=True))
-        if (
-            multiple
-            and not self._held
-            and all(
-                o in (Disposition.HANDLED, Disposition.DUPLICATE, Disposition.PARKED)
-                for o, _ in outcomes
-            )
-        ):
-            # Every earlier delivery is settled already: one frame acks the batch.
-            self.broker.settle(deliveries[-1], ack=True, multiple=True)
-            return
-        for delivery, (outcome, delay) in settled:
-            if outcome is Disposition.RETRY:
-                self._hold(delivery, delay)
-            elif outcome is Disposition.BEHIND:
-                self._behind[delivery.message.ordering_key].append(delivery)
-            else:
-                self.broker.settle(delivery, ack=True)
-                self._release(delivery)
-
-    def _hold(self, delivery: Any, delay: float) -> None:
-        """Keep a failed message in hand, unacked, until its next attempt, while the
-        others go on.  Nothing goes back to the queue: no delivery is counted
-        against a quorum queue's limit, no TTL runs, and the message keeps its
-        place.  Its ordering key, if any, waits with it."""
-        now = time.monotonic()
-        previous = next((h for h in self._held if h.delivery is delivery), None)
-        since = previous.since if previous is not None else now
-        self._held = [h for h in self._held if h.delivery is not delivery]
-        self._held.append(_Held(delivery, now + delay, since))
-        self.stats.retried += 1
-        key = delivery.message.ordering_key
-        if key is not None:
-            self._behind.setdefault(key, [])
-
-    def _release(self, delivery: Any) -> None:
-        """``delivery`` is settled: the messages of its key waiting behind it go on."""
-        key = delivery.message.ordering_key
-        if key is None or key not in self._behind:
-            return
-        if any(h.delivery.message.ordering_key == key for h in self._held):
-            return
-        waiting = self._behind.pop(key)
-        if waiting:
-            self._handle(waiting)
-
-    def _drain_timeout(self) -> float:
-        if not self._held:
-            return 1.0
-        due = min(h.due for h in self._held)
-        return min(1.0, max(0.0, due - time.monotonic()))
-
-    def _make_room(self) -> None:
-        """Messages held for a retry, or waiting behind one of their key, take
-        slots of the subscription's ``--prefetch``: once they take half of them,
-        a new subscription with a fresh window (``Broker.resubscribe``), so that
-        the healthy messages behind them keep coming.  At most ``HAND_MOST`` times
-        ``--prefetch`` messages unacked (their bodies are in memory): with a hand
-        that full the consumer waits for the first retry, as with a full prefetch."""
-        waiting = [h.delivery for h in self._held]
-        waiting += [d for behind in self._behind.values() for d in behind]
-        prefetch = self.settings.prefetch
-        if not waiting or len(waiting) + prefetch > HAND_MOST * prefetch:
-            return
-        mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
-        if mine >= max(1, prefetch // 2):
-            self.broker.resubscribe()
-            self.stats.resubscribed += 1
-            emit(log, "consumer.resubscribed", in_hand=len(waiting), prefetch=prefetch)
-
-    def _retry_due(self) -> None:
-        """The next attempt of each held message whose delay is over (on a stop,
-        those still held go back to the queue when the channel closes)."""
-        processor = self.processor
-        if processor is None:
-            return
-        now = time.monotonic()
-        for held in [h for h in self._held if h.due <= now]:
-            delivery = held.delivery
-            with self.broker.busy():
-                outcome = processor.process_batch([delivery.message])[0]
-                if outcome[0] is Disposition.RETRY and now + outcome[1] - held.since > MAX_HOLD:
-                    outcome = processor.give_up(delivery.message, outcome_reason(held, now))
-            if outcome[0] is Disposition.RETRY:
-                self._hold(delivery, outcome[1])
-                continue
-            self._held.remove(held)
-            self.broker.settle(delivery, ack=True)
-            self._release(delivery)
-
-
-# A failed message is kept in hand (unacked) for at most this long: RabbitMQ closes
-# the channel of a delivery unacked for ``consumer_timeout`` (30 min by default).
-MAX_HOLD = 15 * 60.0
-
-# At most this many times ``--prefetch`` messages in hand, held for a retry or
-# behind their key (``Inbox._make_room``).
-HAND_MOST = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class _Held:
-    delivery: Any
-    due: float  # monotonic time of its next attempt
-    since: float  # when it first failed in this delivery
-
-
-def outcome_reason(held: _Held, now: float) -> str:
-    return (
-        f"still failing after {now - held.since:.0f} s in the consumer's hands; its next "
-        f"attempt would come after {MAX_HOLD:.0f} s, near RabbitMQ's consumer_timeout"
-    )
-
-
-def _connect_store(settings: ConsumerSettings) -> InboxStore:
-    return InboxStore(
-        settings.dsn,
-        settings.inbox_table,
-        settings.consumer,
-        connect_timeout=settings.connect_timeout,
-    )
-
-
-def serve(
-    inbox: Inbox,
-    *,
-    metrics_port: int = 0,
-    metrics_address: str = "0.0.0.0",
-    run: Callable[[], ConsumerStats] | None = None,
-) -> ConsumerStats:
-    """What ``outbox consume`` and ``consume()`` run (``outbox.lifecycle.serve``): the
-    endpoints on ``metrics_port`` (0: none), ``start``, ``run`` until stopped,
-    ``close``, and the ``consumer.summary`` event.  Signals are the caller's.
-
-    ``run``: what starts and runs the consumer instead of ``inbox.start`` and
-    ``inbox.run`` (an async handler's, ``outbox.inbox.aio.run_async`` on the
-    command's event loop, which starts the inbox on a thread of its own)."""
-
-    def endpoints() -> ConsumerEndpoints:
-        return ConsumerEndpoints(inbox, port=metrics_port, address=metrics_address)
-
-    def summary(stats: ConsumerStats) -> dict[str, int]:
-        return {
-            "handled": stats.handled,
-            "duplicates_skipped": stats.duplicates_skipped,
-            "handler_failures": stats.handler_failures,
-            "parked": stats.parked,
-        }
-
-    return lifecycle.serve(
-        "consumer",
-        start=inbox.start if run is None else lambda: None,
-        run=inbox.run if run is None else run,
-        close=inbox.close,
-        endpoints=endpoints if metrics_port else None,
-        stopped="consumer.summary",
-        summary=summary,
-    )
-
-
-def consume(
-    handler: Handler,
-    *,
-    queue: str,
-    dsn: str = DEFAULT_DSN,
-    amqp_url: str = DEFAULT_AMQP_URL,
-    install_signal_handlers: bool = True,
-    metrics_port: int = 0,
-    metrics_address: str = "0.0.0.0",
-    **options: Any,
-) -> ConsumerStats:
-    """Consume ``queue`` with exactly-once effects until SIGTERM/SIGINT, as
-    ``outbox consume`` does (``serve``), with ``/metrics``, ``/healthz`` and ``/readyz``
-    on ``metrics_port`` when it is not 0.
-
-    ``handler(conn, message)`` runs inside the transaction that records the
-    message id; it must not commit.  ``options`` are ``ConsumerSettings`` fields.
-    """
-    inbox = Inbox(handler, ConsumerSettings(queue=queue, dsn=dsn, amqp_url=amqp_url, **options))
-    if install_signal_handlers:
-        inbox.install_signal_handlers()
-    return serve(inbox, metrics_port=metrics_port, metrics_address=metrics_address)

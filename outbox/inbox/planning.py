@@ -1,0 +1,117 @@
+"""The consumer's pure decisions: how a message is applied (``plan``), what became
+of it (``Disposition``), why it is parked (``last_delivery_reason``,
+``unfinished_reason``, ``outcome_reason``, ``unusable``), how long a failed one
+waits in hand for its next attempt (``retry_delay``) and how long it may be held
+at most (``Held``, ``MAX_HOLD``).  No I/O: ``steps`` and ``process`` act on them."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+from typing import Any
+
+from outbox import backoff
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.policy import QueuePolicy
+from outbox.inbox.settings import ConsumerSettings
+
+
+class Disposition(enum.Enum):
+    HANDLED = "handled"  # effect committed: ack
+    DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
+    RETRY = "retry"  # handler failed: kept unacked, applied again after a delay
+    PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
+    BEHIND = "behind"  # not applied: an earlier message of its ordering key waits to retry
+
+
+class Plan(enum.Enum):
+    BATCH = "batch"  # a first delivery: with the others, one transaction, nothing before
+    ALONE = "alone"  # redelivered: its attempt is committed first, then it is applied alone
+    PARK = "park"  # redelivered, its earlier attempts reached --max-attempts: parked unseen
+
+
+def plan(
+    redelivered: bool, attempts: int, max_attempts: int, *, last_delivery: bool = False
+) -> Plan:
+    """How a message is applied (pure).  ``attempts``: the committed count of its
+    earlier attempts, failed or unfinished (read only for a redelivered message:
+    a first delivery never costs a read).  ``last_delivery``: the queue drops the
+    message if it comes back once more (``policy.last_delivery``), so one that
+    failed or did not finish before is parked rather than risked: if its handler
+    kills the process, the broker would drop it."""
+    if not redelivered:
+        return Plan.BATCH
+    if attempts >= max_attempts or (last_delivery and attempts >= 1):
+        return Plan.PARK
+    return Plan.ALONE
+
+
+def last_delivery_reason(attempts: int, policy: QueuePolicy, last_error: str) -> str:
+    """Why a message at the queue's last delivery is parked (``plan``)."""
+    why = (
+        f"its last delivery under the queue's delivery limit ({policy.delivery_limit}): "
+        f"{attempts} earlier attempt(s) failed or did not finish, and if this one killed "
+        "the consumer the broker would drop the message"
+    )
+    return f"{why}; the last error recorded: {last_error}" if last_error else why
+
+
+def unfinished_reason(attempts: int, last_error: str) -> str:
+    """Why a message parked by ``Plan.PARK`` is parked: its last attempt was counted
+    and no outcome of it was ever recorded.  The handler may have killed the process,
+    or the consumer died or lost its database before it could record the outcome
+    (an error the handler raised included): which one, nothing here can tell."""
+    why = (
+        "the consumer died or lost its database before recording it: the handler may "
+        "kill the process (a segfault, the OOM killer, os._exit)"
+    )
+    if not last_error:
+        return f"redelivered {attempts} times, the outcome of the last attempt unknown ({why})"
+    return (
+        f"{attempts} attempts failed or did not finish, the outcome of the last one "
+        f"unknown ({why}); the last error recorded: {last_error}"
+    )
+
+
+def retry_delay(
+    attempts: int, settings: ConsumerSettings, rng: random.Random | None = None
+) -> float:
+    """Seconds a failed message waits in hand for its next attempt (pure, capped)."""
+    return backoff.delay(
+        max(0, attempts - 1),
+        initial=settings.retry_delay,
+        maximum=settings.retry_delay_max,
+        rng=rng,
+    )
+
+
+Dispositions = list[tuple[Disposition, float]]
+
+
+def unusable(message: InboxMessage) -> str | None:
+    """Why ``message`` cannot go to the handler at all (it is parked at once)."""
+    if message.unreadable is not None:
+        return f"its AMQP properties cannot be read: {message.unreadable}"
+    if message.message_id is None:
+        return "no message_id: cannot be deduplicated"
+    return None
+
+
+# A failed message is kept in hand (unacked) for at most this long: RabbitMQ closes
+# the channel of a delivery unacked for ``consumer_timeout`` (30 min by default).
+MAX_HOLD = 15 * 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    delivery: Any
+    due: float  # monotonic time of its next attempt
+    since: float  # when it first failed in this delivery
+
+
+def outcome_reason(held: Held, now: float) -> str:
+    return (
+        f"still failing after {now - held.since:.0f} s in the consumer's hands; its next "
+        f"attempt would come after {MAX_HOLD:.0f} s, near RabbitMQ's consumer_timeout"
+    )

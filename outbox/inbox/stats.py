@@ -1,0 +1,33 @@
+"""The consumer's counters (``ConsumerStats``: its metrics, health and summary read
+them) and why a message is parked (``PARK_REASONS``, the metric's ``reason``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from outbox.durations import Durations
+
+# Why a message was parked (``ConsumerStats.parked_by``, the metric's ``reason``):
+# its handler kept failing; its last attempt has no known outcome (``Plan.PARK``: the
+# handler may kill the process); it cannot be deduplicated (no message_id, or
+# properties that cannot be read).
+PARK_REASONS = ("failed", "unfinished", "unusable")
+
+
+@dataclasses.dataclass
+class ConsumerStats:
+    handled: int = 0
+    duplicates_skipped: int = 0
+    handler_failures: int = 0
+    retried: int = 0
+    parked: int = 0  # all reasons
+    parked_by: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
+    )
+    reconnects: int = 0
+    resubscribed: int = 0  # new subscriptions to make room (``Inbox._make_room``)
+    pruned: int = 0
+    handler_seconds: Durations = dataclasses.field(default_factory=Durations)
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str | None = None
