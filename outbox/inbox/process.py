@@ -349,7 +349,12 @@ class Inbox:
         if processor is None:
             return
         now = time.monotonic()
-        for held in [h for h in self._held if h.due <= now]:
+        due = [h for h in self._held if h.due <= now]
+        if due:
+            # Other messages' handlers ran on the session since these failed: what
+            # they left in it for good must not fail them again.
+            processor.renew_session()
+        for held in due:
             delivery = held.delivery
             with self.broker.busy():
                 outcome = processor.process_batch([delivery.message])[0]

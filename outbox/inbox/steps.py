@@ -626,6 +626,13 @@ class Processor:
             return Broken(message, reason, lost=True)
         return Broken(message, reason)
 
+    def renew_session(self) -> None:
+        """A new session, with the same settings, before messages that failed are
+        tried again (``store.restore``): a WITH HOLD cursor, a prepared statement
+        or a temporary table that the handlers of the messages applied meanwhile
+        left in the session must not fail them a second time."""
+        self.store.restore(self.store.session())
+
     def give_up(self, message: InboxMessage, reason: str) -> tuple[Disposition, float]:
         """Park a message whose failed attempts are counted already, now."""
         message_id = str(message.message_id)
