@@ -23,12 +23,12 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
-from outbox.db.front import RESCAN_SECONDS, ClaimFront
+from outbox.db.front import RESCAN_SECONDS, SAVE_SECONDS, ClaimFront, Cluster, SavedFront, resumed
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -183,11 +183,16 @@ class BatchStore(Session):
             None
         )
         self.backend: Backend | None = None
-        # Where this session's claims start (``outbox.db.front``): from the bottom at
-        # first, then past what the claims before saw gone.  Never carried over to
-        # another session (after a failover ids and xids may be handed out again).
+        # Where this session's claims start (``outbox.db.front``): the front the
+        # relays saved, if it is this cluster's (read before the first claim,
+        # ``_resumed``), else from the bottom; then past what the claims before saw
+        # gone.  Saved every ``save_seconds`` (``save_front``).
         self.front = ClaimFront()
-        # When the claims start from the bottom again (``current_front``).
+        self._resumed = False
+        self.save_seconds = SAVE_SECONDS
+        self._save_at = time.monotonic() + self.save_seconds
+        self._saved = ClaimFront()
+        # When the claims start from the bottom again (``rescan_due``).
         self.rescan_seconds = RESCAN_SECONDS
         self._rescan_at = time.monotonic() + self.rescan_seconds
         if not note_backend:
@@ -274,9 +279,14 @@ class BatchStore(Session):
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
-        if self.rescan_due():
+        if not self._resumed:
+            self.front = self.saved_front()
+            self._resumed = True
+        elif self.rescan_due():
             self.front = ClaimFront()
             self._rescan_at = time.monotonic() + self.rescan_seconds
+        elif time.monotonic() >= self._save_at:
+            self.save_front()
         params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
@@ -293,6 +303,38 @@ class BatchStore(Session):
         if front is not None:
             self.front = self.front.after(*front)
         return rows
+
+    @property
+    def idle(self) -> bool:
+        """Connected, and no transaction open (no claim before its PREPARE)."""
+        return not self.broken and self.conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+    def saved_front(self) -> ClaimFront:
+        """The front a new session starts from (``outbox.db.front.resumed``): the one
+        the relays saved if it is this cluster's and timeline's, else the bottom."""
+        with self._translated("reading the saved claim front"):
+            row = self.conn.execute(self.queries["saved_front"]).fetchone()
+        assert row is not None
+        here = Cluster(row["here_system_identifier"], row["here_timeline"], row["here_xmax"])
+        saved = None
+        if row["seen"] is not None:
+            saved = SavedFront(
+                ClaimFront(row["low_water"], tuple(row["late"]), row["seen"]),
+                Cluster(row["system_identifier"], row["timeline"], row["seen_xmax"]),
+            )
+        return resumed(saved, here)
+
+    def save_front(self) -> None:
+        """Save this session's front for the sessions after it (``outbox.db.front``),
+        unless a fresher one is saved; outside any claim (autocommit).  A front from
+        the bottom, or the one saved last, is not saved again."""
+        self._save_at = time.monotonic() + self.save_seconds
+        front = self.front
+        if front.low_water is None or front.seen is None or front == self._saved:
+            return
+        with self._translated("saving the claim front"):
+            self.conn.execute(self.queries["save_front"], front.params())
+        self._saved = front
 
     def claim_params(
         self,

@@ -15,7 +15,8 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
 - ``low_water`` (W): the smallest id *visible* to the previous claim's snapshot
   among the ids ≥ the W before it (plain MVCC, no SKIP LOCKED: rows being
   claimed, rows held by any relay's batch, prepared or not, are all visible).
-  The claim's scans start at W.  ``None``: from the bottom (a new session).
+  The claim's scans start at W.  ``None``: from the bottom (a new session
+  without a usable saved front, the safety net's rescan).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
   batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
@@ -49,15 +50,44 @@ or at ≥ W, so the claim's ``keyed`` window (the late rows, then the front from
 W) sees a key's first row exactly as a walk from the bottom would.
 
 The cost of a claim is then the rows deleted since the previous claim's W (a
-batch or two per relay in flight), not since the horizon was taken.  What
-still costs a walk, once: a new session (the relay's start, every reconnect)
-starts from the bottom, which also covers the rows written before schema 0006
-(``txid`` NULL: the migration's lock waited for every transaction that wrote
-them, so all are committed before any relay of this version claims).  Starting
-afresh after a reconnect is deliberate: after a failover to a standby, ids and
-transaction ids seen on the old primary may be handed out again.  And a batch
+batch or two per relay in flight), not since the horizon was taken.  A batch
 prepared by a dead relay, until a resolver finishes it, holds every W at or below
 its first row (its rows are visible), as it holds the horizon.
+
+A new session (schema 0007; the relay's start, every reconnect) starts from a
+saved front rather than from the bottom, which cost 5-7 s at 5 million dead rows.
+A front stays valid once computed: time only adds rows below W whose inserting
+transaction S did not see (a transaction that starts later has a txid ≥ xmax(S));
+deletes only shrink the set of rows below W; a batch rolled back puts back rows
+that were visible to S all along (so at or after W, or in ``late``); a dead letter
+retried is a new insert with a new txid.  So any saved front is a valid start,
+however old: the first claim's sweep (from xmax(S), and the transactions S saw in
+progress that have ended) finds what committed since.  Its cost is the rows
+inserted since S (one txid index entry each, dead or not): a front saved every
+``SAVE_SECONDS`` makes that a few seconds' worth, plus what the application wrote
+while no relay ran (rows the relays must read anyway).  Rows written before schema
+0006 (``txid`` NULL) are covered too: the front saved was computed by a chain of
+claims that began at the bottom, after every such row had committed.
+
+The relays save their front outside the claim (the claim is prepared: a row lock
+held until COMMIT PREPARED would serialise the relays), at most every
+``SAVE_SECONDS`` and on a clean stop, into one row per outbox table that a staler
+front never replaces (``queries.sql``, ``save_front``): behind a held horizon every
+UPDATE of it leaves a dead version, a few hundred an hour, read once per session.
+
+What a saved front relies on is in the WAL before the row that saves it: the
+deletes of the rows below W committed before the claim's snapshot, and the saving
+transaction has a txid ≥ xmax(S).  A physical standby promoted after a failover,
+or a point-in-time recovery, replays a prefix of the WAL: if it has the front, it
+has all of that, and its next txid is above xmax(S), so no txid S judged will be
+handed out again (ids may be: a new txid finds them).  What breaks it is a logical
+copy: a dump restored elsewhere, ``pg_upgrade`` or ``pg_resetwal`` (txids and the
+saved row no longer from one history).  So a new session uses the saved front only
+if it was saved on this cluster (``pg_control_system().system_identifier``) and
+timeline (``pg_control_checkpoint().timeline_id``; stricter than needed: after a
+failover the first session walks from the bottom once, as does one that reads the
+timeline before the promotion's checkpoint records the new one), and its xmax(S)
+is not beyond this server's (``resumed``).  Otherwise it starts from the bottom.
 
 Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
 selects a batch's events between two tick snapshots: a range of txids from the
@@ -99,10 +129,18 @@ LATE_MOST = 1_000
 # not the way late rows are found: a row below W whose ``txid`` is not its
 # inserting transaction's (an application that wrote the column, NULL or copied
 # with ``INSERT … SELECT *`` from a copy of the outbox) is invisible to the sweep,
-# and without it would wait for the relay's next reconnect.  One walk over the
+# and without it would wait below W for good (new sessions start from the saved
+# front).  One walk over the
 # dead rows per interval and session: behind a held horizon at 1,000 rows/s,
 # 600,000 rows every 10 minutes, what every claim of 0.5 read after 10 minutes.
 RESCAN_SECONDS = 600.0
+
+# How often a session saves its front (``BatchStore.save_front``; also on a clean
+# stop), at most: each save is an UPDATE of the one row of ``<table>_claim_front``,
+# which leaves a dead version behind a held horizon too (360 an hour per relay,
+# read once by each new session), and a new session starting from a front this old
+# sweeps the rows inserted since (by their txid: rows that exist, mostly).
+SAVE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +172,39 @@ class ClaimFront:
             first = min(late)
             return ClaimFront(first if mark is None else min(mark, first), (), seen)
         return ClaimFront(mark, tuple(late), seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where a front was computed, or where a session runs: the cluster
+    (``pg_control_system().system_identifier``), its timeline
+    (``pg_control_checkpoint().timeline_id``) and the next transaction id its
+    snapshots would not see (``pg_snapshot_xmax(pg_current_snapshot())``)."""
+
+    system_identifier: int
+    timeline: int
+    xmax: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedFront:
+    """A front as saved in ``<table>_claim_front``, with where it was saved."""
+
+    front: ClaimFront
+    cluster: Cluster  # xmax: that of the front's own snapshot (``seen``)
+
+
+def resumed(saved: SavedFront | None, here: Cluster) -> ClaimFront:
+    """The front a new session starts from: the saved one if it was computed on this
+    cluster and timeline and its snapshot is not ahead of this server's, else from
+    the bottom (module docstring, "A new session")."""
+    if saved is None or saved.front.low_water is None or saved.front.seen is None:
+        return ClaimFront()
+    if (saved.cluster.system_identifier, saved.cluster.timeline) != (
+        here.system_identifier,
+        here.timeline,
+    ):
+        return ClaimFront()
+    if saved.cluster.xmax > here.xmax:
+        return ClaimFront()
+    return saved.front

@@ -280,6 +280,11 @@ class Relay:
         if self.wakeups is not None:
             self.wakeups.close()
         if self.store is not None:
+            # The next session of any relay starts where this one got
+            # (``outbox.db.front``); a failure here costs that session a longer walk.
+            with contextlib.suppress(OutboxError):
+                if self.store.idle:
+                    self.store.save_front()
             self.store.close()
         self.publisher.close()
         self.liveness = None
