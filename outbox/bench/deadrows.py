@@ -22,7 +22,11 @@ rolled back (the figures), then for real.  Three ways of claiming, side by side:
   claims one batch, saves its front (schema 0007) and ends; a new session's first
   claim is measured from the bottom (``today_ms``, ``today_buffers``: what 0.6
   before schema 0007 did on every start and reconnect) and from the saved front
-  (``first_ms``, ``first_buffers``: ``BatchStore.saved_front``).
+  (``first_ms``, ``first_buffers``: ``BatchStore.saved_front``);
+- ``slice``: the claims of ``front`` while the safety net's pass is under way, each
+  carrying a slice of the heap (``outbox.db.front.RescanPass``; before schema 0007
+  the safety net was one claim from the bottom every 10 minutes, the ``bottom``
+  figure).
 
 The first claim of a session walks from the bottom (``first``; but ``restart``); the
 figures are the median of the claims after it (``ms``, ``buffers``: shared
@@ -44,10 +48,10 @@ from psycopg import sql
 from outbox.db import migrate
 from outbox.db.batches import PINNED_CLAIM_PLAN, BatchStore
 from outbox.db.devcluster import PostgresCluster
-from outbox.db.front import ClaimFront
+from outbox.db.front import ClaimFront, RescanPass
 from outbox.tables import table_identifiers
 
-WAYS = ("0.5", "front", "rescan", "bottom", "restart")
+WAYS = ("0.5", "front", "rescan", "bottom", "restart", "slice")
 
 # The claim statement of outbox-relay 0.5 (``queries.sql``, ``claim_batch``, before
 # schema 0006), the baseline these figures compare with.
@@ -122,7 +126,9 @@ def _insert(conn: psycopg.Connection[Any], rows: int, payload: int) -> None:
         )
 
 
-def explain_claim(store: BatchStore, limit: int, *, old: bool = False) -> tuple[float, int]:
+def explain_claim(
+    store: BatchStore, limit: int, *, old: bool = False, sliced: bool = False
+) -> tuple[float, int]:
     """(ms, shared buffers hit + read) of the claim the store would run next (``old``:
     the claim of 0.5), run under EXPLAIN (ANALYZE, BUFFERS) and rolled back."""
     conn = store.conn
@@ -136,7 +142,7 @@ def explain_claim(store: BatchStore, limit: int, *, old: bool = False) -> tuple[
         conn.execute(PINNED_CLAIM_PLAN)
         row = conn.execute(
             sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(statement),
-            store.claim_params(limit),
+            store.claim_params(limit, sliced=sliced),
         ).fetchone()
     assert row is not None
     explained = next(iter(row.values()))[0]
@@ -176,7 +182,11 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
                     store.front = ClaimFront()
                 elif way == "rescan" and claims:
                     store.front = ClaimFront(store.front.low_water)  # no late rows, no sweep
-                costs.append(explain_claim(store, batch, old=way == "0.5"))
+                elif way == "slice" and claims and store.rescan is None:
+                    store.rescan_seconds = 0.0  # a slice with every claim
+                    store.rescan = RescanPass(store.heap_pages())
+                sliced = store.rescan is not None
+                costs.append(explain_claim(store, batch, old=way == "0.5", sliced=sliced))
                 rows = store.claim_batch(batch)
                 store.conn.execute("COMMIT")
                 claims += 1

@@ -28,7 +28,17 @@ from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
-from outbox.db.front import RESCAN_SECONDS, SAVE_SECONDS, ClaimFront, Cluster, SavedFront, resumed
+from outbox.db.front import (
+    RESCAN_SECONDS,
+    RESCAN_SLICES,
+    SAVE_SECONDS,
+    ClaimFront,
+    Cluster,
+    RescanPass,
+    SavedFront,
+    resumed,
+    tid,
+)
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -192,9 +202,12 @@ class BatchStore(Session):
         self.save_seconds = SAVE_SECONDS
         self._save_at = time.monotonic() + self.save_seconds
         self._saved = ClaimFront()
-        # When the claims start from the bottom again (``rescan_due``).
+        # The safety net (``rescan_due``): when its next pass begins, the pass under
+        # way, when its next slice is due.
         self.rescan_seconds = RESCAN_SECONDS
         self._rescan_at = time.monotonic() + self.rescan_seconds
+        self.rescan: RescanPass | None = None
+        self._slice_at = 0.0
         if not note_backend:
             return
         try:
@@ -282,12 +295,13 @@ class BatchStore(Session):
         if not self._resumed:
             self.front = self.saved_front()
             self._resumed = True
-        elif self.rescan_due():
-            self.front = ClaimFront()
+        elif self.rescan is None and time.monotonic() >= self._rescan_at:
+            self.rescan = RescanPass(self.heap_pages())
             self._rescan_at = time.monotonic() + self.rescan_seconds
         elif time.monotonic() >= self._save_at:
             self.save_front()
-        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
+        sliced = self.rescan is not None and time.monotonic() >= self._slice_at
+        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own, sliced=sliced)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
@@ -302,7 +316,17 @@ class BatchStore(Session):
             rows, front = claimed_rows(self.conn, cur)
         if front is not None:
             self.front = self.front.after(*front)
+        if sliced and self.rescan is not None:
+            self.rescan = self.rescan.after()
+            self._slice_at = time.monotonic() + self.rescan_seconds / (2 * RESCAN_SLICES)
         return rows
+
+    def heap_pages(self) -> int:
+        """The outbox's heap pages now: what a pass of the safety net reads."""
+        with self._translated("reading the outbox's size"):
+            row = self.conn.execute(self.queries["heap_pages"], {"table": self.table}).fetchone()
+        assert row is not None
+        return int(row["pages"])
 
     @property
     def idle(self) -> bool:
@@ -343,9 +367,14 @@ class BatchStore(Session):
         *,
         hold_keys: bool = True,
         own: Sequence[int] = (),
+        sliced: bool = False,
     ) -> dict[str, Any]:
-        """The parameters of the next claim (``claim_batch``), from this session's front."""
+        """The parameters of the next claim (``claim_batch``), from this session's front
+        (and with ``sliced``, the next slice of the safety net's pass under way)."""
+        first, last = self.rescan.slice() if sliced and self.rescan is not None else (0, 0)
         return {
+            "slice_from": tid(first),
+            "slice_to": tid(last),
             "limit": limit,
             "window": limit * KEYED_WINDOW,
             "max_bytes": max_bytes,
@@ -474,12 +503,15 @@ class BatchStore(Session):
             ) from exc
 
     def rescan_due(self) -> bool:
-        """Whether the next claim starts from the bottom, as a new session's first
-        does (every ``rescan_seconds``, ``outbox.db.front.RESCAN_SECONDS``: a row whose
-        txid the application wrote is found within that time).  An idle relay
-        claims once when it is due (``Relay._wait_for_work``): its polls look only
-        where its claims do."""
-        return time.monotonic() >= self._rescan_at
+        """Whether the next claim begins a pass of the safety net or reads its next
+        slice (``outbox.db.front.RescanPass``: a pass every ``rescan_seconds``, a
+        slice every ``rescan_seconds / (2 * RESCAN_SLICES)``; a row whose txid the
+        application wrote is found within that time).  An idle relay claims once
+        when it is due (``Relay._wait_for_work``): its polls look only where its
+        claims do."""
+        if self.rescan is None:
+            return time.monotonic() >= self._rescan_at
+        return time.monotonic() >= self._slice_at
 
     def has_claimable_rows(self) -> bool:
         """Whether any row nobody holds is where the claim looks (``front``)."""

@@ -16,7 +16,7 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
   among the ids ≥ the W before it (plain MVCC, no SKIP LOCKED: rows being
   claimed, rows held by any relay's batch, prepared or not, are all visible).
   The claim's scans start at W.  ``None``: from the bottom (a new session
-  without a usable saved front, the safety net's rescan).
+  without a usable saved front).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
   batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
@@ -89,6 +89,27 @@ failover the first session walks from the bottom once, as does one that reads th
 timeline before the promotion's checkpoint records the new one), and its xmax(S)
 is not beyond this server's (``resumed``).  Otherwise it starts from the bottom.
 
+The safety net.  A row below W whose ``txid`` is not its inserting transaction's
+(the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a
+copy of the outbox) is invisible to the sweep.  Until schema 0007 the claims of a
+session started from the bottom again every ``RESCAN_SECONDS``: one claim walked
+every dead row (what a new session's first claim cost), a latency spike every 10
+minutes per relay behind a held horizon.  Now a pass reads the outbox in slices,
+one claim carrying one slice (``RescanPass``; ``BatchStore.rescan_due``): a slice
+is a range of heap pages read by a TID range scan, which reads those pages and
+nothing else, dead rows included, and records every row below W that it sees
+(visible to the claim's snapshot) as late.  That keeps the invariant (``late`` may
+hold any ids below W that exist; the claim drops those gone), and per-key order:
+such a row goes through the keyed window as the late rows do, and a key's later
+rows wait behind it.  A slice of pages, not of ids: a range of ids [a, b) walks the
+primary key's entries from a, dead ones included, but where the pass begins (the
+lowest id, dead or alive) is only found by that very walk, and ids may be far apart
+(``OVERRIDING SYSTEM VALUE``).  Pages are bounded: the pass covers [0, size of the
+heap when it began) in at most ``RESCAN_SLICES`` slices of at least
+``SLICE_PAGES_MIN`` pages, a slice a second, so a row written after the pass began
+on a page beyond that, or moved by an UPDATE across the slice being read, waits for
+the next pass.
+
 Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
 selects a batch's events between two tick snapshots: a range of txids from the
 earlier snapshot's xmax, and the transactions it saw in progress that committed
@@ -102,7 +123,8 @@ few minutes), which a held horizon defeats.
 Design B, measured beside it (``python -m outbox.bench.deadrows``): the same W without a
 txid, and a full walk from the bottom every N seconds to catch late rows: each
 such walk costs what every claim costs today, and a late row waits up to N
-seconds.  A partitioned outbox (drained partitions detached and dropped) needs
+seconds (sliced as the safety net is, it would wait for a whole pass).  A
+partitioned outbox (drained partitions detached and dropped) needs
 ACCESS EXCLUSIVE or a ``DETACH … CONCURRENTLY`` that waits for every snapshot
 that may see the partition, and ``pg_dump`` or a report holding ACCESS SHARE on
 it postpones the drop for hours: not chosen.
@@ -124,16 +146,20 @@ BOTTOM = -(2**63)
 LATE_MOST = 1_000
 
 
-# How often a session's claims start from the bottom again, as a new session's
-# do (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net,
-# not the way late rows are found: a row below W whose ``txid`` is not its
-# inserting transaction's (an application that wrote the column, NULL or copied
-# with ``INSERT … SELECT *`` from a copy of the outbox) is invisible to the sweep,
-# and without it would wait below W for good (new sessions start from the saved
-# front).  One walk over the
-# dead rows per interval and session: behind a held horizon at 1,000 rows/s,
-# 600,000 rows every 10 minutes, what every claim of 0.5 read after 10 minutes.
+# How often a session begins a pass of the safety net (``RescanPass``; an idle
+# relay claims for each slice).  Not the way late rows are found: a row below W
+# whose ``txid`` is not its inserting transaction's (an application that wrote the
+# column, NULL or copied with ``INSERT … SELECT *`` from a copy of the outbox) is
+# invisible to the sweep, and without it would wait below W for good (new sessions
+# start from the saved front).  Such a row waits at most this long and the pass.
 RESCAN_SECONDS = 600.0
+
+# A pass reads the outbox's heap in this many slices at most (more pages per slice
+# on a larger table), one claim carrying a slice every
+# RESCAN_SECONDS / (2 * RESCAN_SLICES) (1 s): a pass takes at most 5 minutes.
+RESCAN_SLICES = 300
+# And at least this many pages per slice (1 MB of 8 kB pages).
+SLICE_PAGES_MIN = 128
 
 # How often a session saves its front (``BatchStore.save_front``; also on a clean
 # stop), at most: each save is an UPDATE of the one row of ``<table>_claim_front``,
@@ -208,3 +234,28 @@ def resumed(saved: SavedFront | None, here: Cluster) -> ClaimFront:
     if saved.cluster.xmax > here.xmax:
         return ClaimFront()
     return saved.front
+
+
+@dataclasses.dataclass(frozen=True)
+class RescanPass:
+    """One pass of the safety net over the pages [0, ``end``) of the outbox's heap
+    (its size when the pass began), a slice per claim (module docstring, "The
+    safety net"); ``at``: the first page of the next slice."""
+
+    end: int
+    at: int = 0
+
+    def slice(self) -> tuple[int, int]:
+        """The pages [first, last) of the next slice."""
+        width = max(SLICE_PAGES_MIN, -(-self.end // RESCAN_SLICES))
+        return self.at, min(self.end, self.at + width)
+
+    def after(self) -> RescanPass | None:
+        """The pass after its next slice was read (None: it is over)."""
+        _, last = self.slice()
+        return None if last >= self.end else RescanPass(self.end, last)
+
+
+def tid(page: int) -> str:
+    """The first tuple id of a page, as ``tid`` text."""
+    return f"({page},0)"

@@ -16,6 +16,10 @@
 -- bulk load say, is looked up only once it has ended, not at every claim).  So
 -- the claim never walks the rows deleted before W, however many dead ones vacuum
 -- cannot remove while the horizon is held.
+-- And, during a pass of the safety net (``front.RescanPass``), the rows below W in
+-- the heap pages [%(slice_from)s, %(slice_to)s) (a TID range scan: it reads those
+-- pages, dead rows and all, and nothing else; an empty range reads nothing): a
+-- row whose txid the application wrote is found there.
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
 -- from the bottom to W and filtered on txid (the very walk this avoids).
@@ -81,6 +85,9 @@ WITH committed_since AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
     UNION
     SELECT id FROM committed_since WHERE id < %(low_water)s
+    UNION
+    SELECT id FROM {outbox}
+    WHERE ctid >= %(slice_from)s::tid AND ctid < %(slice_to)s::tid AND id < %(low_water)s
 ), start AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
 ), claimed AS (
@@ -181,6 +188,11 @@ SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
             WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
         ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
     AS claimable
+
+-- heap_pages --
+-- The outbox's heap pages now (``front.RescanPass``): no scan, the file's size.
+SELECT coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
+       / current_setting('block_size')::bigint AS pages
 
 -- saved_front --
 -- The front saved by the relays (``outbox/db/front.py``, "A new session"), if any,

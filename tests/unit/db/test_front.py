@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from outbox.db.front import ClaimFront, Cluster, SavedFront, resumed
+from outbox.db.front import (
+    RESCAN_SLICES,
+    SLICE_PAGES_MIN,
+    ClaimFront,
+    Cluster,
+    RescanPass,
+    SavedFront,
+    resumed,
+)
 
 HERE = Cluster(system_identifier=7, timeline=2, xmax=1_000)
 FRONT = ClaimFront(low_water=500, late=(3, 9), seen="900:950:910")
@@ -27,3 +37,17 @@ def test_resumed__a_front_from_elsewhere_or_ahead_starts_from_the_bottom(where: 
 def test_resumed__nothing_saved_starts_from_the_bottom() -> None:
     assert resumed(None, HERE) == ClaimFront()
     assert resumed(SavedFront(ClaimFront(), Cluster(7, 2, 950)), HERE) == ClaimFront()
+
+
+def test_rescan_pass__covers_every_page_once_in_bounded_slices() -> None:
+    for end in (0, 1, SLICE_PAGES_MIN, SLICE_PAGES_MIN + 1, RESCAN_SLICES * SLICE_PAGES_MIN * 3):
+        rescan: RescanPass | None = RescanPass(end)
+        slices = []
+        while rescan is not None:
+            slices.append(rescan.slice())
+            rescan = rescan.after()
+        assert slices[0][0] == 0 and slices[-1][1] == end
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+        assert len(slices) <= RESCAN_SLICES
+        widths = [last - first for first, last in slices]
+        assert max(widths) <= max(SLICE_PAGES_MIN, -(-end // RESCAN_SLICES))
