@@ -580,8 +580,18 @@ class BatchStore(Session):
             ).fetchall()
 
     def backlog(self) -> Row:
-        with self._translated("measuring the backlog"):
-            row = self.conn.execute(self.queries["backlog"]).fetchone()
+        """Rows in the outbox and the oldest one's age, counted where the relays'
+        claims look (``queries.sql``, ``front_rows``: from the front they saved)."""
+        return self._from_front("backlog", "measuring the backlog")
+
+    def _from_front(self, query: str, what: str, **params: Any) -> Row:
+        """One row of ``query``, a statement over ``front_rows``, from the saved front
+        (none: from the bottom), with the claim's planner settings: the plan must
+        read the indexes from W, never the table (``PINNED_CLAIM_PLAN``)."""
+        front = self.saved_front()
+        with self._translated(what), self.conn.transaction():
+            self.conn.execute(PINNED_CLAIM_PLAN)
+            row = self.conn.execute(self.queries[query], {**front.params(), **params}).fetchone()
             assert row is not None
             return row
 
@@ -592,11 +602,11 @@ class BatchStore(Session):
             return (int(row["dead_letters"]), int(row["ordering_keys"])) if row else (0, 0)
 
     def metrics_snapshot(self) -> Row:
-        """Backlog, prepared batches, dead letters and live relays in one round trip."""
-        with self._translated("reading metrics"):
-            row = self.conn.execute(
-                self.queries["metrics_snapshot"],
-                {"gid_prefix": gids.relay_prefix(self.table), "lock_class": gids.LOCK_CLASS},
-            ).fetchone()
-            assert row is not None
-            return row
+        """Backlog (as ``backlog``), prepared batches, dead letters and live relays, in
+        one round trip after reading the saved front."""
+        return self._from_front(
+            "metrics_snapshot",
+            "reading metrics",
+            gid_prefix=gids.relay_prefix(self.table),
+            lock_class=gids.LOCK_CLASS,
+        )

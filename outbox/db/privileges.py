@@ -38,6 +38,7 @@ STATUS: Needs = {
     OUTBOX: ("SELECT",),
     DEAD_LETTERS: ("SELECT",),
     RELAYS: ("SELECT",),
+    CLAIM_FRONT: ("SELECT",),
     SCHEMA_VERSION: ("SELECT",),
 }
 DEAD_LETTERS_LIST: Needs = {DEAD_LETTERS: ("SELECT",)}

@@ -368,13 +368,38 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
   AND NOT EXISTS (
       SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
 
+-- front_rows --
+-- The rows of the outbox (id, created_at), found where the relays' claims look
+-- (``outbox/db/front.py``; %(low_water)s etc.: the front they saved): from W on,
+-- and below it the late ids and the rows inserted by transactions the front's
+-- snapshot did not see.  By the front's invariant that is every row that exists but
+-- one whose txid the application wrote, below W, until a relay's safety net finds
+-- it.  No walk over the dead rows below W.  With no front (W the bottom, no
+-- snapshot) every row, from the lowest id.  The sweep is MATERIALIZED, without
+-- a condition on id, as in ``claim_batch``.  Composed into ``backlog`` and
+-- ``metrics_snapshot`` (``outbox.db.queries``).
+WITH swept AS MATERIALIZED (
+    SELECT id, created_at FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+    UNION ALL
+    SELECT id, created_at FROM {outbox}
+    WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+), late AS MATERIALIZED (
+    SELECT id, created_at FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
+)
+SELECT id, created_at FROM {outbox} WHERE id >= %(low_water)s
+UNION ALL
+(SELECT id, created_at FROM swept WHERE id < %(low_water)s
+ UNION
+ SELECT id, created_at FROM late WHERE id < %(low_water)s)
+
 -- backlog --
 -- An application may commit created_at = '-infinity' (the relay dead-letters such a
--- row); subtracting it is out of range, so ages skip non-finite timestamps.
+-- row); subtracting it is out of range, so ages skip non-finite timestamps.  The
+-- rows as the relays' claims see them (``front_rows``).
 SELECT count(*) AS rows,
        coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE isfinite(created_at))),
                 0)::float8 AS oldest_age_seconds
-FROM {outbox}
+FROM ({front_rows}) AS backlog
 
 -- dead_letter_count --
 -- With ordering keys: how many keys have a dead letter (with
@@ -520,11 +545,11 @@ RETURNING id, message_id, ordering_key
 
 -- metrics_snapshot --
 -- Everything the metrics endpoint reads from the database, in one round trip.  The
--- oldest row is found through the primary key (ids are close to commit order),
--- not by scanning created_at.
-SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
-       coalesce((SELECT extract(epoch FROM now() - created_at)
-                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+-- backlog is counted where the relays' claims look (``front_rows``), not over the
+-- dead rows below their front; its oldest row is the lowest id (ids are close to
+-- commit order), not found by scanning created_at.
+SELECT b.rows AS backlog_rows,
+       coalesce((SELECT extract(epoch FROM now() - created_at) FROM {outbox} WHERE id = b.first),
                 0)::float8 AS oldest_row_age_seconds,
        (SELECT count(*) FROM pg_prepared_xacts
         WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
@@ -540,6 +565,8 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
          AND l.classid = %(lock_class)s::int::oid
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
+FROM (SELECT count(*) AS rows, min(id) FILTER (WHERE isfinite(created_at)) AS first
+      FROM ({front_rows}) AS f) AS b
 
 -- chart_sample --
 -- What the console's charts sample from one outbox table, in one round trip: the

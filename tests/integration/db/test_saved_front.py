@@ -19,6 +19,7 @@ from tests.integration.db.test_claim_front import (
     _commit,
     _dead_rows,
     _insert,
+    blocks_read,
     claim_cost,
     held_horizon,  # noqa: F401 - a fixture
 )
@@ -162,3 +163,44 @@ def test_save__keeps_the_fresher_front(dsn: str) -> None:
     finally:
         old.close()
         new.close()
+
+
+@pytest.mark.usefixtures("held_horizon")
+def test_backlog__counted_from_the_saved_front_without_walking_the_dead_rows(dsn: str) -> None:
+    """``outbox status`` and the metrics count the rows where the relays' claims look:
+    every row (one committed behind the front, one retried under an old id, the rows
+    after it), reading what a claim reads, not the 200,000 dead rows (about 8,000
+    blocks, which ``count(*)`` read)."""
+    _dead_rows(dsn, DEAD)
+    late = psycopg.connect(dsn)
+    store = _store(dsn)
+    try:
+        _insert(late, 1)  # committed after the front is saved
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            early = _insert(conn, BATCH)
+            waiting = _insert(conn, 2 * BATCH)
+        _, claimed = claim_cost(dsn, store, "early")
+        assert claimed == early
+        store.save_front()
+        late.commit()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO outbox (id, exchange, routing_key, payload, created_at)"
+                " OVERRIDING SYSTEM VALUE VALUES (%s, 'x', 'k', 'retried', now() - interval '1 h')",
+                [early[0]],
+            )
+            [(count,)] = conn.execute("SELECT count(*) FROM outbox").fetchall()
+        assert count == len(waiting) + 2
+        store.conn.execute("SELECT pg_stat_force_next_flush()")
+        before = blocks_read(dsn)
+        backlog = store.backlog()
+        metrics = store.metrics_snapshot()
+        store.conn.execute("SELECT pg_stat_force_next_flush()")
+        cost = blocks_read(dsn) - before
+    finally:
+        late.close()
+        store.close()
+    assert backlog["rows"] == metrics["backlog_rows"] == count
+    assert 3_500 < backlog["oldest_age_seconds"] < 3_700
+    assert metrics["oldest_row_age_seconds"] < 60  # the lowest id: the late row
+    assert cost < 1_000, cost
