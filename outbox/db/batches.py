@@ -337,14 +337,21 @@ class BatchStore(Session):
         """The front a new session starts from (``outbox.db.front.resumed``): the one
         the relays saved if it is this cluster's and timeline's, else the bottom."""
         with self._translated("reading the saved claim front"):
-            row = self.conn.execute(self.queries["saved_front"]).fetchone()
+            row = self.conn.execute(self.queries["saved_front"], {"table": self.table}).fetchone()
         assert row is not None
-        here = Cluster(row["here_system_identifier"], row["here_timeline"], row["here_xmax"])
+        here = Cluster(
+            row["here_system_identifier"],
+            row["here_timeline"],
+            row["here_filenode"],
+            row["here_xmax"],
+        )
         saved = None
         if row["seen"] is not None:
             saved = SavedFront(
                 ClaimFront(row["low_water"], tuple(row["late"]), row["seen"]),
-                Cluster(row["system_identifier"], row["timeline"], row["seen_xmax"]),
+                Cluster(
+                    row["system_identifier"], row["timeline"], row["filenode"], row["seen_xmax"]
+                ),
             )
         return resumed(saved, here)
 
@@ -357,7 +364,7 @@ class BatchStore(Session):
         if front.low_water is None or front.seen is None or front == self._saved:
             return
         with self._translated("saving the claim front"):
-            self.conn.execute(self.queries["save_front"], front.params())
+            self.conn.execute(self.queries["save_front"], {**front.params(), "table": self.table})
         self._saved = front
 
     def claim_params(

@@ -81,13 +81,17 @@ transaction has a txid ≥ xmax(S).  A physical standby promoted after a failove
 or a point-in-time recovery, replays a prefix of the WAL: if it has the front, it
 has all of that, and its next txid is above xmax(S), so no txid S judged will be
 handed out again (ids may be: a new txid finds them).  What breaks it is a logical
-copy: a dump restored elsewhere, ``pg_upgrade`` or ``pg_resetwal`` (txids and the
-saved row no longer from one history).  So a new session uses the saved front only
-if it was saved on this cluster (``pg_control_system().system_identifier``) and
-timeline (``pg_control_checkpoint().timeline_id``; stricter than needed: after a
-failover the first session walks from the bottom once, as does one that reads the
-timeline before the promotion's checkpoint records the new one), and its xmax(S)
-is not beyond this server's (``resumed``).  Otherwise it starts from the bottom.
+copy: a dump restored elsewhere or in another database of this cluster (its rows
+keep the txids of the first, as data), ``pg_upgrade`` or ``pg_resetwal`` (txids and
+the saved row no longer from one history), an outbox truncated and reloaded from a
+copy.  So a new session uses the saved front only if it was saved on this cluster
+(``pg_control_system().system_identifier``) and timeline
+(``pg_control_checkpoint().timeline_id``; stricter than needed: after a failover the
+first session walks from the bottom once, as does one that reads the timeline
+before the promotion's checkpoint records the new one), for this file of the
+outbox table (``pg_relation_filenode``: a table restored, truncated or rewritten by
+``VACUUM FULL`` has a new one; a walk from the bottom once), and its xmax(S) is not
+beyond this server's (``resumed``).  Otherwise it starts from the bottom.
 
 The safety net.  A row below W whose ``txid`` is not its inserting transaction's
 (the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a
@@ -212,11 +216,13 @@ class ClaimFront:
 class Cluster:
     """Where a front was computed, or where a session runs: the cluster
     (``pg_control_system().system_identifier``), its timeline
-    (``pg_control_checkpoint().timeline_id``) and the next transaction id its
-    snapshots would not see (``pg_snapshot_xmax(pg_current_snapshot())``)."""
+    (``pg_control_checkpoint().timeline_id``), the outbox table's file
+    (``pg_relation_filenode``) and the next transaction id its snapshots would not
+    see (``pg_snapshot_xmax(pg_current_snapshot())``)."""
 
     system_identifier: int
     timeline: int
+    filenode: int
     xmax: int
 
 
@@ -230,14 +236,13 @@ class SavedFront:
 
 def resumed(saved: SavedFront | None, here: Cluster) -> ClaimFront:
     """The front a new session starts from: the saved one if it was computed on this
-    cluster and timeline and its snapshot is not ahead of this server's, else from
-    the bottom (module docstring, "A new session")."""
+    cluster and timeline, for this file of the outbox table, and its snapshot is not
+    ahead of this server's, else from the bottom (module docstring, "A new
+    session")."""
     if saved is None or saved.front.low_water is None or saved.front.seen is None:
         return ClaimFront()
-    if (saved.cluster.system_identifier, saved.cluster.timeline) != (
-        here.system_identifier,
-        here.timeline,
-    ):
+    where = (saved.cluster.system_identifier, saved.cluster.timeline, saved.cluster.filenode)
+    if where != (here.system_identifier, here.timeline, here.filenode):
         return ClaimFront()
     if saved.cluster.xmax > here.xmax:
         return ClaimFront()

@@ -197,12 +197,14 @@ SELECT coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
 -- saved_front --
 -- The front saved by the relays (``outbox/db/front.py``, "A new session"), if any,
 -- with where it was computed, and where this session runs: the cluster, its
--- timeline and the xmax of a snapshot taken now.  A new session starts from it
--- only if it is this cluster's, on this timeline, and not ahead (``front.resumed``).
+-- timeline, the outbox table's file and the xmax of a snapshot taken now.  A new
+-- session starts from it only if it is this cluster's, on this timeline, for this
+-- table's file, and not ahead (``front.resumed``).
 SELECT s.system_identifier AS here_system_identifier, c.timeline_id AS here_timeline,
+       pg_relation_filenode(to_regclass(%(table)s))::bigint AS here_filenode,
        pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS here_xmax,
        f.low_water, f.late, f.seen::text AS seen, f.system_identifier, f.timeline,
-       pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax
+       f.filenode::bigint AS filenode, pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax
 FROM pg_control_system() AS s
 CROSS JOIN pg_control_checkpoint() AS c
 LEFT JOIN {claim_front} AS f ON true
@@ -213,15 +215,17 @@ LEFT JOIN {claim_front} AS f ON true
 -- saved front is valid, a fresher one costs a new session less.  In autocommit,
 -- never inside a claim (a claim is prepared, and the row lock would then be held
 -- until its COMMIT PREPARED, serialising the relays).
-INSERT INTO {claim_front} AS f (low_water, late, seen, system_identifier, timeline)
+INSERT INTO {claim_front} AS f
+    (low_water, late, seen, system_identifier, timeline, filenode)
 SELECT %(low_water)s, %(late)s::bigint[], %(seen)s::pg_snapshot, s.system_identifier,
-       c.timeline_id
+       c.timeline_id, pg_relation_filenode(to_regclass(%(table)s))
 FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c
 ON CONFLICT (slot) DO UPDATE
 SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
     system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
-    saved_at = now()
-WHERE f.system_identifier <> EXCLUDED.system_identifier OR f.timeline <> EXCLUDED.timeline
+    filenode = EXCLUDED.filenode, saved_at = now()
+WHERE (f.system_identifier, f.timeline, f.filenode)
+      IS DISTINCT FROM (EXCLUDED.system_identifier, EXCLUDED.timeline, EXCLUDED.filenode)
    OR pg_snapshot_xmax(f.seen) < pg_snapshot_xmax(EXCLUDED.seen)
 
 -- record_dead_letters --
