@@ -1,5 +1,6 @@
 """The outbox's tables: which names a table may have, and the identifiers of the
-outbox table and its companions (relays, dead letters, schema version, trigger)."""
+outbox table and its companions (relays, dead letters, schema version, saved claim
+front, trigger)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "outbox_ordering_key_length": sql.Identifier(f"{table}_ordering_key_length"),
         "outbox_txid": sql.Identifier(f"{table}_txid"),
         "schema_version": sql.Identifier(f"{table}_schema_version"),
+        "claim_front": sql.Identifier(f"{table}_claim_front"),
         "notify_function": sql.Identifier(f"{table}_notify"),
         "notify_trigger": sql.Identifier(f"{table}_notify"),
     }

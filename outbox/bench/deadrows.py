@@ -17,9 +17,18 @@ rolled back (the figures), then for real.  Three ways of claiming, side by side:
   the rows committed behind it found by their txid;
 - ``rescan``: the low-water mark without the txid sweep (design B): its claims,
   and every N seconds one claim from the bottom (the ``bottom`` figure) to find
-  late rows.
+  late rows;
+- ``restart``: a relay's new session (its start, every reconnect).  A session
+  claims one batch, saves its front (schema 0007) and ends; a new session's first
+  claim is measured from the bottom (``today_ms``, ``today_buffers``: what 0.6
+  before schema 0007 did on every start and reconnect) and from the saved front
+  (``first_ms``, ``first_buffers``: ``BatchStore.saved_front``);
+- ``slice``: the claims of ``front`` while the safety net's pass is under way, each
+  carrying a slice of the heap (``outbox.db.front.RescanPass``; before schema 0007
+  the safety net was one claim from the bottom every 10 minutes, the ``bottom``
+  figure).
 
-The first claim of a session always walks from the bottom (``first``); the
+The first claim of a session walks from the bottom (``first``; but ``restart``); the
 figures are the median of the claims after it (``ms``, ``buffers``: shared
 blocks hit + read).  A benchmark prints figures, it asserts nothing.
 """
@@ -39,10 +48,10 @@ from psycopg import sql
 from outbox.db import migrate
 from outbox.db.batches import PINNED_CLAIM_PLAN, BatchStore
 from outbox.db.devcluster import PostgresCluster
-from outbox.db.front import ClaimFront
+from outbox.db.front import ClaimFront, RescanPass
 from outbox.tables import table_identifiers
 
-WAYS = ("0.5", "front", "rescan", "bottom")
+WAYS = ("0.5", "front", "rescan", "bottom", "restart", "slice")
 
 # The claim statement of outbox-relay 0.5 (``queries.sql``, ``claim_batch``, before
 # schema 0006), the baseline these figures compare with.
@@ -117,7 +126,9 @@ def _insert(conn: psycopg.Connection[Any], rows: int, payload: int) -> None:
         )
 
 
-def explain_claim(store: BatchStore, limit: int, *, old: bool = False) -> tuple[float, int]:
+def explain_claim(
+    store: BatchStore, limit: int, *, old: bool = False, sliced: bool = False
+) -> tuple[float, int]:
     """(ms, shared buffers hit + read) of the claim the store would run next (``old``:
     the claim of 0.5), run under EXPLAIN (ANALYZE, BUFFERS) and rolled back."""
     conn = store.conn
@@ -131,7 +142,7 @@ def explain_claim(store: BatchStore, limit: int, *, old: bool = False) -> tuple[
         conn.execute(PINNED_CLAIM_PLAN)
         row = conn.execute(
             sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(statement),
-            store.claim_params(limit),
+            store.claim_params(limit, sliced=sliced),
         ).fetchone()
     assert row is not None
     explained = next(iter(row.values()))[0]
@@ -150,8 +161,20 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
             _insert(conn, dead, payload)
             conn.execute("DELETE FROM outbox")
             _insert(conn, live, payload)
+        today: tuple[float, int] | None = None
+        if way == "restart":
+            before = BatchStore(dsn, "outbox", statement_timeout=600)
+            try:
+                before.claim_batch(batch)
+                before.conn.execute("COMMIT")
+                before.save_front()
+            finally:
+                before.close()
         store = BatchStore(dsn, "outbox", statement_timeout=600)
         try:
+            if way == "restart":
+                today = explain_claim(store, batch)  # from the bottom
+                store.front = store.saved_front()
             costs = []
             claims = 0
             while True:
@@ -159,7 +182,11 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
                     store.front = ClaimFront()
                 elif way == "rescan" and claims:
                     store.front = ClaimFront(store.front.low_water)  # no late rows, no sweep
-                costs.append(explain_claim(store, batch, old=way == "0.5"))
+                elif way == "slice" and claims and store.rescan is None:
+                    store.rescan_seconds = 0.0  # a slice with every claim
+                    store.rescan = RescanPass(store.heap_pages())
+                sliced = store.rescan is not None
+                costs.append(explain_claim(store, batch, old=way == "0.5", sliced=sliced))
                 rows = store.claim_batch(batch)
                 store.conn.execute("COMMIT")
                 claims += 1
@@ -170,7 +197,7 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
     finally:
         holder.close()
     first, steady = costs[0], costs[1:] or costs
-    return {
+    result = {
         "way": way,
         "dead": dead,
         "live": live,
@@ -180,6 +207,9 @@ def measure(dsn: str, way: str, dead: int, live: int, batch: int, payload: int) 
         "ms": round(statistics.median(c[0] for c in steady), 3),
         "buffers": int(statistics.median(c[1] for c in steady)),
     }
+    if today is not None:
+        result.update(today_ms=round(today[0], 2), today_buffers=today[1])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'way':8} {'dead':>9} {'first ms':>9} {'first buf':>9} {'ms':>8} {'buffers':>8}")
     for r in results:
         extra = f"  ({r['ms_with_rescans']} ms with rescans)" if "ms_with_rescans" in r else ""
+        if "today_ms" in r:
+            extra = f"  (first claim from the bottom: {r['today_ms']} ms, {r['today_buffers']} buf)"
         print(
             f"{r['way']:8} {r['dead']:>9} {r['first_ms']:>9} {r['first_buffers']:>9} "
             f"{r['ms']:>8} {r['buffers']:>8}{extra}"

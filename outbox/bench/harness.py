@@ -374,7 +374,7 @@ def bench_database(
             migrate.migrate(conn, table)
             yield Database(dsn, dsn, table, "the server given by --dsn")
         finally:
-            for name in ("", "_relays", "_dead_letters", "_schema_version"):
+            for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
                 with contextlib.suppress(Exception):
                     conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
             conn.close()

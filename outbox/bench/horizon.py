@@ -463,7 +463,7 @@ def horizon_run(
         receiver.stop()
         reader.close()
         broker.delete()
-        for name in ("", "_relays", "_dead_letters", "_schema_version"):
+        for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
             with contextlib.suppress(Exception):
                 conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
         with contextlib.suppress(Exception):

@@ -23,12 +23,22 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pgerrors
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.types.json import Jsonb
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
-from outbox.db.front import RESCAN_SECONDS, ClaimFront
+from outbox.db.front import (
+    RESCAN_SECONDS,
+    RESCAN_SLICES,
+    SAVE_SECONDS,
+    ClaimFront,
+    Cluster,
+    RescanPass,
+    SavedFront,
+    resumed,
+    tid,
+)
 from outbox.db.replication import Replication
 from outbox.db.rows import claim_cursor, claimed_rows
 from outbox.db.session import Session, first_line, session_lost
@@ -183,13 +193,21 @@ class BatchStore(Session):
             None
         )
         self.backend: Backend | None = None
-        # Where this session's claims start (``outbox.db.front``): from the bottom at
-        # first, then past what the claims before saw gone.  Never carried over to
-        # another session (after a failover ids and xids may be handed out again).
+        # Where this session's claims start (``outbox.db.front``): the front the
+        # relays saved, if it is this cluster's (read before the first claim,
+        # ``_resumed``), else from the bottom; then past what the claims before saw
+        # gone.  Saved every ``save_seconds`` (``save_front``).
         self.front = ClaimFront()
-        # When the claims start from the bottom again (``current_front``).
+        self._resumed = False
+        self.save_seconds = SAVE_SECONDS
+        self._save_at = time.monotonic() + self.save_seconds
+        self._saved = ClaimFront()
+        # The safety net (``rescan_due``): when its next pass begins, the pass under
+        # way, when its next slice is due.
         self.rescan_seconds = RESCAN_SECONDS
         self._rescan_at = time.monotonic() + self.rescan_seconds
+        self.rescan: RescanPass | None = None
+        self._slice_at = 0.0
         if not note_backend:
             return
         try:
@@ -274,10 +292,16 @@ class BatchStore(Session):
         Crash right after: the open transaction dies with the session, the rows are
         free again at once; nothing to clean up.
         """
-        if self.rescan_due():
-            self.front = ClaimFront()
+        if not self._resumed:
+            self.front = self.saved_front()
+            self._resumed = True
+        elif self.rescan is None and time.monotonic() >= self._rescan_at:
+            self.rescan = RescanPass(self.heap_pages())
             self._rescan_at = time.monotonic() + self.rescan_seconds
-        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own)
+        elif time.monotonic() >= self._save_at:
+            self.save_front()
+        sliced = self.rescan is not None and time.monotonic() >= self._slice_at
+        params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own, sliced=sliced)
         with self._translated("claiming a batch"):
             cur, plain, statement = self._claim_statement()
             if psycopg.Pipeline.is_supported():
@@ -292,7 +316,56 @@ class BatchStore(Session):
             rows, front = claimed_rows(self.conn, cur)
         if front is not None:
             self.front = self.front.after(*front)
+        if sliced and self.rescan is not None:
+            self.rescan = self.rescan.after()
+            self._slice_at = time.monotonic() + self.rescan_seconds / (2 * RESCAN_SLICES)
         return rows
+
+    def heap_pages(self) -> int:
+        """The outbox's heap pages now: what a pass of the safety net reads."""
+        with self._translated("reading the outbox's size"):
+            row = self.conn.execute(self.queries["heap_pages"], {"table": self.table}).fetchone()
+        assert row is not None
+        return int(row["pages"])
+
+    @property
+    def idle(self) -> bool:
+        """Connected, and no transaction open (no claim before its PREPARE)."""
+        return not self.broken and self.conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+    def saved_front(self) -> ClaimFront:
+        """The front a new session starts from (``outbox.db.front.resumed``): the one
+        the relays saved if it is this cluster's and timeline's, else the bottom."""
+        with self._translated("reading the saved claim front"):
+            row = self.conn.execute(self.queries["saved_front"], {"table": self.table}).fetchone()
+        assert row is not None
+        here = Cluster(
+            row["here_system_identifier"],
+            row["here_timeline"],
+            row["here_filenode"],
+            row["here_xmax"],
+        )
+        saved = None
+        if row["seen"] is not None:
+            saved = SavedFront(
+                ClaimFront(row["low_water"], tuple(row["late"]), row["seen"]),
+                Cluster(
+                    row["system_identifier"], row["timeline"], row["filenode"], row["seen_xmax"]
+                ),
+            )
+        return resumed(saved, here)
+
+    def save_front(self) -> None:
+        """Save this session's front for the sessions after it (``outbox.db.front``),
+        unless a fresher one is saved; outside any claim (autocommit).  A front from
+        the bottom, or the one saved last, is not saved again."""
+        self._save_at = time.monotonic() + self.save_seconds
+        front = self.front
+        if front.low_water is None or front.seen is None or front == self._saved:
+            return
+        with self._translated("saving the claim front"):
+            self.conn.execute(self.queries["save_front"], {**front.params(), "table": self.table})
+        self._saved = front
 
     def claim_params(
         self,
@@ -301,9 +374,14 @@ class BatchStore(Session):
         *,
         hold_keys: bool = True,
         own: Sequence[int] = (),
+        sliced: bool = False,
     ) -> dict[str, Any]:
-        """The parameters of the next claim (``claim_batch``), from this session's front."""
+        """The parameters of the next claim (``claim_batch``), from this session's front
+        (and with ``sliced``, the next slice of the safety net's pass under way)."""
+        first, last = self.rescan.slice() if sliced and self.rescan is not None else (0, 0)
         return {
+            "slice_from": tid(first),
+            "slice_to": tid(last),
             "limit": limit,
             "window": limit * KEYED_WINDOW,
             "max_bytes": max_bytes,
@@ -432,12 +510,15 @@ class BatchStore(Session):
             ) from exc
 
     def rescan_due(self) -> bool:
-        """Whether the next claim starts from the bottom, as a new session's first
-        does (every ``rescan_seconds``, ``outbox.db.front.RESCAN_SECONDS``: a row whose
-        txid the application wrote is found within that time).  An idle relay
-        claims once when it is due (``Relay._wait_for_work``): its polls look only
-        where its claims do."""
-        return time.monotonic() >= self._rescan_at
+        """Whether the next claim begins a pass of the safety net or reads its next
+        slice (``outbox.db.front.RescanPass``: a pass every ``rescan_seconds``, a
+        slice every ``rescan_seconds / (2 * RESCAN_SLICES)``; a row whose txid the
+        application wrote is found within that time).  An idle relay claims once
+        when it is due (``Relay._wait_for_work``): its polls look only where its
+        claims do."""
+        if self.rescan is None:
+            return time.monotonic() >= self._rescan_at
+        return time.monotonic() >= self._slice_at
 
     def has_claimable_rows(self) -> bool:
         """Whether any row nobody holds is where the claim looks (``front``)."""
@@ -506,8 +587,18 @@ class BatchStore(Session):
             ).fetchall()
 
     def backlog(self) -> Row:
-        with self._translated("measuring the backlog"):
-            row = self.conn.execute(self.queries["backlog"]).fetchone()
+        """Rows in the outbox and the oldest one's age, counted where the relays'
+        claims look (``queries.sql``, ``front_rows``: from the front they saved)."""
+        return self._from_front("backlog", "measuring the backlog")
+
+    def _from_front(self, query: str, what: str, **params: Any) -> Row:
+        """One row of ``query``, a statement over ``front_rows``, from the saved front
+        (none: from the bottom), with the claim's planner settings: the plan must
+        read the indexes from W, never the table (``PINNED_CLAIM_PLAN``)."""
+        front = self.saved_front()
+        with self._translated(what), self.conn.transaction():
+            self.conn.execute(PINNED_CLAIM_PLAN)
+            row = self.conn.execute(self.queries[query], {**front.params(), **params}).fetchone()
             assert row is not None
             return row
 
@@ -518,11 +609,11 @@ class BatchStore(Session):
             return (int(row["dead_letters"]), int(row["ordering_keys"])) if row else (0, 0)
 
     def metrics_snapshot(self) -> Row:
-        """Backlog, prepared batches, dead letters and live relays in one round trip."""
-        with self._translated("reading metrics"):
-            row = self.conn.execute(
-                self.queries["metrics_snapshot"],
-                {"gid_prefix": gids.relay_prefix(self.table), "lock_class": gids.LOCK_CLASS},
-            ).fetchone()
-            assert row is not None
-            return row
+        """Backlog (as ``backlog``), prepared batches, dead letters and live relays, in
+        one round trip after reading the saved front."""
+        return self._from_front(
+            "metrics_snapshot",
+            "reading metrics",
+            gid_prefix=gids.relay_prefix(self.table),
+            lock_class=gids.LOCK_CLASS,
+        )

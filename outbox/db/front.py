@@ -15,7 +15,8 @@ claim and handed to the next (``queries.sql``, ``claim_batch``):
 - ``low_water`` (W): the smallest id *visible* to the previous claim's snapshot
   among the ids ≥ the W before it (plain MVCC, no SKIP LOCKED: rows being
   claimed, rows held by any relay's batch, prepared or not, are all visible).
-  The claim's scans start at W.  ``None``: from the bottom (a new session).
+  The claim's scans start at W.  ``None``: from the bottom (a new session
+  without a usable saved front).
 - ``late``: ids below W that became visible after W passed them, found by the
   sweep below and kept until a claim sees them gone (deleted by a committed
   batch); the claim takes them by id.  At most ``LATE_MOST``: a bulk load that
@@ -49,15 +50,77 @@ or at ≥ W, so the claim's ``keyed`` window (the late rows, then the front from
 W) sees a key's first row exactly as a walk from the bottom would.
 
 The cost of a claim is then the rows deleted since the previous claim's W (a
-batch or two per relay in flight), not since the horizon was taken.  What
-still costs a walk, once: a new session (the relay's start, every reconnect)
-starts from the bottom, which also covers the rows written before schema 0006
-(``txid`` NULL: the migration's lock waited for every transaction that wrote
-them, so all are committed before any relay of this version claims).  Starting
-afresh after a reconnect is deliberate: after a failover to a standby, ids and
-transaction ids seen on the old primary may be handed out again.  And a batch
+batch or two per relay in flight), not since the horizon was taken.  A batch
 prepared by a dead relay, until a resolver finishes it, holds every W at or below
 its first row (its rows are visible), as it holds the horizon.
+
+A new session (schema 0007; the relay's start, every reconnect) starts from a
+saved front rather than from the bottom, which cost 5-7 s at 5 million dead rows.
+A front stays valid once computed: time only adds rows below W whose inserting
+transaction S did not see (a transaction that starts later has a txid ≥ xmax(S));
+deletes only shrink the set of rows below W; a batch rolled back puts back rows
+that were visible to S all along (so at or after W, or in ``late``); a dead letter
+retried is a new insert with a new txid.  So any saved front is a valid start,
+however old: the first claim's sweep (from xmax(S), and the transactions S saw in
+progress that have ended) finds what committed since.  Its cost is the rows
+inserted since S (one txid index entry each, dead or not): a front saved every
+``SAVE_SECONDS`` makes that a few seconds' worth, plus what the application wrote
+while no relay ran (rows the relays must read anyway).  Rows written before schema
+0006 (``txid`` NULL) are covered too: the front saved was computed by a chain of
+claims that began at the bottom, after every such row had committed.
+
+The relays save their front outside the claim (the claim is prepared: a row lock
+held until COMMIT PREPARED would serialise the relays), at most every
+``SAVE_SECONDS`` and on a clean stop, into one row per outbox table that a staler
+front never replaces (``queries.sql``, ``save_front``): behind a held horizon every
+UPDATE of it leaves a dead version, a few hundred an hour, read once per session.
+
+What a saved front relies on is in the WAL before the row that saves it: the
+deletes of the rows below W committed before the claim's snapshot, and the saving
+transaction has a txid ≥ xmax(S).  A physical standby promoted after a failover,
+or a point-in-time recovery, replays a prefix of the WAL: if it has the front, it
+has all of that, and its next txid is above xmax(S), so no txid S judged will be
+handed out again (ids may be: a new txid finds them).  What breaks it is a logical
+copy: a dump restored elsewhere or in another database of this cluster (its rows
+keep the txids of the first, as data), ``pg_upgrade`` or ``pg_resetwal`` (txids and
+the saved row no longer from one history), an outbox truncated and reloaded from a
+copy.  So a new session uses the saved front only if it was saved on this cluster
+(``pg_control_system().system_identifier``) and timeline
+(``pg_control_checkpoint().timeline_id``; stricter than needed: after a failover the
+first session walks from the bottom once, as does one that reads the timeline
+before the promotion's checkpoint records the new one), for this file of the
+outbox table (``pg_relation_filenode``: a table restored, truncated or rewritten by
+``VACUUM FULL`` has a new one; a walk from the bottom once), and its xmax(S) is not
+beyond this server's (``resumed``).  Otherwise it starts from the bottom.
+
+The safety net.  A row below W whose ``txid`` is not its inserting transaction's
+(the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a
+copy of the outbox) is invisible to the sweep.  Until schema 0007 the claims of a
+session started from the bottom again every ``RESCAN_SECONDS``: one claim walked
+every dead row (what a new session's first claim cost), a latency spike every 10
+minutes per relay behind a held horizon.  Now a pass reads the outbox in slices,
+one claim carrying one slice (``RescanPass``; ``BatchStore.rescan_due``): a slice
+is a range of heap pages read by a TID range scan, which reads those pages and
+nothing else, dead rows included, and records every row below W that it sees
+(visible to the claim's snapshot) as late.  That keeps the invariant (``late`` may
+hold any ids below W that exist; the claim drops those gone), and per-key order:
+such a row goes through the keyed window as the late rows do, and a key's later
+rows wait behind it.  A slice of pages, not of ids: a range of ids [a, b) walks the
+primary key's entries from a, dead ones included, but where the pass begins (the
+lowest id, dead or alive) is only found by that very walk, and ids may be far apart
+(``OVERRIDING SYSTEM VALUE``).  Pages are bounded: the pass covers [0, size of the
+heap when it began) in at most ``RESCAN_SLICES`` slices of at least
+``SLICE_PAGES_MIN`` pages, a slice a second, so a row written after the pass began
+on a page beyond that, or moved by an UPDATE across the slice being read, waits for
+the next pass.
+
+Counting.  ``outbox status`` and the metrics count the backlog where the claims look,
+from the saved front (``queries.sql``, ``front_rows``): the rows from W by the primary
+key (the backlog, and the dead rows since the front was saved), the late ids, and the
+rows inserted by transactions its snapshot did not see.  By the invariant that is
+every row that exists, but a row whose txid the application wrote, below W, until
+the safety net finds it (it is then a late id of a saved front).  Not an estimate:
+exact, to that exception.
 
 Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
 selects a batch's events between two tick snapshots: a range of txids from the
@@ -72,7 +135,8 @@ few minutes), which a held horizon defeats.
 Design B, measured beside it (``python -m outbox.bench.deadrows``): the same W without a
 txid, and a full walk from the bottom every N seconds to catch late rows: each
 such walk costs what every claim costs today, and a late row waits up to N
-seconds.  A partitioned outbox (drained partitions detached and dropped) needs
+seconds (sliced as the safety net is, it would wait for a whole pass).  A
+partitioned outbox (drained partitions detached and dropped) needs
 ACCESS EXCLUSIVE or a ``DETACH … CONCURRENTLY`` that waits for every snapshot
 that may see the partition, and ``pg_dump`` or a report holding ACCESS SHARE on
 it postpones the drop for hours: not chosen.
@@ -94,15 +158,27 @@ BOTTOM = -(2**63)
 LATE_MOST = 1_000
 
 
-# How often a session's claims start from the bottom again, as a new session's
-# do (``BatchStore.rescan_due``; an idle relay claims once then).  A safety net,
-# not the way late rows are found: a row below W whose ``txid`` is not its
-# inserting transaction's (an application that wrote the column, NULL or copied
-# with ``INSERT … SELECT *`` from a copy of the outbox) is invisible to the sweep,
-# and without it would wait for the relay's next reconnect.  One walk over the
-# dead rows per interval and session: behind a held horizon at 1,000 rows/s,
-# 600,000 rows every 10 minutes, what every claim of 0.5 read after 10 minutes.
+# How often a session begins a pass of the safety net (``RescanPass``; an idle
+# relay claims for each slice).  Not the way late rows are found: a row below W
+# whose ``txid`` is not its inserting transaction's (an application that wrote the
+# column, NULL or copied with ``INSERT … SELECT *`` from a copy of the outbox) is
+# invisible to the sweep, and without it would wait below W for good (new sessions
+# start from the saved front).  Such a row waits at most this long and the pass.
 RESCAN_SECONDS = 600.0
+
+# A pass reads the outbox's heap in this many slices at most (more pages per slice
+# on a larger table), one claim carrying a slice every
+# RESCAN_SECONDS / (2 * RESCAN_SLICES) (1 s): a pass takes at most 5 minutes.
+RESCAN_SLICES = 300
+# And at least this many pages per slice (1 MB of 8 kB pages).
+SLICE_PAGES_MIN = 128
+
+# How often a session saves its front (``BatchStore.save_front``; also on a clean
+# stop), at most: each save is an UPDATE of the one row of ``<table>_claim_front``,
+# which leaves a dead version behind a held horizon too (360 an hour per relay,
+# read once by each new session), and a new session starting from a front this old
+# sweeps the rows inserted since (by their txid: rows that exist, mostly).
+SAVE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +210,65 @@ class ClaimFront:
             first = min(late)
             return ClaimFront(first if mark is None else min(mark, first), (), seen)
         return ClaimFront(mark, tuple(late), seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where a front was computed, or where a session runs: the cluster
+    (``pg_control_system().system_identifier``), its timeline
+    (``pg_control_checkpoint().timeline_id``), the outbox table's file
+    (``pg_relation_filenode``) and the next transaction id its snapshots would not
+    see (``pg_snapshot_xmax(pg_current_snapshot())``)."""
+
+    system_identifier: int
+    timeline: int
+    filenode: int
+    xmax: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedFront:
+    """A front as saved in ``<table>_claim_front``, with where it was saved."""
+
+    front: ClaimFront
+    cluster: Cluster  # xmax: that of the front's own snapshot (``seen``)
+
+
+def resumed(saved: SavedFront | None, here: Cluster) -> ClaimFront:
+    """The front a new session starts from: the saved one if it was computed on this
+    cluster and timeline, for this file of the outbox table, and its snapshot is not
+    ahead of this server's, else from the bottom (module docstring, "A new
+    session")."""
+    if saved is None or saved.front.low_water is None or saved.front.seen is None:
+        return ClaimFront()
+    where = (saved.cluster.system_identifier, saved.cluster.timeline, saved.cluster.filenode)
+    if where != (here.system_identifier, here.timeline, here.filenode):
+        return ClaimFront()
+    if saved.cluster.xmax > here.xmax:
+        return ClaimFront()
+    return saved.front
+
+
+@dataclasses.dataclass(frozen=True)
+class RescanPass:
+    """One pass of the safety net over the pages [0, ``end``) of the outbox's heap
+    (its size when the pass began), a slice per claim (module docstring, "The
+    safety net"); ``at``: the first page of the next slice."""
+
+    end: int
+    at: int = 0
+
+    def slice(self) -> tuple[int, int]:
+        """The pages [first, last) of the next slice."""
+        width = max(SLICE_PAGES_MIN, -(-self.end // RESCAN_SLICES))
+        return self.at, min(self.end, self.at + width)
+
+    def after(self) -> RescanPass | None:
+        """The pass after its next slice was read (None: it is over)."""
+        _, last = self.slice()
+        return None if last >= self.end else RescanPass(self.end, last)
+
+
+def tid(page: int) -> str:
+    """The first tuple id of a page, as ``tid`` text."""
+    return f"({page},0)"

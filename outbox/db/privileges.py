@@ -9,7 +9,9 @@ Why each one: the claim is ``DELETE … WHERE id IN (SELECT … FOR UPDATE SKIP
 LOCKED) RETURNING …`` (SELECT, UPDATE for the row lock, DELETE); dead letters are
 written with ``INSERT … ON CONFLICT DO UPDATE`` that reads ``attempts`` (INSERT,
 UPDATE, SELECT); the registry is inserted, heartbeated and pruned; ``retry`` puts
-rows back with ``INSERT … ON CONFLICT DO NOTHING`` (INSERT and SELECT).
+rows back with ``INSERT … ON CONFLICT DO NOTHING`` (INSERT and SELECT); the relay
+reads and saves its claim front with ``INSERT … ON CONFLICT DO UPDATE … WHERE``
+(SELECT, INSERT, UPDATE; ``outbox.db.front``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterable, Mapping
 
 # Table roles, as in queries.table_identifiers: the outbox table and its companions.
 OUTBOX, RELAYS, DEAD_LETTERS, SCHEMA_VERSION = "outbox", "relays", "dead_letters", "schema_version"
+CLAIM_FRONT = "claim_front"
 
 Needs = Mapping[str, tuple[str, ...]]
 
@@ -26,6 +29,7 @@ RELAY: Needs = {
     OUTBOX: ("SELECT", "UPDATE", "DELETE"),
     DEAD_LETTERS: ("SELECT", "INSERT", "UPDATE"),
     RELAYS: ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    CLAIM_FRONT: ("SELECT", "INSERT", "UPDATE"),
     SCHEMA_VERSION: ("SELECT",),
 }
 DEAD_LETTERS_WRITE: Needs = {DEAD_LETTERS: RELAY[DEAD_LETTERS]}
@@ -34,6 +38,7 @@ STATUS: Needs = {
     OUTBOX: ("SELECT",),
     DEAD_LETTERS: ("SELECT",),
     RELAYS: ("SELECT",),
+    CLAIM_FRONT: ("SELECT",),
     SCHEMA_VERSION: ("SELECT",),
 }
 DEAD_LETTERS_LIST: Needs = {DEAD_LETTERS: ("SELECT",)}

@@ -39,8 +39,13 @@ class Queries:
     def __init__(self, table: str) -> None:
         ids = table_identifiers(table)
         raw = _raw_blocks()
-        # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups.
-        parts = {**ids, "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids)}
+        # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups;
+        # ``{front_rows}``: the rows where the claims look, in backlog and metrics_snapshot.
+        parts = {
+            **ids,
+            "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids),
+            "front_rows": sql.SQL(raw["front_rows"]).format(**ids),
+        }
         self._composed = {name: sql.SQL(body).format(**parts) for name, body in raw.items()}
 
     def __getitem__(self, name: str) -> sql.Composed:

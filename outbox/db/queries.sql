@@ -16,6 +16,10 @@
 -- bulk load say, is looked up only once it has ended, not at every claim).  So
 -- the claim never walks the rows deleted before W, however many dead ones vacuum
 -- cannot remove while the horizon is held.
+-- And, during a pass of the safety net (``front.RescanPass``), the rows below W in
+-- the heap pages [%(slice_from)s, %(slice_to)s) (a TID range scan: it reads those
+-- pages, dead rows and all, and nothing else; an empty range reads nothing): a
+-- row whose txid the application wrote is found there.
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
 -- from the bottom to W and filtered on txid (the very walk this avoids).
@@ -81,6 +85,9 @@ WITH committed_since AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
     UNION
     SELECT id FROM committed_since WHERE id < %(low_water)s
+    UNION
+    SELECT id FROM {outbox}
+    WHERE ctid >= %(slice_from)s::tid AND ctid < %(slice_to)s::tid AND id < %(low_water)s
 ), start AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
 ), claimed AS (
@@ -181,6 +188,45 @@ SELECT (SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
             WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
         ORDER BY txid LIMIT 1 FOR UPDATE SKIP LOCKED) IS NOT NULL
     AS claimable
+
+-- heap_pages --
+-- The outbox's heap pages now (``front.RescanPass``): no scan, the file's size.
+SELECT coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
+       / current_setting('block_size')::bigint AS pages
+
+-- saved_front --
+-- The front saved by the relays (``outbox/db/front.py``, "A new session"), if any,
+-- with where it was computed, and where this session runs: the cluster, its
+-- timeline, the outbox table's file and the xmax of a snapshot taken now.  A new
+-- session starts from it only if it is this cluster's, on this timeline, for this
+-- table's file, and not ahead (``front.resumed``).
+SELECT s.system_identifier AS here_system_identifier, c.timeline_id AS here_timeline,
+       pg_relation_filenode(to_regclass(%(table)s))::bigint AS here_filenode,
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS here_xmax,
+       f.low_water, f.late, f.seen::text AS seen, f.system_identifier, f.timeline,
+       f.filenode::bigint AS filenode, pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax
+FROM pg_control_system() AS s
+CROSS JOIN pg_control_checkpoint() AS c
+LEFT JOIN {claim_front} AS f ON true
+
+-- save_front --
+-- Save a session's front, with where it was computed, unless the one saved is
+-- fresher (its snapshot's xmax higher) on the same cluster and timeline: every
+-- saved front is valid, a fresher one costs a new session less.  In autocommit,
+-- never inside a claim (a claim is prepared, and the row lock would then be held
+-- until its COMMIT PREPARED, serialising the relays).
+INSERT INTO {claim_front} AS f
+    (low_water, late, seen, system_identifier, timeline, filenode)
+SELECT %(low_water)s, %(late)s::bigint[], %(seen)s::pg_snapshot, s.system_identifier,
+       c.timeline_id, pg_relation_filenode(to_regclass(%(table)s))
+FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c
+ON CONFLICT (slot) DO UPDATE
+SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
+    system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
+    filenode = EXCLUDED.filenode, saved_at = now()
+WHERE (f.system_identifier, f.timeline, f.filenode)
+      IS DISTINCT FROM (EXCLUDED.system_identifier, EXCLUDED.timeline, EXCLUDED.filenode)
+   OR pg_snapshot_xmax(f.seen) < pg_snapshot_xmax(EXCLUDED.seen)
 
 -- record_dead_letters --
 -- Keyed by the outbox row's id: rows sharing a message_id stay separate dead
@@ -326,13 +372,38 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
   AND NOT EXISTS (
       SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
 
+-- front_rows --
+-- The rows of the outbox (id, created_at), found where the relays' claims look
+-- (``outbox/db/front.py``; %(low_water)s etc.: the front they saved): from W on,
+-- and below it the late ids and the rows inserted by transactions the front's
+-- snapshot did not see.  By the front's invariant that is every row that exists but
+-- one whose txid the application wrote, below W, until a relay's safety net finds
+-- it.  No walk over the dead rows below W.  With no front (W the bottom, no
+-- snapshot) every row, from the lowest id.  The sweep is MATERIALIZED, without
+-- a condition on id, as in ``claim_batch``.  Composed into ``backlog`` and
+-- ``metrics_snapshot`` (``outbox.db.queries``).
+WITH swept AS MATERIALIZED (
+    SELECT id, created_at FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
+    UNION ALL
+    SELECT id, created_at FROM {outbox}
+    WHERE txid = ANY (ARRAY (SELECT pg_snapshot_xip(%(seen)s::pg_snapshot)))
+), late AS MATERIALIZED (
+    SELECT id, created_at FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
+)
+SELECT id, created_at FROM {outbox} WHERE id >= %(low_water)s
+UNION ALL
+(SELECT id, created_at FROM swept WHERE id < %(low_water)s
+ UNION
+ SELECT id, created_at FROM late WHERE id < %(low_water)s)
+
 -- backlog --
 -- An application may commit created_at = '-infinity' (the relay dead-letters such a
--- row); subtracting it is out of range, so ages skip non-finite timestamps.
+-- row); subtracting it is out of range, so ages skip non-finite timestamps.  The
+-- rows as the relays' claims see them (``front_rows``).
 SELECT count(*) AS rows,
        coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE isfinite(created_at))),
                 0)::float8 AS oldest_age_seconds
-FROM {outbox}
+FROM ({front_rows}) AS backlog
 
 -- dead_letter_count --
 -- With ordering keys: how many keys have a dead letter (with
@@ -478,11 +549,11 @@ RETURNING id, message_id, ordering_key
 
 -- metrics_snapshot --
 -- Everything the metrics endpoint reads from the database, in one round trip.  The
--- oldest row is found through the primary key (ids are close to commit order),
--- not by scanning created_at.
-SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
-       coalesce((SELECT extract(epoch FROM now() - created_at)
-                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
+-- backlog is counted where the relays' claims look (``front_rows``), not over the
+-- dead rows below their front; its oldest row is the lowest id (ids are close to
+-- commit order), not found by scanning created_at.
+SELECT b.rows AS backlog_rows,
+       coalesce((SELECT extract(epoch FROM now() - created_at) FROM {outbox} WHERE id = b.first),
                 0)::float8 AS oldest_row_age_seconds,
        (SELECT count(*) FROM pg_prepared_xacts
         WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
@@ -498,6 +569,8 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog_rows,
          AND l.classid = %(lock_class)s::int::oid
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
+FROM (SELECT count(*) AS rows, min(id) FILTER (WHERE isfinite(created_at)) AS first
+      FROM ({front_rows}) AS f) AS b
 
 -- chart_sample --
 -- What the console's charts sample from one outbox table, in one round trip: the

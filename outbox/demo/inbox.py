@@ -103,7 +103,7 @@ def run_inbox_demo(
                 consumer.delete(amqp_url, exchange=exchange, queue=queue)
                 consumer.delete(amqp_url, queue=settings.ledger_queue)
             with contextlib.suppress(Exception):
-                for name in ("", "_relays", "_dead_letters", "_schema_version"):
+                for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
                     conn.execute(f'DROP TABLE IF EXISTS "{settings.table}{name}" CASCADE')
                 for table in (effects, inbox, f"{inbox}_attempts", f"{inbox}_parked"):
                     conn.execute(f'DROP TABLE IF EXISTS "{table}"')

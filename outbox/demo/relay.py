@@ -61,7 +61,7 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
                 consumer.delete(amqp_url, exchange=exchange, queue=queue)
                 consumer.delete(amqp_url, queue=settings.ledger_queue)
             with contextlib.suppress(Exception):
-                for name in ("", "_relays", "_dead_letters", "_schema_version"):
+                for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
                     conn.execute(f'DROP TABLE IF EXISTS "{settings.table}{name}" CASCADE')
             conn.close()
 

@@ -280,6 +280,11 @@ class Relay:
         if self.wakeups is not None:
             self.wakeups.close()
         if self.store is not None:
+            # The next session of any relay starts where this one got
+            # (``outbox.db.front``); a failure here costs that session a longer walk.
+            with contextlib.suppress(OutboxError):
+                if self.store.idle:
+                    self.store.save_front()
             self.store.close()
         self.publisher.close()
         self.liveness = None
@@ -396,7 +401,8 @@ class Relay:
         Idle cost: a dozen polls when it falls idle after being busy, then one per
         ``poll_interval`` on the wake-up session, one heartbeat per
         ``heartbeat_interval`` (its own thread) and one resolve pass per
-        ``resolve_interval``; claims only when there is work.
+        ``resolve_interval``; claims only when there is work, and during a pass of the
+        safety net (every 10 minutes, up to 5) one a second, each reading a slice.
         """
         wakeups = self.wakeups
         assert wakeups is not None
@@ -410,7 +416,7 @@ class Relay:
             now = time.monotonic()
             self.stats.last_progress = now  # idle is progress too (liveness)
             if self.store is not None and self.store.rescan_due():
-                return  # one claim from the bottom (``BatchStore.rescan_due``)
+                return  # a claim with the safety net's next slice (``BatchStore.rescan_due``)
             if self.liveness is None or self.liveness.lost:
                 raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:

@@ -63,6 +63,8 @@ def claim_params(limit: int) -> dict[str, Any]:
         "max_bytes": 2**40,
         "hold": True,
         "own": [],
+        "slice_from": "(0,0)",
+        "slice_to": "(0,0)",
         **ClaimFront().params(),
     }
 
@@ -143,6 +145,8 @@ CLAIM_PARAMETERS = {
     "low_water": "bigint",
     "late": "bigint[]",
     "seen": "text",
+    "slice_from": "tid",
+    "slice_to": "tid",
 }
 
 
@@ -399,8 +403,9 @@ def test_claim_plan__starts_at_the_front_through_indexes(
 ) -> None:
     """With a front (``outbox.db.front``) the claim reads the outbox only through its
     indexes: the primary key from W on, the late ids by id, the rows committed since
-    the last snapshot through the txid index; never a sequential scan, which would
-    read every dead row from the start of the table."""
+    the last snapshot through the txid index, and a slice of the safety net by a TID
+    range scan of its pages; never a sequential scan, which would read every dead
+    row from the start of the table."""
     global _keys
     _keys = 30
     try:
@@ -411,7 +416,7 @@ def test_claim_plan__starts_at_the_front_through_indexes(
             assert seen is not None
             _fill(conn, 10)  # committed after the snapshot: found by their txid
             front = ClaimFront(ids[len(ids) // 2], (ids[0], ids[1]), seen[0])
-            params = {**claim_params(LIMIT), **front.params()}
+            params = {**claim_params(LIMIT), **front.params(), "slice_to": "(2,0)"}
             plan = explain(conn, Queries("outbox")["claim_batch"], params, generic=generic)
     finally:
         _keys = None
@@ -424,6 +429,8 @@ def test_claim_plan__starts_at_the_front_through_indexes(
         (n["Node Type"], n.get("Index Name"), n.get("Filter")) for n in nodes
     ]
     assert any(n.get("Index Name") == "outbox_txid" for n in nodes)
+    [sliced] = [n for n in nodes if n["Node Type"] == "Tid Range Scan"]
+    assert "TID Cond" in sliced, sliced
     # The keyed window and the heads start at W: a walk from the bottom would read
     # the first half of the table.
     [window] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE keyed"]

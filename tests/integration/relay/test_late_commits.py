@@ -59,3 +59,36 @@ def test_relay__publishes_a_row_committed_late_behind_its_claims(
         if thread.is_alive():
             thread.join(timeout=30)
     check_delivery(settings.dsn, topology, [late, *later, *more], max_duplicates=0)
+
+
+def test_relay__a_row_committed_late_while_no_relay_ran_is_published_by_the_next(
+    settings: Settings, topology: Topology
+) -> None:
+    """A relay that stops cleanly saves its claim front (schema 0007), and the next
+    relay starts from it: a row that took its id before that front and committed
+    while no relay ran is published, and so are the rows after it."""
+    app = psycopg.connect(settings.dsn)
+    try:
+        late = str(
+            outbox.enqueue(app, exchange=topology.exchange, routing_key="k", payload=b"late")
+        )
+        early = insert_rows(settings.dsn, topology.exchange, 5)
+        first = Relay(settings)
+        first.start()
+        first.run(drain=True)  # and stops, cleanly
+        with psycopg.connect(settings.dsn) as conn:
+            saved = conn.execute("SELECT low_water FROM outbox_claim_front").fetchone()
+        [[late_id]] = app.execute("SELECT id FROM outbox").fetchall()
+        assert saved is not None and saved[0] > late_id, (saved, late_id)
+        app.commit()
+    finally:
+        app.close()
+    later = insert_rows(settings.dsn, topology.exchange, 3)
+    second = Relay(settings)
+    try:
+        second.start()
+        second.run(drain=True)
+        assert second.stats.messages_published == 4
+    finally:
+        second.close()
+    check_delivery(settings.dsn, topology, [*early, late, *later], max_duplicates=0)

@@ -35,5 +35,11 @@ def test_grants__quotes_a_role_name_sql_would_fold_or_reject() -> None:
 
 
 def test_relay_needs__cover_every_table_the_loop_touches() -> None:
-    assert set(privileges.RELAY) == {"outbox", "relays", "dead_letters", "schema_version"}
+    assert set(privileges.RELAY) == {
+        "outbox",
+        "relays",
+        "dead_letters",
+        "claim_front",
+        "schema_version",
+    }
     assert "UPDATE" in privileges.RELAY["outbox"], "FOR UPDATE SKIP LOCKED needs UPDATE"

@@ -1,0 +1,22 @@
+-- 0007: a relay's new session starts where the claims before it got (issue 33).
+-- A claim starts at a low-water mark and finds the rows committed behind it by
+-- their txid (0006, ``outbox/db/front.py``), but a new session (every start and
+-- reconnect of a relay) had no mark and walked every dead row from the lowest id:
+-- 5 to 7 s at 5 million dead rows while the MVCC horizon was held.  A front stays
+-- valid once computed, so the relays save one here (at most every few seconds,
+-- outside their claims) and a new session starts from the freshest, if it was
+-- saved on this cluster and timeline, for this very outbox table (`filenode`: a
+-- table restored from a dump, or truncated and reloaded, holds rows with txids
+-- copied from elsewhere).  One row per outbox table (`slot` is always true): a
+-- relay never replaces a fresher front with an older one.
+-- Online: a new table, nothing on the outbox is locked.
+CREATE TABLE IF NOT EXISTS {claim_front} (
+    slot boolean PRIMARY KEY DEFAULT true CHECK (slot),
+    low_water bigint NOT NULL,
+    late bigint[] NOT NULL,
+    seen pg_snapshot NOT NULL,
+    system_identifier bigint NOT NULL,
+    timeline integer NOT NULL,
+    filenode oid NOT NULL,
+    saved_at timestamptz NOT NULL DEFAULT now()
+);
