@@ -20,3 +20,26 @@ CREATE TABLE IF NOT EXISTS {claim_front} (
     filenode oid NOT NULL,
     saved_at timestamptz NOT NULL DEFAULT now()
 );
+-- The roles that may already claim (DELETE on the outbox: the relays) may save and
+-- read the front, and those that may read the outbox (`outbox status`) may read it:
+-- an upgrade needs no GRANT of its own, and no relay of 0.6 is refused at start.
+DO $grants$
+DECLARE
+    grantee oid;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT a.grantee FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = '{outbox}'::regclass AND a.privilege_type = 'DELETE'
+          AND a.grantee NOT IN (0, c.relowner)
+    LOOP
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE ON {claim_front} TO %s', grantee::regrole);
+    END LOOP;
+    FOR grantee IN
+        SELECT DISTINCT a.grantee FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = '{outbox}'::regclass AND a.privilege_type = 'SELECT'
+          AND a.grantee NOT IN (0, c.relowner)
+    LOOP
+        EXECUTE format('GRANT SELECT ON {claim_front} TO %s', grantee::regrole);
+    END LOOP;
+END
+$grants$;

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections import Counter
 
 import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.db import privileges
+from outbox.db import migrate, privileges
 from outbox.errors import ExitCode, MissingPrivileges
 from outbox.relay.process import Relay
 from tests.acceptance.test_cli import assert_one_clear_error
@@ -160,3 +161,40 @@ def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
         b"unroutable",
     ]
     assert prepared_left(settings.dsn) == []
+
+
+def test_upgrade_to_schema_7__carries_the_relays_and_status_grants_to_the_saved_front(
+    dsn: str, db_role: DbRole
+) -> None:
+    """A relay role granted what schema 6 needed keeps working after ``outbox init``
+    adds ``<table>_claim_front`` (schema 7): the migration grants it what the relay
+    needs there, and a role that may only read the outbox gets SELECT.  Before, the
+    relay refused to start until an operator ran the GRANT."""
+    table = f"up7_{uuid.uuid4().hex[:8]}"
+    schema_6 = {role: needs for role, needs in privileges.RELAY.items() if role != "claim_front"}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate.migrate(conn, table, target=6)
+        db_role.grant(*privileges.grants(privileges.wanted(table, schema_6), "{role}"))
+        conn.execute(f"CREATE ROLE {db_role.name}_st")
+        conn.execute(f"GRANT SELECT ON {table} TO {db_role.name}_st")
+        try:
+            migrate.migrate(conn, table)
+            front = f"{table}_claim_front"
+            held = {
+                (who, p): conn.execute(
+                    "SELECT has_table_privilege(%s, %s, %s)", [who, front, p]
+                ).fetchone()[0]  # type: ignore[index]
+                for who in (db_role.name, f"{db_role.name}_st")
+                for p in ("SELECT", "INSERT", "UPDATE")
+            }
+        finally:
+            conn.execute(f"DROP OWNED BY {db_role.name}_st")
+            conn.execute(f"DROP ROLE {db_role.name}_st")
+    assert held == {
+        (db_role.name, "SELECT"): True,
+        (db_role.name, "INSERT"): True,
+        (db_role.name, "UPDATE"): True,
+        (f"{db_role.name}_st", "SELECT"): True,
+        (f"{db_role.name}_st", "INSERT"): False,
+        (f"{db_role.name}_st", "UPDATE"): False,
+    }
