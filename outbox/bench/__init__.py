@@ -8,6 +8,7 @@ horizon, ``retries`` what a retry queue would cost the consumer (the
 broker's head-of-line expiry and dead-lettering), ``soak`` an hour of load with
 a fault every few minutes (on a private broker, ``outbox.amqp.devnode``), over
 the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
+``publishers`` the scaling grid's N bare publishers sending in parallel;
 ``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
 Benchmarks print figures, they never assert timings.  ``standby`` is the hot
 standby whose feedback holds the horizon through a physical slot (``horizon``'s

@@ -75,6 +75,7 @@ class BenchOptions:
     bursts: bool = True  # the bursty-writers load shape
     ordering: bool = True  # unordered / 1,000 keys / one hot key
     memory: bool = True  # the relay's peak RSS draining large rows
+    latency: bool = True  # the latency run and the idle run
     memory_only: bool = False  # nothing else
     memory_backlogs: tuple[bench_memory.Backlog, ...] = bench_memory.parse_backlogs(
         bench_memory.DEFAULT_BACKLOGS
@@ -97,6 +98,27 @@ def bare_publish(
     Returns the seconds from the first publish to the last confirm.  This is what a
     competent hand-written pika publisher does; the relay is measured against it.
     """
+    started, finished = bare_publish_span(
+        amqp_url, exchange, routing_key, bodies, message_ids, window=window, timeout=timeout
+    )
+    return finished - started
+
+
+def bare_publish_span(
+    amqp_url: str,
+    exchange: str,
+    routing_key: str,
+    bodies: Sequence[bytes],
+    message_ids: Sequence[str],
+    *,
+    window: int = 1000,
+    timeout: float = 120.0,
+    ready: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """``bare_publish``, returning when (``time.perf_counter``) the first publish
+    went out and the last confirm came; ``ready`` is called once the channel is in
+    confirm mode, before the first publish (``publishers`` waits there for the
+    others to be connected too)."""
     state: dict[str, Any] = {"sent": 0, "acked": 0, "nacked": 0, "returned": 0}
     outstanding: dict[int, None] = {}
     conn_ref: list[SelectConnection] = []
@@ -123,7 +145,7 @@ def bare_publish(
         key = "acked" if isinstance(method, pika.spec.Basic.Ack) else "nacked"
         state[key] += len(tags)
         if state["acked"] + state["nacked"] >= total:
-            state["elapsed"] = time.perf_counter() - started[0]
+            state["finished"] = time.perf_counter()
             conn_ref[0].close()
         else:
             pump(state["channel"])
@@ -133,6 +155,13 @@ def bare_publish(
         channel.add_on_return_callback(lambda *_: state.__setitem__("returned", 1))
 
         def confirming(_frame: Any) -> None:
+            if ready is not None:
+                try:
+                    ready()
+                except Exception as exc:
+                    state["error"] = f"{type(exc).__name__}: {exc}"
+                    conn_ref[0].close()
+                    return
             started[0] = time.perf_counter()
             pump(channel)
 
@@ -151,9 +180,9 @@ def bare_publish(
     timer = conn.ioloop.call_later(timeout, conn.ioloop.stop)
     conn.ioloop.start()
     conn.ioloop.remove_timeout(timer)
-    if "elapsed" not in state or state["nacked"] or state["returned"]:
+    if "finished" not in state or state["nacked"] or state["returned"]:
         raise OutboxError(f"bare publisher did not finish cleanly: {state}")
-    return float(state["elapsed"])
+    return started[0], float(state["finished"])
 
 
 # -- broker topology and the latency consumer ------------------------------------
@@ -534,6 +563,11 @@ def is_postgres(pid: int) -> bool:
         return False
 
 
+def bench_body(index: int, payload: int) -> bytes:
+    """The bare publishers' ``index``-th body, ``payload`` bytes."""
+    return f"{index}:".encode().ljust(payload, b"x")
+
+
 def per_10k(cpu_seconds: float | None, messages: int) -> float | None:
     """CPU seconds per 10,000 messages."""
     if cpu_seconds is None or messages <= 0:
@@ -543,7 +577,7 @@ def per_10k(cpu_seconds: float | None, messages: int) -> float | None:
 
 @dataclasses.dataclass
 class Run:
-    kind: str  # bare | relay
+    kind: str  # bare | parallel-bare | relay
     relays: int
     batch_size: int
     rows: int
@@ -580,7 +614,7 @@ class Bench:
     ) -> None:
         self.o, self.db, self.broker, self.echo = options, db, broker, echo
         self.conn = session.connect(db.dsn, application_name="outbox-bench")
-        self.bodies = [f"{i}:".encode().ljust(options.payload, b"x") for i in range(options.rows)]
+        self.bodies = [bench_body(i, options.payload) for i in range(options.rows)]
 
     def settings(self, batch_size: int | None = None) -> Settings:
         defaults = Settings()

@@ -8,11 +8,14 @@ Measures, against the same PostgreSQL and RabbitMQ:
    outbox table.  Runs alternate (bare, relay, bare, relay, …) so both see the
    same background load; the ratio is taken from the medians.  Then relays x batch
    sizes for scaling, each cell ``repeats`` times (medians), with how busy the
-   machine's CPUs were during each run.
+   machine's CPUs were during each run, and for each relay count N, N bare
+   publishers sending in parallel (``outbox.bench.publishers``): the broker's
+   ingest from N connections, the fair baseline of N relays.
 2. **Latency.**  One idle relay; the bench commits single-row transactions at a
    fixed rate (from one application process per 500 commits/s) and a consumer
    timestamps each message: commit returned → message received (same clock, same
    process).  It reports the rate reached and the CPU per 10,000 messages too.
+   ``--no-latency`` skips it and the idle run.
 3. **Idle cost.**  The relay left alone: its CPU (``/proc/<pid>/stat``) and the
    transactions its database ran (``pg_stat_database``).
 4. **Memory.**  The relay's peak RSS draining backlogs of 1 KiB, 1 MiB and 8 MiB
@@ -51,6 +54,7 @@ from outbox.bench.harness import (
 )
 from outbox.bench.load import BurstShape, measure_bursts, render_bursts
 from outbox.bench.ordering import measure_ordering, render_ordering
+from outbox.bench.publishers import parallel_bare
 from outbox.config import Settings
 
 
@@ -98,33 +102,49 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
     # The scaling grid: every cell ``repeats`` times, in rounds (each round visits
     # every cell once), so slow drifts of the machine hit every cell alike; the
     # figure of a cell is its median.  The 1-relay default cell reuses the runs above.
+    # Each round runs, per relay count N, N bare publishers in parallel first (the
+    # fair baseline of N relays: as many connections and confirm windows).
     default_batch = Settings().batch_size
-    cells = [(count, batch) for count in o.relays for batch in o.batch_sizes] if o.scaling else []
+    counts = list(dict.fromkeys(o.relays)) if o.scaling else []
+    cells = [(count, batch) for count in counts for batch in dict.fromkeys(o.batch_sizes)]
     grid: dict[tuple[int, int], list[Run]] = {
         cell: list(relay_runs) if cell == (1, default_batch) else [] for cell in cells
     }
+    parallel: dict[int, list[Run]] = {count: [] for count in counts}
+    parallel_runs: list[Run] = []
     for i in range(o.repeats):
-        for cell in cells:
-            if len(grid[cell]) > i:
-                continue
-            run = bench.relay(*cell)
-            grid[cell].append(run)
-            relay_runs.append(run)
-            echo(
-                f"  {cell[0]} relay(s), batch {cell[1]} run {i + 1}: {run.rate:,.0f} msg/s, "
-                f"machine {100 * run.machine_busy:.0f}% busy"
-            )
+        for count in counts:
+            run = parallel_bare(bench, count)
+            parallel[count].append(run)
+            parallel_runs.append(run)
+            echo(f"  {count} bare publisher(s) in parallel run {i + 1}: {run.rate:,.0f} msg/s")
+            for cell in cells:
+                if cell[0] != count or len(grid[cell]) > i:
+                    continue
+                run = bench.relay(*cell)
+                grid[cell].append(run)
+                relay_runs.append(run)
+                echo(
+                    f"  {cell[0]} relay(s), batch {cell[1]} run {i + 1}: {run.rate:,.0f} msg/s, "
+                    f"machine {100 * run.machine_busy:.0f}% busy"
+                )
     scaling = []
     for count, batch_size in cells:
         runs = grid[(count, batch_size)]
         run_rate = statistics.median(r.rate for r in runs)
+        parallel_rate = statistics.median(r.rate for r in parallel[count])
         scaling.append(
             {
                 "relays": count,
                 "batch_size": batch_size,
                 "msg_per_s": round(run_rate),
                 "runs_msg_per_s": [round(r.rate) for r in runs],
-                "ratio_to_bare": round(run_rate / bare_rate, 3),
+                "ratio_to_bare": ratio(run_rate, bare_rate),
+                # N relays against N bare publishers in parallel (N connections).
+                "parallel_bare_msg_per_s": round(parallel_rate),
+                "parallel_bare_runs_msg_per_s": [round(r.rate) for r in parallel[count]],
+                "ratio_to_parallel_bare": ratio(run_rate, parallel_rate),
+                "parallel_bare_cpu_s_per_10k": cpu_figures(parallel[count])["cpu_s_per_10k"],
                 "machine_busy_percent": round(
                     100 * statistics.median(r.machine_busy for r in runs), 1
                 ),
@@ -133,21 +153,31 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
                 "delivered": min(r.delivered for r in runs),
             }
         )
-        echo(f"  {count} relay(s), batch {batch_size}: median {run_rate:,.0f} msg/s")
+        echo(
+            f"  {count} relay(s), batch {batch_size}: median {run_rate:,.0f} msg/s, "
+            f"{count} bare publisher(s) in parallel {parallel_rate:,.0f} msg/s"
+        )
     bursts: list[dict[str, Any]] = []
     shape = BurstShape(o.burst_writers, o.burst_rows, o.burst_pause)
     if o.bursts:
         bursts = measure_bursts(bench, o.relays, o.repeats, shape, echo)
     ordering = measure_ordering(bench, o.repeats, echo) if o.ordering else None
-    echo("  latency and idle run ...")
-    latency = bench.latency()
+    latency: dict[str, Any] | None = None
+    if o.latency:
+        echo("  latency and idle run ...")
+        latency = bench.latency()
     memory = _memory(o, db, echo) if o.memory else []
     every_row = (
-        all(r.delivered == r.rows for r in bare_runs + relay_runs)
+        all(r.delivered == r.rows for r in bare_runs + relay_runs + parallel_runs)
         and all(b["delivered_min"] >= b["rows"] for b in bursts)
         and all(s["delivered_min"] >= s["rows"] for s in (ordering or {}).get("shapes", []))
-        and latency["delivered"] == latency["sent"]
-        and latency["baseline"]["delivered"] == latency["baseline"]["sent"]
+        and (
+            latency is None
+            or (
+                latency["delivered"] == latency["sent"]
+                and latency["baseline"]["delivered"] == latency["baseline"]["sent"]
+            )
+        )
         and all(m["exactly_once"] for m in memory)
     )
     return {
@@ -161,7 +191,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
             "relay_msg_per_s": [round(r.rate) for r in relay_runs[: o.repeats]],
             "bare_median": round(bare_rate),
             "relay_median": round(relay_rate),
-            "ratio": round(relay_rate / bare_rate, 3),
+            "ratio": ratio(relay_rate, bare_rate),
             "window": o.window,
             "bare_cpu_s_per_10k": cpu_figures(bare_runs)["cpu_s_per_10k"],
             **{f"relay_{k}": v for k, v in cpu_figures(relay_runs[: o.repeats]).items()},
@@ -170,8 +200,8 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         "bursts": bursts,
         "burst_shape": dataclasses.asdict(shape),
         "ordering": ordering,
-        "latency": {k: v for k, v in latency.items() if k != "idle"},
-        "idle": latency["idle"],
+        "latency": None if latency is None else {k: v for k, v in latency.items() if k != "idle"},
+        "idle": None if latency is None else latency["idle"],
         "memory": memory,
         "every_row_arrived": every_row,
     }
@@ -193,6 +223,18 @@ def _baseline_lines(lat: dict[str, Any]) -> list[str]:
         f"ms, max {base['max_ms']} ms; {base['committed_per_s']} commits/s reached; "
         f"the relay at {ratio('p50_ms')} its p50, {ratio('p99_ms')} its p99",
     ]
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator`` to three places; None when there is nothing to
+    divide by (a run that sent nothing)."""
+    if denominator <= 0:
+        return None
+    return round(numerator / denominator, 3)
+
+
+def _ratio_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -245,7 +287,7 @@ def render(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
         f"| bare pika publisher (confirms, window {t['window']}) | {t['bare_median']:,} | 1.00 "
         f"| {_cpu_cell(t.get('bare_cpu_s_per_10k'))} |",
-        f"| 1 relay, default settings | {t['relay_median']:,} | {t['ratio']:.2f} "
+        f"| 1 relay, default settings | {t['relay_median']:,} | {_ratio_cell(t['ratio'])} "
         f"| {_cpu_cell(t.get('relay_cpu_s_per_10k'), t.get('relay_backend_cpu_s_per_10k'))} |",
         "",
         "CPU: user + system seconds from /proc, of the publishing process (the bare "
@@ -254,25 +296,44 @@ def render(report: dict[str, Any]) -> str:
     if report["scaling"]:
         lines += [
             "",
-            f"scaling (medians of {report['repeats']}; machine = share of all CPUs busy)",
+            f"scaling (medians of {report['repeats']}; N bare = as many bare publishers as "
+            "relays, in parallel, each in its own process with its own connection; "
+            "machine = share of all CPUs busy)",
             "",
-            "| relays | batch | msg/s | ratio to bare | runs | machine busy | relay CPU s "
-            "| CPU s per 10,000 msgs |",
-            "|---:|---:|---:|---:|---|---:|---:|---:|",
+            "| relays | batch | msg/s | N bare msg/s | ratio to N bare | ratio to 1 bare "
+            "| runs | N bare runs | machine busy | relay CPU s | CPU s per 10,000 msgs "
+            "| N bare CPU s per 10,000 msgs |",
+            "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
         ]
     for s in report["scaling"]:
         runs = " / ".join(f"{r:,}" for r in s["runs_msg_per_s"])
+        parallel_runs = " / ".join(f"{r:,}" for r in s["parallel_bare_runs_msg_per_s"])
         lines.append(
             f"| {s['relays']} | {s['batch_size']} | {s['msg_per_s']:,} | "
-            f"{s['ratio_to_bare']:.2f} | {runs} | {s['machine_busy_percent']:.0f}% | "
+            f"{s['parallel_bare_msg_per_s']:,} | {_ratio_cell(s['ratio_to_parallel_bare'])} | "
+            f"{_ratio_cell(s['ratio_to_bare'])} | {runs} | {parallel_runs} | "
+            f"{s['machine_busy_percent']:.0f}% | "
             f"{s['relay_cpu_seconds']:.1f} | "
-            f"{_cpu_cell(s.get('cpu_s_per_10k'), s.get('backend_cpu_s_per_10k'))} |"
+            f"{_cpu_cell(s.get('cpu_s_per_10k'), s.get('backend_cpu_s_per_10k'))} | "
+            f"{_cpu_cell(s.get('parallel_bare_cpu_s_per_10k'))} |"
         )
     if report["bursts"]:
         lines += render_bursts(report["bursts"], report["burst_shape"], report["repeats"])
     if report.get("ordering"):
         lines += render_ordering(report["ordering"], report["repeats"])
+    if lat is not None:
+        lines += _latency_lines(lat, idle)
+    if report["memory"]:
+        lines += bench_memory.render(report["memory"])
     lines += [
+        "",
+        "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
+    ]
+    return "\n".join(lines)
+
+
+def _latency_lines(lat: dict[str, Any], idle: dict[str, Any]) -> list[str]:
+    return [
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "
         f"{lat['delivered']}/{lat['sent']} delivered: p50 {lat['p50_ms']} ms, "
@@ -283,10 +344,3 @@ def render(report: dict[str, Any]) -> str:
         f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
         f"{idle['db_transactions_per_s']} database transactions/s",
     ]
-    if report["memory"]:
-        lines += bench_memory.render(report["memory"])
-    lines += [
-        "",
-        "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
-    ]
-    return "\n".join(lines)

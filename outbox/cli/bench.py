@@ -50,7 +50,11 @@ from outbox.errors import ExitCode
     help="Runs per figure (bare/relay pairs, each scaling cell): medians.",
 )
 @click.option(
-    "--relays", default="1,2,4", show_default=True, help="Relay counts for the scaling runs."
+    "--relays",
+    default="1,2,4",
+    show_default=True,
+    help="Relay counts for the scaling runs; each N is also measured against N bare "
+    "publishers sending in parallel (a process and a connection each).",
 )
 @click.option(
     "--batch-sizes",
@@ -118,6 +122,12 @@ from outbox.errors import ExitCode
     default=True,
     show_default=True,
     help="Run the per-key ordering shapes (unordered, 1,000 keys, one hot key).",
+)
+@click.option(
+    "--latency/--no-latency",
+    default=True,
+    show_default=True,
+    help="Run the latency run and the idle run (about 35 s at the defaults).",
 )
 @click.option(
     "--memory/--no-memory",

@@ -65,6 +65,25 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
         (2, 1000),
     }
     assert all(s["delivered"] == 300 for s in report["scaling"])
+    # Each relay count N against N bare publishers in parallel (a process each), once
+    # per round whatever the batch size; the ratio from the medians before rounding.
+    for s in report["scaling"]:
+        assert len(s["parallel_bare_runs_msg_per_s"]) == 1 and s["parallel_bare_msg_per_s"] > 0
+        expected = s["msg_per_s"] / s["parallel_bare_msg_per_s"]
+        assert s["ratio_to_parallel_bare"] == pytest.approx(expected, rel=0.02, abs=0.01)
+        assert s["ratio_to_bare"] == pytest.approx(
+            s["msg_per_s"] / throughput["bare_median"], rel=0.02, abs=0.01
+        )
+        assert s["parallel_bare_cpu_s_per_10k"] is not None
+    by_count = {
+        count: {
+            tuple(s["parallel_bare_runs_msg_per_s"])
+            for s in report["scaling"]
+            if s["relays"] == count
+        }
+        for count in (1, 2)
+    }
+    assert all(len(runs) == 1 for runs in by_count.values()), by_count
     latency = report["latency"]
     assert latency["delivered"] == latency["sent"] == 30
     assert latency["p50_ms"] <= latency["p95_ms"] <= latency["p99_ms"] <= latency["max_ms"]
@@ -97,6 +116,42 @@ def test_bench__json_report_has_every_figure_and_every_row_arrived(
         ("3 x 1 MiB + 1 x 3 MiB", 4),
     ]
     assert all(m["exactly_once"] and m["peak_rss_bytes"] > 0 for m in memory)
+
+
+def test_bench__only_the_relays_against_as_many_bare_publishers_in_parallel(
+    pg_server: str, amqp_url: str
+) -> None:
+    """What issue 33's target needs and nothing else: no bursts, ordering, memory,
+    latency or idle run; the grid's row for 2 relays beside 2 bare publishers."""
+    out = run_cli(
+        "bench",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--no-bursts",
+        "--no-memory",
+        "--no-ordering",
+        "--no-latency",
+        "--relays",
+        "2",
+        "--batch-sizes",
+        "1000",
+        "--rows",
+        "200",
+        "--repeats",
+        "1",
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    header = "| relays | batch | msg/s | N bare msg/s | ratio to N bare | ratio to 1 bare |"
+    assert header in out.stdout
+    [row] = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 1000 | ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) > 0 and float(cells[5]) > 0
+    assert "2 bare publisher(s) in parallel run 1:" in out.stdout
+    assert "latency at" not in out.stdout and "idle relay" not in out.stdout
+    assert "every row arrived exactly once" in out.stdout
 
 
 def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
