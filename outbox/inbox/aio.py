@@ -31,11 +31,14 @@ import asyncio
 import contextlib
 import inspect
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar, cast
 
 import psycopg
-from psycopg.rows import tuple_row
+from psycopg import Column
+from psycopg.pq import ExecStatus
+from psycopg.rows import Row, tuple_row
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.session import cannot_connect, connect_options
@@ -43,9 +46,10 @@ from outbox.errors import DatabaseUnavailable
 from outbox.inbox.loop import ConsumerStats, Handler, HandlerNotFound, Inbox
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.settings import ConsumerSettings
-from outbox.inbox.store import InboxStore
+from outbox.inbox.store import InboxStore, SessionState
 
 T = TypeVar("T")
+TUPLES_OK = ExecStatus.TUPLES_OK
 
 AsyncHandler = Callable[["psycopg.AsyncConnection[Any]", InboxMessage], Awaitable[object]]
 
@@ -90,13 +94,73 @@ _ASYNC_SETTERS = {
 }
 
 
-class LoopCursor:
-    """What ``InboxStore`` reads of a statement's result."""
+class ResultNotHere(psycopg.NotSupportedError):
+    """A handler read a property of a result that has not arrived (pipeline mode)."""
 
-    def __init__(self, cursor: psycopg.AsyncCursor[Any], bridge: Bridge) -> None:
-        self._cursor, self._bridge = cursor, bridge
+
+# Connections on which a handler read such a property: its batch fails even if the
+# handler caught the error (``AsyncInboxStore.session``), and is applied again one
+# by one without pipelining, where the property is right.
+_READ_TOO_EARLY: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+
+class AsyncPipelinedCursor(psycopg.AsyncCursor[Row]):
+    """The cursor handed to async handlers.  In pipeline mode ``await fetch*()``
+    waits for its result, as without it; a property of the result (``rowcount``,
+    ``statusmessage``, ``description``, ``rownumber``) cannot be awaited, so reading
+    one before its result arrived fails the batch instead of giving a wrong value
+    (``ResultNotHere``): the batch is applied again one by one, without
+    pipelining, where it is right; a batch that succeeds so turns pipelining off
+    for the process (``loop.Processor._batch``)."""
+
+    def _result(self, what: str) -> None:
+        if (
+            self._conn._pipeline is not None
+            and self._execmany_returning is not False
+            and not self.pgresult
+        ):
+            _READ_TOO_EARLY.add(self._conn)
+            raise ResultNotHere(
+                f"cursor.{what} was read before its statement's result arrived "
+                "(pipeline mode); the batch is applied again without pipelining"
+            )
+
+    @property
+    def rowcount(self) -> int:
+        self._result("rowcount")
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._result("statusmessage")
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[Column] | None:
+        self._result("description")
+        return super().description
+
+    @property
+    def rownumber(self) -> int | None:
+        self._result("rownumber")
+        return super().rownumber
+
+
+class LoopCursor:
+    """What ``InboxStore`` reads of a statement's result.  Outside pipeline mode its
+    rows came with the statement (``LoopConnection.execute``: no second hop)."""
+
+    def __init__(
+        self,
+        cursor: psycopg.AsyncCursor[Any],
+        bridge: Bridge,
+        rows: list[Any] | None = None,
+    ) -> None:
+        self._cursor, self._bridge, self._rows = cursor, bridge, rows
 
     def fetchone(self) -> Any:
+        if self._rows is not None:
+            return self._rows.pop(0) if self._rows else None
         return self._bridge.run(self._cursor.fetchone())
 
     @property
@@ -118,12 +182,32 @@ class LoopConnection:
     _bridge: Bridge
 
     def execute(self, query: Any, params: Any = None) -> LoopCursor:
-        return LoopCursor(self._bridge.run(self.aconn.execute(query, params)), self._bridge)
+        async def executed() -> tuple[psycopg.AsyncCursor[Any], list[Any] | None]:
+            cursor = await self.aconn.execute(query, params)
+            result = cursor.pgresult
+            if self.aconn._pipeline is None and result is not None:
+                # Its rows are here already: read them in this hop, not another.
+                rows = await cursor.fetchall() if result.status == TUPLES_OK else []
+                return cursor, rows
+            return cursor, None
+
+        cursor, rows = self._bridge.run(executed())
+        return LoopCursor(cursor, self._bridge, rows)
 
     @contextlib.contextmanager
     def pipeline(self) -> Iterator[None]:
-        """No pipeline mode here: the statements of the block run one by one."""
-        yield
+        """Pipeline mode on the ``AsyncConnection`` for the block (entered and left
+        on the loop; the statements of the block and the handlers called in it
+        do not wait for their results)."""
+        _READ_TOO_EARLY.discard(self.aconn)
+        block = self.aconn.pipeline()
+        self._bridge.run(block.__aenter__())
+        try:
+            yield
+        except BaseException as exc:
+            self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
+            raise
+        self._bridge.run(block.__aexit__(None, None, None))
 
     def close(self) -> None:
         self._bridge.run(self.aconn.close())
@@ -162,6 +246,7 @@ class AsyncInboxStore(InboxStore):
             except psycopg.OperationalError as exc:
                 raise cannot_connect(exc) from exc
             aconn.row_factory = tuple_row  # handlers get psycopg's default rows
+            aconn.cursor_factory = AsyncPipelinedCursor
             return aconn
 
         # InboxStore uses only what LoopConnection offers of a Connection.
@@ -176,7 +261,13 @@ class AsyncInboxStore(InboxStore):
 
     @property
     def pipelining(self) -> bool:
-        return False
+        return psycopg.AsyncPipeline.is_supported()
+
+    def session(self) -> SessionState:
+        state = super().session()
+        if self.connection in _READ_TOO_EARLY:  # the handler caught ``ResultNotHere``
+            return state._replace(transaction="inerror")
+        return state
 
 
 def async_inbox(

@@ -148,6 +148,52 @@ def test_async__an_effect_of_a_failed_async_handler_is_rolled_back_with_its_id(
     assert (len(calls), inbox.stats.handler_failures) == (2, 1)
 
 
+def test_async__a_batch_of_async_handlers_runs_in_pipeline_mode(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """Their statements go out without waiting (the inbox's promise unchanged: one
+    transaction per batch); a result a handler awaits is there."""
+    ids = new_ids(10)
+    publish(topology, [(i, b"x") for i in ids])
+    modes: list[bool] = []
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        modes.append(conn._pipeline is not None)
+        cur = await conn.execute("SELECT %s::text", [message.message_id])
+        assert await cur.fetchone() == (message.message_id,)
+        await record_async(conn, message)
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "10 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
+    assert any(modes) and inbox.processor is not None and inbox.processor.pipelining
+
+
+def test_async__a_result_property_read_too_early_in_a_batch_is_right_all_the_same(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """In pipeline mode ``rowcount`` cannot wait for its result: read before it
+    arrived, it fails the batch (even if the handler catches that), which is applied
+    again one by one without pipelining, where it is right; pipelining stays off."""
+    ids = new_ids(6)
+    publish(topology, [(i, b"x") for i in ids])
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        cur = await conn.execute("SELECT 1 UNION ALL SELECT 2")
+        try:
+            rows = cur.rowcount
+        except psycopg.Error:
+            rows = -1  # caught: its batch fails all the same
+        await conn.execute(INSERT, [message.message_id, f"rowcount {rows}".encode()])
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "6 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"rowcount 2") for i in ids)
+    assert inbox.processor is not None and not inbox.processor.pipelining
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_async__a_failing_handler_is_parked_as_the_sync_one_is(
     topology: Topology, consumer_dsn: str, app_loop: Loop, kind: str
