@@ -15,8 +15,16 @@ So the inbox row and the handler's effects are written on one session in one
 transaction and commit together, exactly as with a plain handler, and the handler
 contract is checked the same way (``loop.handler_left``).  The application's loop
 is never blocked: it only runs the awaited statements and the handler, while the
-thread waits for them.  Pipeline mode is off for async handlers (each statement is
-one round trip; the batch still commits once).
+thread waits for them.
+
+Speed: each wait is a thread hop (the loop wakes, runs, wakes the thread), which
+costs more than the statement on a busy machine.  So a batch (messages already
+here) runs as with a plain handler in pipeline mode (``AsyncPipeline``: the
+handlers' statements do not wait for their results; ``AsyncPipelinedCursor``), and
+its handlers are awaited one after the other on the loop in ONE hop
+(``AwaitedHandler.outbox_run_ahead``), the Processor then taking each call's outcome and
+session in order; the store's statements bring their rows back in their own hop.
+A batch costs about a dozen hops whatever its size, not one or two per message.
 
 ``consume_async`` runs it from inside an application's loop (a FastAPI lifespan
 task, say); ``outbox consume`` runs it when the handler is an ``async def``.
@@ -28,9 +36,12 @@ broker), closes both connections, then raises ``CancelledError``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import inspect
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar, cast
@@ -42,11 +53,11 @@ from psycopg.rows import Row, tuple_row
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.session import cannot_connect, connect_options
-from outbox.errors import DatabaseUnavailable
-from outbox.inbox.loop import ConsumerStats, Handler, HandlerNotFound, Inbox
+from outbox.errors import DatabaseUnavailable, OutboxError
+from outbox.inbox.loop import ConsumerStats, Handler, HandlerNotFound, Inbox, handler_left
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.settings import ConsumerSettings
-from outbox.inbox.store import InboxStore, SessionState
+from outbox.inbox.store import InboxStore, SessionState, session_state
 
 T = TypeVar("T")
 TUPLES_OK = ExecStatus.TUPLES_OK
@@ -227,8 +238,11 @@ class AsyncInboxStore(InboxStore):
     """``InboxStore`` on an ``AsyncConnection`` of the application's loop; the
     handler is handed that ``AsyncConnection``."""
 
-    def __init__(self, settings: ConsumerSettings, bridge: Bridge) -> None:
+    def __init__(
+        self, settings: ConsumerSettings, bridge: Bridge, ahead: Ahead | None = None
+    ) -> None:
         self._bridge = bridge
+        self._ahead = ahead if ahead is not None else Ahead()
         super().__init__(
             settings.dsn,
             settings.inbox_table,
@@ -263,11 +277,141 @@ class AsyncInboxStore(InboxStore):
     def pipelining(self) -> bool:
         return psycopg.AsyncPipeline.is_supported()
 
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = super()._connect()
+        self._ahead.idle_timeout = self.idle_timeout
+        return conn
+
     def session(self) -> SessionState:
-        state = super().session()
-        if self.connection in _READ_TOO_EARLY:  # the handler caught ``ResultNotHere``
-            return state._replace(transaction="inerror")
-        return state
+        """The session as the handler call that just returned left it: read on the
+        loop right after it if it ran ahead (``Ahead.shown``), else now."""
+        shown, self._ahead.shown = self._ahead.shown, None
+        return shown if shown is not None else loop_session(self.connection)
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[None]:
+        try:
+            with super().pipeline():
+                yield
+        finally:  # no handler call of this transaction comes after the block
+            self._ahead.clear()
+
+
+def loop_session(aconn: psycopg.AsyncConnection[Any]) -> SessionState:
+    """``store.session_state``, and a handler that caught ``ResultNotHere`` left
+    its transaction as good as aborted."""
+    state = session_state(aconn)
+    if aconn in _READ_TOO_EARLY:
+        return state._replace(transaction="inerror")
+    return state
+
+
+class RanTooLong(OutboxError):
+    """A handler run ahead in a pipelined batch outlived the session's
+    ``idle_in_transaction_session_timeout`` (which PostgreSQL does not apply while
+    statements are in flight): its batch fails, as ``loop.Processor`` fails it
+    when the handler runs on its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Called:
+    """One handler call run ahead: what it raised, the session right after it,
+    and how long it took on the loop."""
+
+    message: InboxMessage
+    raised: BaseException | None
+    state: SessionState
+    seconds: float
+
+
+class Ahead:
+    """The calls of a pipelined batch run ahead on the loop (``AwaitedHandler
+    .outbox_run_ahead``), taken one per ``Processor`` call in order; shared by the
+    handler's face and the store, cleared when the batch's pipeline block ends."""
+
+    def __init__(self) -> None:
+        self.calls: collections.deque[Called] = collections.deque()
+        self.shown: SessionState | None = None  # for the store's next ``session()``
+        self.idle_timeout: float | None = None  # the store's session's, seconds
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.shown = None
+
+
+class AwaitedHandler:
+    """What ``loop.Processor`` calls on the consumer's thread for an async handler.
+
+    A call alone is one hop: the handler awaited on the application's loop, the
+    thread waiting for it.  In a pipelined batch the Processor first hands over the
+    batch (``outbox_run_ahead``): the handler is awaited for each message in turn on the
+    loop in ONE hop, stopping at the first that fails as the Processor would fail
+    it (raises, leaves the session as ``loop.handler_left`` forbids, or outlives
+    the idle timeout), each call's session read on the loop right after it.  The
+    Processor's calls then take those outcomes in order without a hop, and its
+    checks see each call's own session (``AsyncInboxStore.session``).  Calls after
+    one the Processor stops at ran in the same transaction, which it rolls back
+    (a handler may run more than once; its effects commit once)."""
+
+    def __init__(self, handler: Callable[..., Any], bridge: Bridge, ahead: Ahead) -> None:
+        self.handler, self.bridge, self.ahead = handler, bridge, ahead
+        self.outbox_took: float | None = None  # the last call's time on the loop, if run ahead
+
+    def __call__(self, conn: Any, message: InboxMessage) -> None:
+        self.outbox_took = None
+        ahead = self.ahead
+        if ahead.calls:
+            called = ahead.calls.popleft()
+            if called.message is not message:  # not the batch handed over: fail it
+                ahead.clear()
+                raise RuntimeError("the consumer called a handler out of its batch's order")
+            self.outbox_took = called.seconds
+            if called.raised is not None:
+                raise called.raised
+            ahead.shown = called.state
+            return
+        raised = self.bridge.run(self._once(conn, message))
+        if raised is not None:
+            raise raised
+
+    async def _once(self, conn: Any, message: InboxMessage) -> BaseException | None:
+        try:
+            await self.handler(conn, message)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # asyncio lets these out of the task into the loop's runner: they
+            # would end the application's loop.  They are this message's
+            # failure (the BaseException policy in ``loop``): raised by the caller.
+            return exc
+        return None
+
+    def outbox_run_ahead(self, conn: Any, messages: list[InboxMessage]) -> None:
+        self.ahead.clear()
+        before = loop_session(conn)
+        self.ahead.calls.extend(self.bridge.run(self._ahead(conn, messages, before)))
+
+    async def _ahead(
+        self, conn: Any, messages: list[InboxMessage], before: SessionState
+    ) -> list[Called]:
+        idle = self.ahead.idle_timeout
+        calls: list[Called] = []
+        for message in messages:
+            started = time.perf_counter()
+            raised: BaseException | None = None
+            try:
+                await self.handler(conn, message)
+            except BaseException as exc:  # its message's failure, raised on the thread
+                raised = exc
+            seconds = time.perf_counter() - started
+            if raised is None and idle and seconds >= idle:
+                raised = RanTooLong(
+                    f"the handler ran longer than the session's "
+                    f"idle_in_transaction_session_timeout ({idle:g} s)"
+                )
+            state = loop_session(conn)
+            calls.append(Called(message, raised, state, seconds))
+            if raised is not None or handler_left(before, state, pending=True):
+                break
+        return calls
 
 
 def async_inbox(
@@ -280,25 +424,9 @@ def async_inbox(
             f"{getattr(handler, '__name__', handler)!r} is not an async def function",
             "pass it to outbox.inbox.consume instead",
         )
-    bridge = Bridge(loop)
-
-    def awaited(conn: Any, message: InboxMessage) -> None:
-        async def on_loop() -> BaseException | None:
-            try:
-                await handler(conn, message)
-            except (SystemExit, KeyboardInterrupt) as exc:
-                # asyncio lets these out of the task into the loop's runner: they
-                # would end the application's loop.  They are this message's
-                # failure (the BaseException policy in ``loop``): raised below.
-                return exc
-            return None
-
-        raised = bridge.run(on_loop())
-        if raised is not None:
-            raise raised
-
-    sync_face: Handler = awaited
-    return Inbox(sync_face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge))
+    bridge, ahead = Bridge(loop), Ahead()
+    face: Handler = AwaitedHandler(handler, bridge, ahead)
+    return Inbox(face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge, ahead))
 
 
 async def run_async(inbox: Inbox) -> ConsumerStats:
