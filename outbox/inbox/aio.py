@@ -158,25 +158,40 @@ class AsyncPipelinedCursor(psycopg.AsyncCursor[Row]):
 
 
 class LoopCursor:
-    """What ``InboxStore`` reads of a statement's result.  Outside pipeline mode its
-    rows came with the statement (``LoopConnection.execute``: no second hop)."""
+    """What ``InboxStore`` reads of a statement's result.  Its rows come with the
+    statement's own hop (``LoopConnection.execute``), or, in a pipeline block, with
+    the hop that ends the block (``LoopConnection.pipeline``)."""
 
     def __init__(
         self,
-        cursor: psycopg.AsyncCursor[Any],
         bridge: Bridge,
+        cursor: psycopg.AsyncCursor[Any] | None = None,
         rows: list[Any] | None = None,
     ) -> None:
-        self._cursor, self._bridge, self._rows = cursor, bridge, rows
+        self._bridge, self._cursor, self._rows = bridge, cursor, rows
 
     def fetchone(self) -> Any:
         if self._rows is not None:
             return self._rows.pop(0) if self._rows else None
-        return self._bridge.run(self._cursor.fetchone())
+        return self._bridge.run(self._sent().fetchone())
 
     @property
     def rowcount(self) -> int:
-        return self._cursor.rowcount
+        return self._sent().rowcount
+
+    def _sent(self) -> psycopg.AsyncCursor[Any]:
+        if self._cursor is None:
+            raise RuntimeError("a statement of a pipeline block was read before the block ended")
+        return self._cursor
+
+    def settle(self, cursor: psycopg.AsyncCursor[Any], rows: list[Any]) -> None:
+        self._cursor, self._rows = cursor, rows
+
+
+async def _rows(cursor: psycopg.AsyncCursor[Any]) -> list[Any]:
+    """A statement's rows once its result is here ([] if it returns none)."""
+    result = cursor.pgresult
+    return await cursor.fetchall() if result is not None and result.status == TUPLES_OK else []
 
 
 class LoopConnection:
@@ -188,37 +203,69 @@ class LoopConnection:
     def __init__(self, aconn: psycopg.AsyncConnection[Any], bridge: Bridge) -> None:
         object.__setattr__(self, "aconn", aconn)
         object.__setattr__(self, "_bridge", bridge)
+        object.__setattr__(self, "_queued", None)
 
     aconn: psycopg.AsyncConnection[Any]
     _bridge: Bridge
+    # In a pipeline block: the store's statements, sent when the block ends.
+    _queued: list[tuple[Any, Any, LoopCursor]] | None
 
     def execute(self, query: Any, params: Any = None) -> LoopCursor:
-        async def executed() -> tuple[psycopg.AsyncCursor[Any], list[Any] | None]:
+        if self._queued is not None:
+            face = LoopCursor(self._bridge)
+            self._queued.append((query, params, face))
+            return face
+
+        async def executed() -> tuple[psycopg.AsyncCursor[Any], list[Any]]:
             cursor = await self.aconn.execute(query, params)
-            result = cursor.pgresult
-            if self.aconn._pipeline is None and result is not None:
-                # Its rows are here already: read them in this hop, not another.
-                rows = await cursor.fetchall() if result.status == TUPLES_OK else []
-                return cursor, rows
-            return cursor, None
+            return cursor, await _rows(cursor)  # here already: read in this hop
 
         cursor, rows = self._bridge.run(executed())
-        return LoopCursor(cursor, self._bridge, rows)
+        return LoopCursor(self._bridge, cursor, rows)
 
     @contextlib.contextmanager
-    def pipeline(self) -> Iterator[None]:
-        """Pipeline mode on the ``AsyncConnection`` for the block (entered and left
-        on the loop; the statements of the block and the handlers called in it
-        do not wait for their results)."""
+    def pipeline(self, *, entered: bool = False) -> Iterator[None]:
+        """Pipeline mode on the ``AsyncConnection`` for the block.  The store's
+        statements in the block are sent when it ends, in the hop that leaves
+        pipeline mode (its sync: their results, or the first error) and reads
+        their rows: a block of statements is one hop.  ``entered``: pipeline mode
+        from the start of the block, for handlers awaited in it (their statements
+        do not wait for their results; the store's go after them)."""
         _READ_TOO_EARLY.discard(self.aconn)
         block = self.aconn.pipeline()
-        self._bridge.run(block.__aenter__())
+        if entered:
+            self._bridge.run(block.__aenter__())
+        queued: list[tuple[Any, Any, LoopCursor]] = []
+        object.__setattr__(self, "_queued", queued)
         try:
             yield
         except BaseException as exc:
-            self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
+            object.__setattr__(self, "_queued", None)
+            if entered:
+                self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
             raise
-        self._bridge.run(block.__aexit__(None, None, None))
+        object.__setattr__(self, "_queued", None)
+        self._bridge.run(self._ended(block, queued, entered=entered))
+
+    async def _ended(
+        self,
+        block: contextlib.AbstractAsyncContextManager[Any],
+        queued: list[tuple[Any, Any, LoopCursor]],
+        *,
+        entered: bool,
+    ) -> None:
+        if not entered:
+            await block.__aenter__()
+        sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]] = []
+        try:
+            for query, params, face in queued:
+                sent.append((await self.aconn.execute(query, params), face))
+        except BaseException as exc:
+            await block.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await block.__aexit__(None, None, None)
+        for cursor, face in sent:
+            face.settle(cursor, await _rows(cursor))
 
     def close(self) -> None:
         self._bridge.run(self.aconn.close())
@@ -290,8 +337,11 @@ class AsyncInboxStore(InboxStore):
 
     @contextlib.contextmanager
     def pipeline(self) -> Iterator[None]:
+        """``InboxStore.pipeline``, in pipeline mode from the start (the handlers run
+        in it)."""
+        conn = cast(LoopConnection, self.conn)
         try:
-            with super().pipeline():
+            with self._translated("running the handlers' statements"), conn.pipeline(entered=True):
                 yield
         finally:  # no handler call of this transaction comes after the block
             self._ahead.clear()
