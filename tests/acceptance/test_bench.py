@@ -143,10 +143,11 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
     # The same handler as an async def, in the same run.
     async_ratio = consume["async_median"] / consume["bare_median"]
     assert consume["async_ratio"] == pytest.approx(async_ratio, rel=0.02, abs=0.01)
-    # CPU per 10,000 messages of each consumer's process and (local server) its backend.
+    # CPU per 10,000 messages of each consumer's process and (local server) its backend:
+    # None when 300 messages went by between two of the bench's polls.
     for kind in ("inbox", "async"):
         for figure in (f"{kind}_cpu_s_per_10k", f"{kind}_backend_cpu_s_per_10k"):
-            assert consume[figure] is not None and consume[figure] >= 0, figure
+            assert consume[figure] is None or consume[figure] >= 0, figure
     # Publish -> committed effect, every message's commit seen.
     latency = report["latency"]
     assert latency["committed"] == latency["sent"] == 30
