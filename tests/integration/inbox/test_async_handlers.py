@@ -217,6 +217,32 @@ def test_async__a_batch_run_ahead_stops_at_the_failing_handler_and_commits_nothi
     assert calls[ids[2]] == 2 and calls[ids[-1]] == 1
 
 
+def test_async__a_handler_breaking_the_contract_in_a_batch_fails_only_its_message(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """Run ahead, each call's session is checked as it returns (``loop.handler_left``):
+    the one that changed a setting fails and is parked; the others apply once."""
+    bad, *good = new_ids(5)
+    publish(topology, [(good[0], b"x"), (bad, b"x"), *[(g, b"x") for g in good[1:]]])
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        await record_async(conn, message)
+        if message.message_id == bad:
+            conn.prepare_threshold = None  # a setting: the contract forbids it
+
+    settings = consumer_settings(topology, consumer_dsn, max_attempts=2)
+    inbox = aio.async_inbox(handler, settings, app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.parked == 1 and inbox.stats.handled == 4, 20)
+    assert sorted(effects(consumer_dsn)) == sorted((g, b"x") for g in good)
+    store = ParkedStore(consumer_dsn, INBOX)
+    try:
+        [entry] = store.entries(10)
+    finally:
+        store.close()
+    assert entry["message_id"] == bad and "changed the connection's settings" in entry["error"]
+
+
 def test_async__a_result_property_read_too_early_in_a_batch_is_right_all_the_same(
     topology: Topology, consumer_dsn: str, app_loop: Loop
 ) -> None:
