@@ -12,6 +12,8 @@ filled beforehand, with the same prefetch, in alternating runs:
 3. **inbox**: ``outbox consume`` as a subprocess, exactly as deployed, with a
    trivial handler that writes one effect row per message (inbox insert + effect +
    COMMIT, then the ack), so this measures exactly-once effects, commit included.
+4. **async inbox**: the same with the same handler written ``async def`` (its
+   INSERT awaited on the ``AsyncConnection`` it is handed: ``outbox.inbox.aio``).
 
 Each rate is messages over the time from the first message to the last (for the
 hand-written consumer and the inbox: the first and last effect row's
@@ -63,7 +65,15 @@ from outbox.errors import OutboxError
 HANDLER = """
 def handle(conn, message):
     conn.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message.message_id])
+
+
+async def handle_async(conn, message):
+    await conn.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message.message_id])
 """
+
+# ``outbox consume`` with each of them: a plain handler, an ``async def`` one.
+SYNC_HANDLER = "bench_handler:handle"
+ASYNC_HANDLER = "bench_handler:handle_async"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,11 +204,11 @@ class ConsumeBench:
         result.update(_cpu_window(cpu, handled[0] - 1))
         return result
 
-    def inbox(self) -> dict[str, Any]:
+    def inbox(self, handler: str = SYNC_HANDLER) -> dict[str, Any]:
         """``outbox consume`` with the trivial handler: effects/s, first to last effect."""
         ids = self.fill()
         self.conn.execute("TRUNCATE bench_effects")
-        with self._consume_process() as process:
+        with self._consume_process(handler) as process:
             cpu = self._wait_for_effects(len(ids), process)
         result = self._effects(len(ids))
         result.update(cpu)
@@ -261,7 +271,7 @@ class ConsumeBench:
         return result
 
     @contextlib.contextmanager
-    def _consume_process(self) -> Iterator[subprocess.Popen[bytes]]:
+    def _consume_process(self, handler: str = SYNC_HANDLER) -> Iterator[subprocess.Popen[bytes]]:
         """``outbox consume`` with the bench handler, stopped with SIGTERM."""
         env = dict(
             os.environ,
@@ -275,7 +285,7 @@ class ConsumeBench:
         env.pop("OUTBOX_METRICS_PORT", None)
         with tempfile.TemporaryFile() as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "outbox", "consume", "bench_handler:handle"],
+                [sys.executable, "-m", "outbox", "consume", handler],
                 cwd=self.folder,
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -439,7 +449,7 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
         broker = BenchTopology(options.amqp_url, suffix)
         bench = ConsumeBench(options, db, broker, echo)
         try:
-            bare_runs, handwritten_runs, inbox_runs = [], [], []
+            bare_runs, handwritten_runs, inbox_runs, async_runs = [], [], [], []
             for i in range(options.repeats):
                 bare_runs.append(bench.bare())
                 echo(f"  bare kombu consumer run {i + 1}: {bare_runs[-1]['rate']:,.0f} msg/s")
@@ -450,6 +460,8 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
                 )
                 inbox_runs.append(bench.inbox())
                 echo(f"  outbox consume      run {i + 1}: {inbox_runs[-1]['rate']:,.0f} effects/s")
+                async_runs.append(bench.inbox(ASYNC_HANDLER))
+                echo(f"  ... async def       run {i + 1}: {async_runs[-1]['rate']:,.0f} effects/s")
             echo(f"  latency at {options.latency_rate:g} msg/s ...")
             latency = bench.latency()
             server = bench.conn.execute("SHOW server_version").fetchone()
@@ -459,6 +471,7 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
     bare_rate = statistics.median(r["rate"] for r in bare_runs)
     handwritten_rate = statistics.median(r["rate"] for r in handwritten_runs)
     inbox_rate = statistics.median(r["rate"] for r in inbox_runs)
+    async_rate = statistics.median(r["rate"] for r in async_runs)
     return {
         "machine": {"cpus": os.cpu_count(), "postgres": db.description},
         "server_version": server["server_version"] if server else None,
@@ -470,23 +483,30 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
             "bare_msg_per_s": [round(r["rate"]) for r in bare_runs],
             "inbox_effects_per_s": [round(r["rate"]) for r in inbox_runs],
             "handwritten_effects_per_s": [round(r["rate"]) for r in handwritten_runs],
+            "async_effects_per_s": [round(r["rate"]) for r in async_runs],
             "bare_median": round(bare_rate),
             "handwritten_median": round(handwritten_rate),
             "inbox_median": round(inbox_rate),
+            "async_median": round(async_rate),
             "ratio": round(inbox_rate / bare_rate, 3) if bare_rate else None,
             "handwritten_ratio": round(handwritten_rate / bare_rate, 3) if bare_rate else None,
             "ratio_to_handwritten": (
                 round(inbox_rate / handwritten_rate, 3) if handwritten_rate else None
+            ),
+            "async_ratio": round(async_rate / bare_rate, 3) if bare_rate else None,
+            "async_ratio_to_handwritten": (
+                round(async_rate / handwritten_rate, 3) if handwritten_rate else None
             ),
             # CPU seconds per 10,000 messages (/proc, medians): the consumer's process
             # and its PostgreSQL backend (None: not measured, or not on this machine).
             **_cpu_medians("bare", bare_runs),
             **_cpu_medians("handwritten", handwritten_runs),
             **_cpu_medians("inbox", inbox_runs),
+            **_cpu_medians("async", async_runs),
         },
         "latency": latency,
         "every_message_once": all(r["messages"] == options.rows for r in bare_runs)
-        and all(r["exactly_once"] for r in handwritten_runs + inbox_runs)
+        and all(r["exactly_once"] for r in handwritten_runs + inbox_runs + async_runs)
         and latency["committed"] == latency["sent"],
     }
 
@@ -535,13 +555,20 @@ def render(report: dict[str, Any]) -> str:
             f"{_cpu(c, 'handwritten')} |",
             f"| outbox consume, one-row handler | {c['inbox_median']:,} effects | {ratio} | "
             f"{_ratio(c['ratio_to_handwritten'])} | {_cpu(c, 'inbox')} |",
+            f"| outbox consume, the same handler `async def` | {c['async_median']:,} effects | "
+            f"{_ratio(c['async_ratio'])} | {_ratio(c['async_ratio_to_handwritten'])} | "
+            f"{_cpu(c, 'async')} |",
             "",
+            "CPU: the consumer's process, plus its PostgreSQL backend's where shown "
+            "(the bare consumer has none).",
             "runs: bare "
             + " / ".join(f"{r:,}" for r in c["bare_msg_per_s"])
             + "; hand-written "
             + " / ".join(f"{r:,}" for r in c["handwritten_effects_per_s"])
             + "; inbox "
-            + " / ".join(f"{r:,}" for r in c["inbox_effects_per_s"]),
+            + " / ".join(f"{r:,}" for r in c["inbox_effects_per_s"])
+            + "; async "
+            + " / ".join(f"{r:,}" for r in c["async_effects_per_s"]),
             f"latency publish → committed effect at {lat['rate_per_s']:g} msg/s "
             f"({lat['published_per_s']:,} reached), {lat['committed']}/{lat['sent']} committed: "
             f"p50 {lat['p50_ms']} ms, p95 {lat['p95_ms']} ms, p99 {lat['p99_ms']} ms, "

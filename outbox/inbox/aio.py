@@ -1,6 +1,6 @@
 """``async def`` handlers: the same consumer, its database I/O on the application's loop.
 
-There is one consume loop (``loop.Inbox`` and ``loop.Processor``: planning, batches,
+There is one consume loop (``process.Inbox`` and ``steps.Processor``: planning, batches,
 retries, parking, the queue's policies) and it is not written twice.  What differs
 for an async handler is only where the I/O runs:
 
@@ -13,10 +13,18 @@ for an async handler is only where the I/O runs:
 
 So the inbox row and the handler's effects are written on one session in one
 transaction and commit together, exactly as with a plain handler, and the handler
-contract is checked the same way (``loop.handler_left``).  The application's loop
+contract is checked the same way (``steps.handler_left``).  The application's loop
 is never blocked: it only runs the awaited statements and the handler, while the
-thread waits for them.  Pipeline mode is off for async handlers (each statement is
-one round trip; the batch still commits once).
+thread waits for them.
+
+Speed: each wait is a thread hop (the loop wakes, runs, wakes the thread), which
+costs more than the statement on a busy machine.  So a batch (messages already
+here) runs as with a plain handler in pipeline mode (``AsyncPipeline``: the
+handlers' statements do not wait for their results; ``AsyncPipelinedCursor``), and
+its handlers are awaited one after the other on the loop in ONE hop
+(``AwaitedHandler.outbox_run_ahead``), the Processor then taking each call's outcome and
+session in order; the store's statements bring their rows back in their own hop.
+A batch costs about a dozen hops whatever its size, not one or two per message.
 
 ``consume_async`` runs it from inside an application's loop (a FastAPI lifespan
 task, say); ``outbox consume`` runs it when the handler is an ``async def``.
@@ -28,26 +36,34 @@ broker), closes both connections, then raises ``CancelledError``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import inspect
 import threading
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar, cast
 
 import psycopg
-from psycopg.rows import tuple_row
+from psycopg import Column
+from psycopg.pq import ExecStatus
+from psycopg.rows import Row, tuple_row
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.session import cannot_connect, connect_options
-from outbox.errors import DatabaseUnavailable
+from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.inbox.handlers import Handler, HandlerNotFound
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.store import InboxStore
+from outbox.inbox.steps import handler_left
+from outbox.inbox.store import InboxStore, SessionState, session_state
 
 T = TypeVar("T")
+TUPLES_OK = ExecStatus.TUPLES_OK
 
 AsyncHandler = Callable[["psycopg.AsyncConnection[Any]", InboxMessage], Awaitable[object]]
 
@@ -92,18 +108,93 @@ _ASYNC_SETTERS = {
 }
 
 
-class LoopCursor:
-    """What ``InboxStore`` reads of a statement's result."""
+class ResultNotHere(psycopg.NotSupportedError):
+    """A handler read a property of a result that has not arrived (pipeline mode)."""
 
-    def __init__(self, cursor: psycopg.AsyncCursor[Any], bridge: Bridge) -> None:
-        self._cursor, self._bridge = cursor, bridge
 
-    def fetchone(self) -> Any:
-        return self._bridge.run(self._cursor.fetchone())
+# Connections on which a handler read such a property: its batch fails even if the
+# handler caught the error (``AsyncInboxStore.session``), and is applied again one
+# by one without pipelining, where the property is right.
+_READ_TOO_EARLY: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+
+class AsyncPipelinedCursor(psycopg.AsyncCursor[Row]):
+    """The cursor handed to async handlers.  In pipeline mode ``await fetch*()``
+    waits for its result, as without it; a property of the result (``rowcount``,
+    ``statusmessage``, ``description``, ``rownumber``) cannot be awaited, so reading
+    one before its result arrived fails the batch instead of giving a wrong value
+    (``ResultNotHere``): the batch is applied again one by one, without
+    pipelining, where it is right; a batch that succeeds so turns pipelining off
+    for the process (``loop.Processor._batch``)."""
+
+    def _result(self, what: str) -> None:
+        if (
+            self._conn._pipeline is not None
+            and self._execmany_returning is not False
+            and not self.pgresult
+        ):
+            _READ_TOO_EARLY.add(self._conn)
+            raise ResultNotHere(
+                f"cursor.{what} was read before its statement's result arrived "
+                "(pipeline mode); the batch is applied again without pipelining"
+            )
 
     @property
     def rowcount(self) -> int:
-        return self._cursor.rowcount
+        self._result("rowcount")
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._result("statusmessage")
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[Column] | None:
+        self._result("description")
+        return super().description
+
+    @property
+    def rownumber(self) -> int | None:
+        self._result("rownumber")
+        return super().rownumber
+
+
+class LoopCursor:
+    """What ``InboxStore`` reads of a statement's result.  Its rows come with the
+    statement's own hop (``LoopConnection.execute``), or, in a pipeline block, with
+    the hop that ends the block (``LoopConnection.pipeline``)."""
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        cursor: psycopg.AsyncCursor[Any] | None = None,
+        rows: list[Any] | None = None,
+    ) -> None:
+        self._bridge, self._cursor, self._rows = bridge, cursor, rows
+
+    def fetchone(self) -> Any:
+        if self._rows is not None:
+            return self._rows.pop(0) if self._rows else None
+        return self._bridge.run(self._sent().fetchone())
+
+    @property
+    def rowcount(self) -> int:
+        return self._sent().rowcount
+
+    def _sent(self) -> psycopg.AsyncCursor[Any]:
+        if self._cursor is None:
+            raise RuntimeError("a statement of a pipeline block was read before the block ended")
+        return self._cursor
+
+    def settle(self, cursor: psycopg.AsyncCursor[Any], rows: list[Any]) -> None:
+        self._cursor, self._rows = cursor, rows
+
+
+async def _rows(cursor: psycopg.AsyncCursor[Any]) -> list[Any]:
+    """A statement's rows once its result is here ([] if it returns none)."""
+    result = cursor.pgresult
+    return await cursor.fetchall() if result is not None and result.status == TUPLES_OK else []
 
 
 class LoopConnection:
@@ -115,17 +206,69 @@ class LoopConnection:
     def __init__(self, aconn: psycopg.AsyncConnection[Any], bridge: Bridge) -> None:
         object.__setattr__(self, "aconn", aconn)
         object.__setattr__(self, "_bridge", bridge)
+        object.__setattr__(self, "_queued", None)
 
     aconn: psycopg.AsyncConnection[Any]
     _bridge: Bridge
+    # In a pipeline block: the store's statements, sent when the block ends.
+    _queued: list[tuple[Any, Any, LoopCursor]] | None
 
     def execute(self, query: Any, params: Any = None) -> LoopCursor:
-        return LoopCursor(self._bridge.run(self.aconn.execute(query, params)), self._bridge)
+        if self._queued is not None:
+            face = LoopCursor(self._bridge)
+            self._queued.append((query, params, face))
+            return face
+
+        async def executed() -> tuple[psycopg.AsyncCursor[Any], list[Any]]:
+            cursor = await self.aconn.execute(query, params)
+            return cursor, await _rows(cursor)  # here already: read in this hop
+
+        cursor, rows = self._bridge.run(executed())
+        return LoopCursor(self._bridge, cursor, rows)
 
     @contextlib.contextmanager
-    def pipeline(self) -> Iterator[None]:
-        """No pipeline mode here: the statements of the block run one by one."""
-        yield
+    def pipeline(self, *, entered: bool = False) -> Iterator[None]:
+        """Pipeline mode on the ``AsyncConnection`` for the block.  The store's
+        statements in the block are sent when it ends, in the hop that leaves
+        pipeline mode (its sync: their results, or the first error) and reads
+        their rows: a block of statements is one hop.  ``entered``: pipeline mode
+        from the start of the block, for handlers awaited in it (their statements
+        do not wait for their results; the store's go after them)."""
+        _READ_TOO_EARLY.discard(self.aconn)
+        block = self.aconn.pipeline()
+        if entered:
+            self._bridge.run(block.__aenter__())
+        queued: list[tuple[Any, Any, LoopCursor]] = []
+        object.__setattr__(self, "_queued", queued)
+        try:
+            yield
+        except BaseException as exc:
+            object.__setattr__(self, "_queued", None)
+            if entered:
+                self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
+            raise
+        object.__setattr__(self, "_queued", None)
+        self._bridge.run(self._ended(block, queued, entered=entered))
+
+    async def _ended(
+        self,
+        block: contextlib.AbstractAsyncContextManager[Any],
+        queued: list[tuple[Any, Any, LoopCursor]],
+        *,
+        entered: bool,
+    ) -> None:
+        if not entered:
+            await block.__aenter__()
+        sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]] = []
+        try:
+            for query, params, face in queued:
+                sent.append((await self.aconn.execute(query, params), face))
+        except BaseException as exc:
+            await block.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await block.__aexit__(None, None, None)
+        for cursor, face in sent:
+            face.settle(cursor, await _rows(cursor))
 
     def close(self) -> None:
         self._bridge.run(self.aconn.close())
@@ -145,8 +288,11 @@ class AsyncInboxStore(InboxStore):
     """``InboxStore`` on an ``AsyncConnection`` of the application's loop; the
     handler is handed that ``AsyncConnection``."""
 
-    def __init__(self, settings: ConsumerSettings, bridge: Bridge) -> None:
+    def __init__(
+        self, settings: ConsumerSettings, bridge: Bridge, ahead: Ahead | None = None
+    ) -> None:
         self._bridge = bridge
+        self._ahead = ahead if ahead is not None else Ahead()
         super().__init__(
             settings.dsn,
             settings.inbox_table,
@@ -164,6 +310,7 @@ class AsyncInboxStore(InboxStore):
             except psycopg.OperationalError as exc:
                 raise cannot_connect(exc) from exc
             aconn.row_factory = tuple_row  # handlers get psycopg's default rows
+            aconn.cursor_factory = AsyncPipelinedCursor
             return aconn
 
         # InboxStore uses only what LoopConnection offers of a Connection.
@@ -178,7 +325,146 @@ class AsyncInboxStore(InboxStore):
 
     @property
     def pipelining(self) -> bool:
-        return False
+        return psycopg.AsyncPipeline.is_supported()
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = super()._connect()
+        self._ahead.idle_timeout = self.idle_timeout
+        return conn
+
+    def session(self) -> SessionState:
+        """The session as the handler call that just returned left it: read on the
+        loop right after it if it ran ahead (``Ahead.shown``), else now."""
+        shown, self._ahead.shown = self._ahead.shown, None
+        return shown if shown is not None else loop_session(self.connection)
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[None]:
+        """``InboxStore.pipeline``, in pipeline mode from the start (the handlers run
+        in it)."""
+        conn = cast(LoopConnection, self.conn)
+        try:
+            with self._translated("running the handlers' statements"), conn.pipeline(entered=True):
+                yield
+        finally:  # no handler call of this transaction comes after the block
+            self._ahead.clear()
+
+
+def loop_session(aconn: psycopg.AsyncConnection[Any]) -> SessionState:
+    """``store.session_state``, and a handler that caught ``ResultNotHere`` left
+    its transaction as good as aborted."""
+    state = session_state(aconn)
+    if aconn in _READ_TOO_EARLY:
+        return state._replace(transaction="inerror")
+    return state
+
+
+class RanTooLong(OutboxError):
+    """A handler run ahead in a pipelined batch outlived the session's
+    ``idle_in_transaction_session_timeout`` (which PostgreSQL does not apply while
+    statements are in flight): its batch fails, as ``steps.Processor`` fails it
+    when the handler runs on its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Called:
+    """One handler call run ahead: what it raised, the session right after it,
+    and how long it took on the loop."""
+
+    message: InboxMessage
+    raised: BaseException | None
+    state: SessionState
+    seconds: float
+
+
+class Ahead:
+    """The calls of a pipelined batch run ahead on the loop (``AwaitedHandler
+    .outbox_run_ahead``), taken one per ``Processor`` call in order; shared by the
+    handler's face and the store, cleared when the batch's pipeline block ends."""
+
+    def __init__(self) -> None:
+        self.calls: collections.deque[Called] = collections.deque()
+        self.shown: SessionState | None = None  # for the store's next ``session()``
+        self.idle_timeout: float | None = None  # the store's session's, seconds
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.shown = None
+
+
+class AwaitedHandler:
+    """What ``steps.Processor`` calls on the consumer's thread for an async handler.
+
+    A call alone is one hop: the handler awaited on the application's loop, the
+    thread waiting for it.  In a pipelined batch the Processor first hands over the
+    batch (``outbox_run_ahead``): the handler is awaited for each message in turn on the
+    loop in ONE hop, stopping at the first that fails as the Processor would fail
+    it (raises, leaves the session as ``steps.handler_left`` forbids, or outlives
+    the idle timeout), each call's session read on the loop right after it.  The
+    Processor's calls then take those outcomes in order without a hop, and its
+    checks see each call's own session (``AsyncInboxStore.session``).  Calls after
+    one the Processor stops at ran in the same transaction, which it rolls back
+    (a handler may run more than once; its effects commit once)."""
+
+    def __init__(self, handler: Callable[..., Any], bridge: Bridge, ahead: Ahead) -> None:
+        self.handler, self.bridge, self.ahead = handler, bridge, ahead
+        self.outbox_took: float | None = None  # the last call's time on the loop, if run ahead
+
+    def __call__(self, conn: Any, message: InboxMessage) -> None:
+        self.outbox_took = None
+        ahead = self.ahead
+        if ahead.calls:
+            called = ahead.calls.popleft()
+            if called.message is not message:  # not the batch handed over: fail it
+                ahead.clear()
+                raise RuntimeError("the consumer called a handler out of its batch's order")
+            self.outbox_took = called.seconds
+            if called.raised is not None:
+                raise called.raised
+            ahead.shown = called.state
+            return
+        raised = self.bridge.run(self._once(conn, message))
+        if raised is not None:
+            raise raised
+
+    async def _once(self, conn: Any, message: InboxMessage) -> BaseException | None:
+        try:
+            await self.handler(conn, message)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # asyncio lets these out of the task into the loop's runner: they
+            # would end the application's loop.  They are this message's
+            # failure (the BaseException policy in ``steps``): raised by the caller.
+            return exc
+        return None
+
+    def outbox_run_ahead(self, conn: Any, messages: list[InboxMessage]) -> None:
+        self.ahead.clear()
+        before = loop_session(conn)
+        self.ahead.calls.extend(self.bridge.run(self._ahead(conn, messages, before)))
+
+    async def _ahead(
+        self, conn: Any, messages: list[InboxMessage], before: SessionState
+    ) -> list[Called]:
+        idle = self.ahead.idle_timeout
+        calls: list[Called] = []
+        for message in messages:
+            started = time.perf_counter()
+            raised: BaseException | None = None
+            try:
+                await self.handler(conn, message)
+            except BaseException as exc:  # its message's failure, raised on the thread
+                raised = exc
+            seconds = time.perf_counter() - started
+            if raised is None and idle and seconds >= idle:
+                raised = RanTooLong(
+                    f"the handler ran longer than the session's "
+                    f"idle_in_transaction_session_timeout ({idle:g} s)"
+                )
+            state = loop_session(conn)
+            calls.append(Called(message, raised, state, seconds))
+            if raised is not None or handler_left(before, state, pending=True):
+                break
+        return calls
 
 
 def async_inbox(
@@ -191,25 +477,9 @@ def async_inbox(
             f"{getattr(handler, '__name__', handler)!r} is not an async def function",
             "pass it to outbox.inbox.consume instead",
         )
-    bridge = Bridge(loop)
-
-    def awaited(conn: Any, message: InboxMessage) -> None:
-        async def on_loop() -> BaseException | None:
-            try:
-                await handler(conn, message)
-            except (SystemExit, KeyboardInterrupt) as exc:
-                # asyncio lets these out of the task into the loop's runner: they
-                # would end the application's loop.  They are this message's
-                # failure (the BaseException policy in ``loop``): raised below.
-                return exc
-            return None
-
-        raised = bridge.run(on_loop())
-        if raised is not None:
-            raise raised
-
-    sync_face: Handler = awaited
-    return Inbox(sync_face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge))
+    bridge, ahead = Bridge(loop), Ahead()
+    face: Handler = AwaitedHandler(handler, bridge, ahead)
+    return Inbox(face, settings, connect_store=lambda s: AsyncInboxStore(s, bridge, ahead))
 
 
 async def run_async(inbox: Inbox) -> ConsumerStats:

@@ -424,11 +424,7 @@ class InboxStore:
                 self.conn.execute("ROLLBACK")
 
     def session(self) -> SessionState:
-        conn = self.conn
-        status = conn.pgconn.transaction_status  # conn.info builds an object per call
-        return SessionState(
-            conn.closed, conn.broken, _STATUS.get(status, "unknown"), _read_settings(conn)
-        )
+        return session_state(self.conn)
 
     def restore(self, state: SessionState) -> None:
         """A new session with the settings of ``state``, in place of one a handler
@@ -583,6 +579,15 @@ _STATUS: dict[int, str] = {
     TransactionStatus.INTRANS: "intrans",
     TransactionStatus.INERROR: "inerror",
 }
+
+
+def session_state(conn: Any) -> SessionState:
+    """What a handler can see and change of ``conn`` (a ``Connection`` or an
+    ``AsyncConnection``), read without I/O."""
+    status = conn.pgconn.transaction_status  # conn.info builds an object per call
+    return SessionState(
+        conn.closed, conn.broken, _STATUS.get(status, "unknown"), _read_settings(conn)
+    )
 
 
 class ParkedStore(InboxStore):

@@ -185,15 +185,24 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
         len(consume["bare_msg_per_s"])
         == len(consume["handwritten_effects_per_s"])
         == len(consume["inbox_effects_per_s"])
+        == len(consume["async_effects_per_s"])
         == 2
     )
     assert consume["bare_median"] > 0 and consume["inbox_median"] > 0
-    assert consume["handwritten_median"] > 0
+    assert consume["handwritten_median"] > 0 and consume["async_median"] > 0
     # From the medians before they were rounded to whole msg/s.
     expected = consume["inbox_median"] / consume["bare_median"]
     assert consume["ratio"] == pytest.approx(expected, rel=0.02, abs=0.01)
     ratio_to_handwritten = consume["inbox_median"] / consume["handwritten_median"]
     assert abs(consume["ratio_to_handwritten"] - ratio_to_handwritten) < 0.01
+    # The same handler as an async def, in the same run.
+    async_ratio = consume["async_median"] / consume["bare_median"]
+    assert consume["async_ratio"] == pytest.approx(async_ratio, rel=0.02, abs=0.01)
+    # CPU per 10,000 messages of each consumer's process and (local server) its backend:
+    # None when 300 messages went by between two of the bench's polls.
+    for kind in ("inbox", "async"):
+        for figure in (f"{kind}_cpu_s_per_10k", f"{kind}_backend_cpu_s_per_10k"):
+            assert consume[figure] is None or consume[figure] >= 0, figure
     # Publish -> committed effect, every message's commit seen.
     latency = report["latency"]
     assert latency["committed"] == latency["sent"] == 30
@@ -218,6 +227,7 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
     )
     assert text.returncode == 0 and "every message had exactly one effect" in text.stdout
     assert "hand-written kombu + psycopg" in text.stdout and "committed effect" in text.stdout
+    assert "the same handler `async def`" in text.stdout
 
 
 def test_bench_memory_only__prints_the_peak_rss_of_each_backlog(

@@ -150,6 +150,125 @@ def test_async__an_effect_of_a_failed_async_handler_is_rolled_back_with_its_id(
     assert (len(calls), inbox.stats.handler_failures) == (2, 1)
 
 
+def test_async__a_batch_of_async_handlers_runs_in_pipeline_mode(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """Their statements go out without waiting (the inbox's promise unchanged: one
+    transaction per batch); a result a handler awaits is there."""
+    ids = new_ids(10)
+    publish(topology, [(i, b"x") for i in ids])
+    modes: list[bool] = []
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        modes.append(conn._pipeline is not None)
+        cur = await conn.execute("SELECT %s::text", [message.message_id])
+        assert await cur.fetchone() == (message.message_id,)
+        await record_async(conn, message)
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "10 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
+    assert any(modes) and inbox.processor is not None and inbox.processor.pipelining
+
+
+def test_async__a_batch_is_awaited_in_one_go_each_call_timed_on_its_own(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """A pipelined batch's handlers run ahead on the loop in one task (one thread
+    hop, not one per message); the handler-time histogram still gets each call's
+    own time."""
+    ids = new_ids(5)
+    publish(topology, [(i, b"x") for i in ids])
+    tasks: set[asyncio.Task[Any] | None] = set()  # held: ids of freed tasks recur
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        tasks.add(asyncio.current_task())
+        await asyncio.sleep(0.03)
+        await record_async(conn, message)
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "5 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
+    assert len(tasks) < len(ids)
+    seconds = inbox.stats.handler_seconds.snapshot()
+    assert seconds.count == len(ids)
+    assert dict(seconds.buckets)[0.025] == 0  # each call 30 ms, none ~0 s
+
+
+def test_async__a_batch_run_ahead_stops_at_the_failing_handler_and_commits_nothing_of_it(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    ids = new_ids(6)
+    publish(topology, [(i, b"x") for i in ids])
+    calls: dict[str, int] = {}
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        calls[message.message_id] = calls.get(message.message_id, 0) + 1
+        await record_async(conn, message)
+        if message.message_id == ids[2] and calls[ids[2]] == 1:
+            raise RuntimeError("its first call fails")
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "6 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
+    # The batch was rolled back at its third message and applied one by one; the
+    # messages after the failing one were not called in the failed batch.
+    assert calls[ids[2]] == 2 and calls[ids[-1]] == 1
+
+
+def test_async__a_handler_breaking_the_contract_in_a_batch_fails_only_its_message(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """Run ahead, each call's session is checked as it returns (``loop.handler_left``):
+    the one that changed a setting fails and is parked; the others apply once."""
+    bad, *good = new_ids(5)
+    publish(topology, [(good[0], b"x"), (bad, b"x"), *[(g, b"x") for g in good[1:]]])
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        await record_async(conn, message)
+        if message.message_id == bad:
+            conn.prepare_threshold = None  # a setting: the contract forbids it
+
+    settings = consumer_settings(topology, consumer_dsn, max_attempts=2)
+    inbox = aio.async_inbox(handler, settings, app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.parked == 1 and inbox.stats.handled == 4, 20)
+    assert sorted(effects(consumer_dsn)) == sorted((g, b"x") for g in good)
+    store = ParkedStore(consumer_dsn, INBOX)
+    try:
+        [entry] = store.entries(10)
+    finally:
+        store.close()
+    assert entry["message_id"] == bad and "changed the connection's settings" in entry["error"]
+
+
+def test_async__a_result_property_read_too_early_in_a_batch_is_right_all_the_same(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """In pipeline mode ``rowcount`` cannot wait for its result: read before it
+    arrived, it fails the batch (even if the handler catches that), which is applied
+    again one by one without pipelining, where it is right; pipelining stays off."""
+    ids = new_ids(6)
+    publish(topology, [(i, b"x") for i in ids])
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        cur = await conn.execute("SELECT 1 UNION ALL SELECT 2")
+        try:
+            rows = cur.rowcount
+        except psycopg.Error:
+            rows = -1  # caught: its batch fails all the same
+        await conn.execute(INSERT, [message.message_id, f"rowcount {rows}".encode()])
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == len(ids), 20, "6 effects")
+    assert sorted(effects(consumer_dsn)) == sorted((i, b"rowcount 2") for i in ids)
+    assert inbox.processor is not None and not inbox.processor.pipelining
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_async__a_failing_handler_is_parked_as_the_sync_one_is(
     topology: Topology, consumer_dsn: str, app_loop: Loop, kind: str
