@@ -3,6 +3,7 @@
 ``run`` is the entry point; ``load``, ``ordering``, ``memory``, ``consume`` and
 ``commits`` (what the wake-up trigger costs the applications' commits) are the
 scenarios, ``deadrows`` the claim's cost behind the dead rows a held horizon keeps,
+``drain`` one relay draining a backlog behind them against a fresh table,
 ``horizon`` the relay while a snapshot, a slot or a prepared transaction holds the
 horizon, ``retries`` what a retry queue would cost the consumer (the
 broker's head-of-line expiry and dead-lettering), ``soak`` an hour of load with
