@@ -333,14 +333,15 @@ class Inbox:
         that full the consumer waits for the first retry, as with a full prefetch."""
         waiting = [h.delivery for h in self._held]
         waiting += [d for behind in self._behind.values() for d in behind]
-        prefetch = self.settings.prefetch
-        if not waiting or len(waiting) + prefetch > HAND_MOST * prefetch:
+        if not waiting:
             return
         mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
-        if mine >= max(1, prefetch // 2):
+        if planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST):
             self.broker.resubscribe()
             self.stats.resubscribed += 1
-            emit(log, "consumer.resubscribed", in_hand=len(waiting), prefetch=prefetch)
+            emit(
+                log, "consumer.resubscribed", in_hand=len(waiting), prefetch=self.settings.prefetch
+            )
 
     def _retry_due(self) -> None:
         """The next attempt of each held message whose delay is over (on a stop,

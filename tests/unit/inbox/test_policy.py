@@ -5,6 +5,7 @@ pipelining that survives a lost session, on the in-memory fakes."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -179,6 +180,34 @@ def test_inbox__more_messages_in_hand_than_the_prefetch_do_not_stop_the_others()
     inbox._handle(broker.drain(0))
     inbox._make_room()
     assert broker.journal.count("resubscribe") == made
+
+
+def test_inbox__never_more_than_hand_most_times_prefetch_unacked(chaos_seed: int) -> None:
+    """Most messages fail (retried in a minute), some share ordering keys, and a
+    drain takes only part of the window (the rest is on its way, unacked, as from
+    a real socket): at no point more than ``HAND_MOST`` x prefetch unacked.
+    Before, a resubscribe counted only the messages in hand, not those of the
+    current subscription still on their way: up to 4.67 x prefetch 3."""
+    rng = random.Random(chaos_seed)
+    for _ in range(200):
+        prefetch = rng.randint(1, 9)
+        keys = [None, *(f"k{i}" for i in range(rng.randint(0, 6)))]
+        messages = [
+            message(f"m{i}", rng.choice([b"raise", b"raise", b"ok"]), ordering_key=rng.choice(keys))
+            for i in range(12 * prefetch)
+        ]
+        broker = FakeBroker(messages, prefetch=prefetch, per_drain=rng.randint(1, prefetch))
+        settings = dataclasses.replace(
+            SETTINGS, prefetch=prefetch, retry_delay=60.0, retry_delay_max=60.0
+        )
+        inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: FakeStore())
+        inbox.start()
+        for _ in range(8 * prefetch):
+            deliveries = broker.drain(0)
+            if deliveries:
+                inbox._handle(deliveries)
+            inbox._make_room()
+            assert len(broker.unacked) <= HAND_MOST * prefetch, (prefetch, broker.per_drain)
 
 
 def test_inbox__a_keyed_failed_message_holds_its_key_only() -> None:
