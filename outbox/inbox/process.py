@@ -43,7 +43,7 @@ from outbox.inbox.broker import Broker, QueueRefused, refuse
 from outbox.inbox.handlers import Handler
 from outbox.inbox.metrics import ConsumerEndpoints
 from outbox.inbox.planning import Disposition, Dispositions, Held, outcome_reason
-from outbox.inbox.policy import from_stream, last_delivery
+from outbox.inbox.policy import from_stream, last_delivery, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
@@ -330,10 +330,11 @@ class Inbox:
         a new subscription with a fresh window (``Broker.resubscribe``), so that
         the healthy messages behind them keep coming.  At most ``HAND_MOST`` times
         ``--prefetch`` messages unacked (their bodies are in memory): with a hand
-        that full the consumer waits for the first retry, as with a full prefetch."""
+        that full the consumer waits for the first retry, as with a full prefetch.
+        Never on a queue with a single active consumer (``may_subscribe_again``)."""
         waiting = [h.delivery for h in self._held]
         waiting += [d for behind in self._behind.values() for d in behind]
-        if not waiting:
+        if not waiting or not may_subscribe_again(self.broker.policy):
             return
         mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
         if planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST):

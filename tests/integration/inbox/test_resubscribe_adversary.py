@@ -15,6 +15,7 @@ from outbox.inbox.broker import Broker
 from outbox.inbox.settings import ConsumerSettings
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, wait_for
 from tests.fixtures.servers import Topology
+from tests.integration.inbox import support
 from tests.integration.inbox.support import (
     INBOX,
     Consumer,
@@ -194,3 +195,45 @@ def test_resubscribe__connections_cut_after_subscribing_again_lose_nothing(
     for i in range(100):
         if f"k{i}" not in failing:
             assert effects.index(f"ok:k{i}:0".encode()) < effects.index(f"ok:k{i}:1".encode())
+
+
+FAILS_ONCE = r'''
+
+def fails_once(conn, message):
+    """Bodies starting with ``once`` fail their first attempt (noted on a session
+    of its own, which the rollback leaves alone), then are applied."""
+    if message.body.startswith(b"once"):
+        with psycopg.connect(os.environ["OUTBOX_DSN"], autocommit=True) as own:
+            own.execute("CREATE TABLE IF NOT EXISTS failed_once (body bytea PRIMARY KEY)")
+            noted = own.execute(
+                "INSERT INTO failed_once VALUES (%s) ON CONFLICT DO NOTHING", [message.body]
+            ).rowcount
+        if noted:
+            raise RuntimeError("the first attempt fails")
+    record(conn, message)
+'''
+
+
+def test_resubscribe__a_single_active_consumer_queue_keeps_a_keys_order_across_a_retry(
+    tmp_path: Path, consumer_dsn: str, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ordered set-up of docs/how-to/consuming.md: a queue with
+    x-single-active-consumer, two consumers (one for failover), --prefetch 1.  Key
+    K's first message fails once and is held for its retry; K's second must be
+    applied after it.  Subscribing again to make room would cancel the active
+    consumer, so RabbitMQ makes the waiting one active, and it applied K's second
+    message while the first waited for its retry in the other's hands."""
+    monkeypatch.setattr(support, "HANDLERS", support.HANDLERS + FAILS_ONCE)
+    redeclare(topology, {"x-single-active-consumer": True})
+    env = {"OUTBOX_RETRY_DELAY": "2", "OUTBOX_RETRY_DELAY_MAX": "2"}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    options: dict[str, Any] = {"function": "fails_once", "max_attempts": 5, "prefetch": 1}
+    with (
+        consumer(tmp_path / "a", consumer_dsn, topology, env=env, **options) as active,
+        consumer(tmp_path / "b", consumer_dsn, topology, env=env, **options),
+    ):
+        _publish_keyed(topology, [("K", b"once:K:1"), ("K", b"ok:K:2")])
+        wait_settled(consumer_dsn, topology, [b"once:K:1", b"ok:K:2"], timeout=30)
+        assert "x-single-active-consumer" in active.output()
+    assert effect_bodies(consumer_dsn) == [b"once:K:1", b"ok:K:2"]
