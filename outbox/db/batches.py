@@ -25,6 +25,7 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg import pq, sql
 from psycopg.types.json import Jsonb
+from psycopg.types.numeric import Int8
 
 from outbox import gid as gids
 from outbox.db import migrate, privileges
@@ -199,6 +200,9 @@ class BatchStore(Session):
         # gone.  Saved every ``save_seconds`` (``save_front``).
         self.front = ClaimFront()
         self._resumed = False
+        # The outbox table's file this session's claims began on (``saved_front``):
+        # its front is not saved for another (``save_front``).
+        self._filenode: int | None = None
         self.save_seconds = SAVE_SECONDS
         self._save_at = time.monotonic() + self.save_seconds
         self._saved = ClaimFront()
@@ -293,7 +297,7 @@ class BatchStore(Session):
         free again at once; nothing to clean up.
         """
         if not self._resumed:
-            self.front = self.saved_front()
+            self.front = self.saved_front(resuming=True)
             self._resumed = True
         elif self.rescan is None and time.monotonic() >= self._rescan_at:
             self.rescan = RescanPass(self.heap_pages())
@@ -333,12 +337,15 @@ class BatchStore(Session):
         """Connected, and no transaction open (no claim before its PREPARE)."""
         return not self.broken and self.conn.info.transaction_status == pq.TransactionStatus.IDLE
 
-    def saved_front(self) -> ClaimFront:
+    def saved_front(self, *, resuming: bool = False) -> ClaimFront:
         """The front a new session starts from (``outbox.db.front.resumed``): the one
-        the relays saved if it is this cluster's and timeline's, else the bottom."""
+        the relays saved if it is this cluster's and timeline's, else the bottom.
+        ``resuming``: this session's claims start from it, on the outbox's file now."""
         with self._translated("reading the saved claim front"):
             row = self.conn.execute(self.queries["saved_front"], {"table": self.table}).fetchone()
         assert row is not None
+        if resuming:
+            self._filenode = row["here_filenode"]
         here = Cluster(
             row["here_system_identifier"],
             row["here_timeline"],
@@ -363,8 +370,16 @@ class BatchStore(Session):
         front = self.front
         if front.low_water is None or front.seen is None or front == self._saved:
             return
+        params = {**front.params(), "table": self.table, "filenode": Int8(self._filenode or 0)}
         with self._translated("saving the claim front"):
-            self.conn.execute(self.queries["save_front"], {**front.params(), "table": self.table})
+            row = self.conn.execute(self.queries["save_front"], params).fetchone()
+        filenode = row["filenode"] if row else None
+        if filenode != self._filenode:
+            # The outbox was rewritten (truncated and reloaded, restored, VACUUM
+            # FULL) since this session's claims began: its rows may hold txids from
+            # elsewhere, below W.  Walk from the bottom once, as a new session would.
+            self.front, self._saved, self._filenode = ClaimFront(), ClaimFront(), filenode
+            return
         self._saved = front
 
     def claim_params(

@@ -91,7 +91,11 @@ first session walks from the bottom once, as does one that reads the timeline
 before the promotion's checkpoint records the new one), for this file of the
 outbox table (``pg_relation_filenode``: a table restored, truncated or rewritten by
 ``VACUUM FULL`` has a new one; a walk from the bottom once), and its xmax(S) is not
-beyond this server's (``resumed``).  Otherwise it starts from the bottom.
+beyond this server's (``resumed``).  Otherwise it starts from the bottom.  A session
+saves its front only for the file its claims began on (``queries.sql``,
+``save_front``): one that finds the file changed at a save (the outbox rewritten
+while it ran) starts again from the bottom itself, rather than vouch for the new
+file with a front computed on the old one.
 
 The safety net.  A row below W whose ``txid`` is not its inserting transaction's
 (the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a

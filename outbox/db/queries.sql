@@ -215,18 +215,29 @@ LEFT JOIN {claim_front} AS f ON true
 -- saved front is valid, a fresher one costs a new session less.  In autocommit,
 -- never inside a claim (a claim is prepared, and the row lock would then be held
 -- until its COMMIT PREPARED, serialising the relays).
-INSERT INTO {claim_front} AS f
-    (low_water, late, seen, system_identifier, timeline, filenode)
-SELECT %(low_water)s, %(late)s::bigint[], %(seen)s::pg_snapshot, s.system_identifier,
-       c.timeline_id, pg_relation_filenode(to_regclass(%(table)s))
-FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c
-ON CONFLICT (slot) DO UPDATE
-SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
-    system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
-    filenode = EXCLUDED.filenode, saved_at = now()
-WHERE (f.system_identifier, f.timeline, f.filenode)
-      IS DISTINCT FROM (EXCLUDED.system_identifier, EXCLUDED.timeline, EXCLUDED.filenode)
-   OR pg_snapshot_xmax(f.seen) < pg_snapshot_xmax(EXCLUDED.seen)
+-- Only if the outbox's file is still %(filenode)s, the one the session's claims
+-- began on: a table rewritten since (truncated and reloaded from a copy, whose
+-- rows keep its txids) must not be vouched for by a front computed on the old
+-- file.  Returns the file now; the session starts again from the bottom if it
+-- changed (``BatchStore.save_front``).
+WITH here AS MATERIALIZED (
+    SELECT pg_relation_filenode(to_regclass(%(table)s)) AS filenode
+), saved AS (
+    INSERT INTO {claim_front} AS f
+        (low_water, late, seen, system_identifier, timeline, filenode)
+    SELECT %(low_water)s, %(late)s::bigint[], %(seen)s::pg_snapshot, s.system_identifier,
+           c.timeline_id, h.filenode
+    FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c CROSS JOIN here AS h
+    WHERE h.filenode = %(filenode)s::bigint::oid
+    ON CONFLICT (slot) DO UPDATE
+    SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
+        system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
+        filenode = EXCLUDED.filenode, saved_at = now()
+    WHERE (f.system_identifier, f.timeline, f.filenode)
+          IS DISTINCT FROM (EXCLUDED.system_identifier, EXCLUDED.timeline, EXCLUDED.filenode)
+       OR pg_snapshot_xmax(f.seen) < pg_snapshot_xmax(EXCLUDED.seen)
+)
+SELECT filenode::bigint AS filenode FROM here
 
 -- record_dead_letters --
 -- Keyed by the outbox row's id: rows sharing a message_id stay separate dead

@@ -430,6 +430,7 @@ class Broker:
             transport_options={"frame_handler": frame_handler},
         )
         self.conn = conn
+        self._early = []  # a new channel: nothing of an older one is handed out
         errors = broker_errors(conn)
         try:
             # Each of the ';'-separated URLs once; the caller backs off between rounds.
@@ -634,10 +635,12 @@ class Broker:
             consumer.cancel()
             consumer.consume()
         except broker_errors(conn) as exc:
+            # What arrived meanwhile goes back to the queue with the channel: handed
+            # out after the reconnect, its ack would fail on the dead channel.
             raise self._translate("subscribing again", exc) from exc
         finally:
             self._received = None
-            self._early.extend(received)
+        self._early.extend(received)
 
     def stop_consuming(self) -> None:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""

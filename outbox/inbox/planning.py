@@ -2,7 +2,8 @@
 of it (``Disposition``), why it is parked (``last_delivery_reason``,
 ``unfinished_reason``, ``outcome_reason``, ``unusable``), how long a failed one
 waits in hand for its next attempt (``retry_delay``) and how long it may be held
-at most (``Held``, ``MAX_HOLD``).  No I/O: ``steps`` and ``process`` act on them."""
+at most (``Held``, ``MAX_HOLD``), and when the consumer subscribes again
+(``room_to_subscribe``).  No I/O: ``steps`` and ``process`` act on them."""
 
 from __future__ import annotations
 
@@ -115,3 +116,15 @@ def outcome_reason(held: Held, now: float) -> str:
         f"still failing after {now - held.since:.0f} s in the consumer's hands; its next "
         f"attempt would come after {MAX_HOLD:.0f} s, near RabbitMQ's consumer_timeout"
     )
+
+
+def room_to_subscribe(in_hand: int, mine: int, prefetch: int, hand_most: int) -> bool:
+    """Whether to subscribe again (``Inbox._make_room``): the ``in_hand`` messages
+    held or waiting behind their key, ``mine`` of them from the current
+    subscription, take half of its ``prefetch`` slots, and ``hand_most`` x
+    ``prefetch`` bounds what may then be unacked: those in hand from earlier
+    subscriptions, the current one's whole window (those still on their way count
+    too) and the new one's."""
+    if mine < max(1, prefetch // 2):
+        return False
+    return in_hand - mine + 2 * prefetch <= hand_most * prefetch

@@ -43,6 +43,9 @@ _INEQUIVALENT = re.compile(
     re.DOTALL,
 )
 _NUMERIC = ("signedint", "long", "short", "byte", "unsignedbyte", "unsignedshort")
+# Arguments whose value is a boolean: the next declare must carry a boolean (RabbitMQ
+# names the current value untyped, "current is 'true'", when the declare carried one).
+_BOOLEAN = ("x-single-active-consumer",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +57,14 @@ class QueuePolicy:
     delivery_limit: int | None = None
     message_ttl: int | None = None  # ms
     dead_letter_exchange: str | None = None
+    # x-single-active-consumer: one consumer receives at a time, the next one in line
+    # takes over when it cancels (``may_subscribe_again``).
+    single_active_consumer: bool = False
 
     def describe(self) -> str:
         parts = [self.queue_type or "type unknown"]
+        if self.single_active_consumer:
+            parts.append("x-single-active-consumer")
         if self.delivery_limit is not None:
             parts.append(f"x-delivery-limit {self.delivery_limit}")
         if self.message_ttl is not None:
@@ -74,6 +82,8 @@ def inequivalent(text: str) -> tuple[str, Any] | None:
         return None
     name = found["name"]
     if found["plain"] is not None:
+        if name in _BOOLEAN and found["plain"] in ("true", "false"):
+            return name, found["plain"] == "true"
         return name, _value(found["plain"], "")
     if found["typed"] is not None:
         return name, _value(found["typed"], found["type"])
@@ -81,6 +91,8 @@ def inequivalent(text: str) -> tuple[str, Any] | None:
 
 
 def _value(text: str, amqp_type: str) -> Any:
+    if amqp_type == "bool":
+        return text == "true"
     if amqp_type in _NUMERIC or (not amqp_type and re.fullmatch(r"-?\d+", text)):
         return int(text)
     return text
@@ -101,11 +113,13 @@ def policy_from(
         limit = DEFAULT_DELIVERY_LIMIT_SINCE_4
     ttl = arguments.get("x-message-ttl")
     dlx = arguments.get("x-dead-letter-exchange")
+    single = arguments.get("x-single-active-consumer")
     return QueuePolicy(
         queue_type=queue_type,
         delivery_limit=stated_limit if stated_limit is not None else _int(limit),
         message_ttl=_int(ttl),
         dead_letter_exchange=str(dlx) if dlx is not None else None,
+        single_active_consumer=str(single).lower() == "true",
     )
 
 
@@ -131,6 +145,16 @@ def refusal(policy: QueuePolicy) -> str | None:
             "makes the broker drop every message it had in hand"
         )
     return None
+
+
+def may_subscribe_again(policy: QueuePolicy) -> bool:
+    """Whether the consumer may cancel its subscription and subscribe again to make
+    room for the messages behind those it holds (``Inbox._make_room``).  Not on a
+    queue with a single active consumer: the cancel hands the queue to the next
+    consumer in line, which would apply the later messages of a key whose earlier
+    message this one holds for its retry.  Nor on a queue whose arguments could not
+    be read (no ``configure`` permission): it may be one."""
+    return bool(policy.queue_type) and not policy.single_active_consumer
 
 
 def delivery_count(headers: Mapping[Any, Any]) -> int:

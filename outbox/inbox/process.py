@@ -43,7 +43,7 @@ from outbox.inbox.broker import Broker, QueueRefused, refuse
 from outbox.inbox.handlers import Handler
 from outbox.inbox.metrics import ConsumerEndpoints
 from outbox.inbox.planning import Disposition, Dispositions, Held, outcome_reason
-from outbox.inbox.policy import from_stream, last_delivery
+from outbox.inbox.policy import from_stream, last_delivery, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
@@ -330,17 +330,19 @@ class Inbox:
         a new subscription with a fresh window (``Broker.resubscribe``), so that
         the healthy messages behind them keep coming.  At most ``HAND_MOST`` times
         ``--prefetch`` messages unacked (their bodies are in memory): with a hand
-        that full the consumer waits for the first retry, as with a full prefetch."""
+        that full the consumer waits for the first retry, as with a full prefetch.
+        Never on a queue with a single active consumer (``may_subscribe_again``)."""
         waiting = [h.delivery for h in self._held]
         waiting += [d for behind in self._behind.values() for d in behind]
-        prefetch = self.settings.prefetch
-        if not waiting or len(waiting) + prefetch > HAND_MOST * prefetch:
+        if not waiting or not may_subscribe_again(self.broker.policy):
             return
         mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
-        if mine >= max(1, prefetch // 2):
+        if planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST):
             self.broker.resubscribe()
             self.stats.resubscribed += 1
-            emit(log, "consumer.resubscribed", in_hand=len(waiting), prefetch=prefetch)
+            emit(
+                log, "consumer.resubscribed", in_hand=len(waiting), prefetch=self.settings.prefetch
+            )
 
     def _retry_due(self) -> None:
         """The next attempt of each held message whose delay is over (on a stop,

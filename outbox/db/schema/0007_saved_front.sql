@@ -23,6 +23,8 @@ CREATE TABLE IF NOT EXISTS {claim_front} (
 -- The roles that may already claim (DELETE on the outbox: the relays) may save and
 -- read the front, and those that may read the outbox (`outbox status`) may read it:
 -- an upgrade needs no GRANT of its own, and no relay of 0.6 is refused at start.
+-- The outbox's owner too, if another role runs this (its rights are implicit: its
+-- ACL may be empty), for a relay that runs as the role that created the outbox.
 DO $grants$
 DECLARE
     grantee oid;
@@ -31,6 +33,10 @@ BEGIN
         SELECT DISTINCT a.grantee FROM pg_class c, aclexplode(c.relacl) a
         WHERE c.oid = '{outbox}'::regclass AND a.privilege_type = 'DELETE'
           AND a.grantee NOT IN (0, c.relowner)
+        UNION
+        SELECT c.relowner FROM pg_class c
+        WHERE c.oid = '{outbox}'::regclass
+          AND c.relowner <> (SELECT relowner FROM pg_class WHERE oid = '{claim_front}'::regclass)
     LOOP
         EXECUTE format('GRANT SELECT, INSERT, UPDATE ON {claim_front} TO %s', grantee::regrole);
     END LOOP;

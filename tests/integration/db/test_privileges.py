@@ -198,3 +198,28 @@ def test_upgrade_to_schema_7__carries_the_relays_and_status_grants_to_the_saved_
         (f"{db_role.name}_st", "INSERT"): False,
         (f"{db_role.name}_st", "UPDATE"): False,
     }
+
+
+def test_upgrade_to_schema_7__run_by_another_role_carries_the_outbox_owners_rights(
+    dsn: str, db_role: DbRole
+) -> None:
+    """The relay runs as the role that owns the outbox (it ran ``outbox init`` up to
+    schema 6, so it was granted nothing: an owner's rights are implicit and its
+    ACL may be empty), and a DBA's role runs ``outbox init`` for schema 7, so the
+    DBA owns ``<table>_claim_front``.  The owner of the outbox must still be able
+    to save and read the front: a relay of 0.6 is not refused at start.  Before,
+    the migration granted only the roles listed in the outbox's ACL, not its owner."""
+    table = f"own7_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"GRANT CREATE ON SCHEMA public TO {db_role.name}")
+    with psycopg.connect(db_role.dsn, autocommit=True) as conn:
+        migrate.migrate(conn, table, target=6)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate.migrate(conn, table)
+    with psycopg.connect(db_role.dsn, autocommit=True) as conn:
+        front = f"{table}_claim_front"
+        held = {
+            p: conn.execute("SELECT has_table_privilege(%s, %s)", [front, p]).fetchone()[0]  # type: ignore[index]
+            for p in ("SELECT", "INSERT", "UPDATE")
+        }
+    assert held == {"SELECT": True, "INSERT": True, "UPDATE": True}

@@ -68,15 +68,21 @@ def test_policy__a_quorum_delivery_limit_below_max_attempts_still_parks_the_fail
     ]
 
 
+@pytest.mark.parametrize("single_active", [False, True], ids=["", "single_active_consumer"])
 def test_policy__a_crash_loop_on_a_quorum_queue_loses_no_healthy_message(
-    tmp_path: Path, consumer_dsn: str, topology: Topology
+    tmp_path: Path, consumer_dsn: str, topology: Topology, single_active: bool
 ) -> None:
     """x-delivery-limit 3, --max-attempts 5, the 4th of 10 messages kills the
     consumer (os._exit).  Each death returns every unacked message and counts a
     delivery against each; at its last delivery a message is applied first and
     acked at once, and the killer, whose earlier attempt did not finish, is parked
-    unseen.  Before: 10 published, 4 effects, 0 parked, 6 lost."""
-    redeclare(topology, {"x-queue-type": "quorum", "x-delivery-limit": 3})
+    unseen.  Before: 10 published, 4 effects, 0 parked, 6 lost.  Also with
+    x-single-active-consumer (the ordered set-up), whose boolean the consumer
+    could not read back, so it knew none of the queue's arguments (4 effects)."""
+    arguments: dict[str, Any] = {"x-queue-type": "quorum", "x-delivery-limit": 3}
+    if single_active:
+        arguments["x-single-active-consumer"] = True
+    redeclare(topology, arguments)
     bodies = [b"die:now" if i == 3 else f"ok:{i}".encode() for i in range(10)]
     publish(topology, list(zip(ids(10), bodies, strict=True)))
     deaths, deadline = 0, time.monotonic() + 60

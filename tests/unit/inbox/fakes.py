@@ -276,9 +276,16 @@ class FakeDelivery:
 class FakeBroker:
     """A queue of messages; unacked ones go back to the head on reject or close."""
 
-    def __init__(self, messages: Sequence[InboxMessage], prefetch: int = 10) -> None:
+    def __init__(
+        self, messages: Sequence[InboxMessage], prefetch: int = 10, per_drain: int | None = None
+    ) -> None:
         self.ready: list[InboxMessage] = list(messages)
         self.unacked: list[FakeDelivery] = []
+        # ``per_drain``: the broker fills the window at once (those deliveries are
+        # unacked, on their way), a drain hands out at most this many of them, as a
+        # real one takes at most a batch from the socket.  None: the whole window.
+        self.per_drain = per_drain
+        self._on_the_way: list[FakeDelivery] = []
         self.acked: list[InboxMessage] = []
         self.prefetch = prefetch
         self.connected = False
@@ -297,13 +304,18 @@ class FakeBroker:
     def drain(self, timeout: float) -> list[FakeDelivery]:
         if not self.connected:
             raise BrokerUnavailable("not connected")
-        got = []
+        got = self._on_the_way
         while self.ready and sum(map(self.subscribed, self.unacked)) < self.prefetch:
             self._tag += 1
             message = self.ready.pop(0)
             delivery = FakeDelivery(message, self._tag, self.subscription)
             self.unacked.append(delivery)
             got.append(delivery)
+        # Those of an earlier subscription all come at once (``Broker.resubscribe``
+        # keeps them for the next drain).
+        older = sum(1 for d in got if not self.subscribed(d))
+        most = len(got) if self.per_drain is None else older + self.per_drain
+        got, self._on_the_way = got[:most], got[most:]
         return got
 
     def settle(self, delivery: FakeDelivery, *, ack: bool, multiple: bool = False) -> None:
@@ -336,6 +348,7 @@ class FakeBroker:
         for d in reversed(self.unacked):
             self.ready.insert(0, dataclasses.replace(d.message, redelivered=True))
         self.unacked = []
+        self._on_the_way = []
         self.connected = False
 
 
