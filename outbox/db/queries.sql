@@ -22,7 +22,11 @@
 -- row whose txid the application wrote is found there.
 -- `committed_since` has no condition on id, and is MATERIALIZED so that none is
 -- pushed into it: with `id < W` there, the generic plan walked the primary key
--- from the bottom to W and filtered on txid (the very walk this avoids).
+-- from the bottom to W and filtered on txid (the very walk this avoids).  So is
+-- `sliced`, for the same reason: with `id < W` beside its TID range, the generic
+-- plan chose the primary key once the statistics had seen the dead rows (an
+-- ANALYZE, autovacuum's), and every claim read every dead row below W: 0.55 ms to
+-- 68 ms per claim over 10 minutes of a held snapshot, 2,610 blocks for 200,000.
 -- `start` is the smallest id visible now at or after W (locked or not): the one
 -- walk over the rows deleted since the claim before; the other scans of the
 -- front start there (none when it is NULL: no row at or after W is visible).
@@ -81,13 +85,14 @@ WITH committed_since AS MATERIALIZED (
     WHERE txid = ANY (ARRAY (
         SELECT x FROM pg_snapshot_xip(%(seen)s::pg_snapshot) AS x
         WHERE pg_visible_in_snapshot(x, pg_current_snapshot())))
+), sliced AS MATERIALIZED (
+    SELECT id FROM {outbox} WHERE ctid >= %(slice_from)s::tid AND ctid < %(slice_to)s::tid
 ), late AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id = ANY (%(late)s::bigint[])
     UNION
     SELECT id FROM committed_since WHERE id < %(low_water)s
     UNION
-    SELECT id FROM {outbox}
-    WHERE ctid >= %(slice_from)s::tid AND ctid < %(slice_to)s::tid AND id < %(low_water)s
+    SELECT id FROM sliced WHERE id < %(low_water)s
 ), start AS MATERIALIZED (
     SELECT id FROM {outbox} WHERE id >= %(low_water)s ORDER BY id LIMIT 1
 ), claimed AS (

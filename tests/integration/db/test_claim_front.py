@@ -96,17 +96,23 @@ def _dead_rows(dsn: str, count: int) -> None:
         conn.execute("COMMIT PREPARED 'dead_rows'")
 
 
+@pytest.mark.parametrize("analyzed", [False, True], ids=["stale_stats", "analyzed"])
 @pytest.mark.parametrize("key", [None, "k"], ids=["unkeyed", "one_key"])
 def test_claim__reads_the_same_blocks_with_dead_rows_behind_a_held_horizon(
-    dsn: str, held_horizon: psycopg.Connection[Any], key: str | None
+    dsn: str, held_horizon: psycopg.Connection[Any], key: str | None, analyzed: bool
 ) -> None:
     """A claim behind 100,000 dead rows reads about what it reads with none: O(batch),
     not O(dead).  The claim of 0.5 read 5,000 blocks more (one claim walked the
-    index and heap pages of every dead row)."""
+    index and heap pages of every dead row).  ``analyzed``: the statistics were taken
+    with no live row (autovacuum's ANALYZE while the relays keep up, the horizon
+    held); the generic plan of the safety net's slice then walked the primary key
+    below W on every claim (0.55 -> 68 ms per claim in a 10-minute bench run)."""
     costs = {}
     for dead in (0, DEAD):
         _dead_rows(dsn, dead)
         with psycopg.connect(dsn, autocommit=True) as conn:
+            if analyzed:  # as autovacuum's ANALYZE when the relays have drained the table
+                conn.execute("ANALYZE outbox")
             _insert(conn, 3 * BATCH, key=key)
         store = BatchStore(dsn, "outbox", statement_timeout=60)
         try:
