@@ -41,7 +41,6 @@ def standby_holding(primary_dsn: str, slot: str) -> Iterator[None]:
             backup_options=(
                 "-C",  # the slot, made by the backup (so no WAL is missed)
                 *("-S", slot),
-                "--checkpoint=fast",  # a spread one takes minutes
             ),
             settings={
                 "hot_standby": "on",
