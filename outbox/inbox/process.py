@@ -339,7 +339,6 @@ class Inbox:
         mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
         if planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST):
             self.broker.resubscribe()
-            self.stats.resubscribed += 1
             emit(
                 log, "consumer.resubscribed", in_hand=len(waiting), prefetch=self.settings.prefetch
             )

@@ -26,7 +26,6 @@ class ConsumerStats:
         default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
     )
     reconnects: int = 0
-    resubscribed: int = 0  # new subscriptions to make room (``Inbox._make_room``)
     pruned: int = 0
     handler_seconds: Durations = dataclasses.field(default_factory=Durations)
     last_progress: float = dataclasses.field(default_factory=time.monotonic)
