@@ -307,6 +307,18 @@ class Heartbeats:
         with self._lock:  # a frame being written is written
             pass
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No heartbeat written in the block (the loop's thread uses the socket);
+        sending goes on after it only if it was on before."""
+        was_on = self._busy.is_set()
+        self.stop()
+        try:
+            yield
+        finally:
+            if was_on:
+                self.start()
+
     def close(self) -> None:
         self._closed = True
         self._busy.set()  # wakes the thread, which then ends
@@ -399,9 +411,11 @@ class Broker:
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
         self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
         self._heartbeats: Heartbeats | None = None
-        # Deliveries that arrived while ``resubscribe`` waited for its replies:
-        # handed out first by the next ``drain``.
+        # Deliveries that arrived while ``resubscribe`` waited for its replies, or
+        # taken by ``read_ahead``: handed out first by the next ``drain``.
         self._early: list[Any] = []
+        # A broker error ``read_ahead`` met, raised by the next broker call.
+        self._read_error: BaseException | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -431,6 +445,7 @@ class Broker:
         )
         self.conn = conn
         self._early = []  # a new channel: nothing of an older one is handed out
+        self._read_error = None
         errors = broker_errors(conn)
         try:
             # Each of the ';'-separated URLs once; the caller backs off between rounds.
@@ -552,6 +567,8 @@ class Broker:
         self._received = received
         batch_size = self.settings.batch_size
         try:
+            if self._read_error is not None:  # met by ``read_ahead``
+                raise self._read_error
             conn.drain_events(timeout=0 if received else timeout)
             with _nonblocking(conn):
                 if self._frames is not None:
@@ -572,6 +589,45 @@ class Broker:
         self.heartbeat()
         return [to_delivery(r, self.settings.queue) for r in received]
 
+    def read_ahead(self) -> None:
+        """Take the deliveries whose frames are already on the connection (at most
+        ``batch_size`` in all), without waiting: the next ``drain`` hands them out
+        first.  Called while a statement of the batch in hand is on its way to
+        PostgreSQL (``steps.Processor.meanwhile``), so decoding the next batch
+        overlaps the server's work instead of following it.
+
+        Never raises: a broker error here (the broker closing the channel, say, on
+        its ``consumer_timeout``) is kept and raised by the next broker call
+        (``drain``, ``settle``, ``resubscribe``), as if that had read it (the batch
+        in hand is not the broker's business until it is settled).  Only with
+        ``BufferedFrames`` (plain TCP): elsewhere the next ``drain`` reads as before."""
+        conn, frames = self.conn, self._frames
+        batch_size = self.settings.batch_size
+        if (
+            conn is None
+            or frames is None
+            or self._read_error is not None
+            or len(self._early) >= batch_size
+        ):
+            return
+        received: list[Any] = []
+        self._received = received
+        heartbeats = self._heartbeats
+        # Its writes must not meet the socket in non-blocking mode.
+        with heartbeats.paused() if heartbeats is not None else contextlib.nullcontext():
+            try:
+                with _nonblocking(conn):
+                    read, on_frame = frames.read_frame, conn.connection.on_inbound_frame
+                    while len(self._early) + len(received) < batch_size:
+                        on_frame(read())
+            except TimeoutError:  # nothing (more) on the connection
+                pass
+            except broker_errors(conn) as exc:
+                self._read_error = exc
+            finally:
+                self._received = None
+        self._early.extend(received)
+
     def heartbeat(self) -> None:
         conn = self.conn
         if conn is None:
@@ -587,6 +643,8 @@ class Broker:
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
         try:
+            if self._read_error is not None:  # the channel is gone (``read_ahead``)
+                raise self._read_error
             if ack:
                 delivery.handle.ack(multiple=multiple)
             else:
@@ -632,6 +690,8 @@ class Broker:
         received: list[Any] = []
         self._received = received
         try:
+            if self._read_error is not None:  # the channel is gone (``read_ahead``)
+                raise self._read_error
             consumer.cancel()
             consumer.consume()
         except broker_errors(conn) as exc:
@@ -652,6 +712,7 @@ class Broker:
     def close(self) -> None:
         self._consumer = None
         self._early = []
+        self._read_error = None
         self._frames = None
         if self._heartbeats is not None:
             self._heartbeats.close()
