@@ -1,7 +1,8 @@
 """The relay's batch store (``BatchStore``): its work connection.
 
 It claims rows, prepares and finishes batches, records a batch's dead letters,
-and answers what the resolver and ``outbox status`` ask about batches and relays.
+and answers what the resolver, ``outbox status``, the metrics and the console's
+charts ask about batches, relays and the backlog.
 It runs in autocommit mode and issues BEGIN / PREPARE TRANSACTION / COMMIT
 PREPARED itself, so that a prepared batch never pins the connection's transaction
 state.  The relay's other sessions (control, wake-up) are in ``relays``.
@@ -631,4 +632,17 @@ class BatchStore(Session):
             "reading metrics",
             gid_prefix=gids.relay_prefix(self.table),
             lock_class=gids.LOCK_CLASS,
+        )
+
+    def chart_sample(self) -> Row:
+        """What the console's charts sample, in one round trip after reading the saved
+        front: ``backlog`` and ``oldest_seconds`` (as ``backlog``), the counters
+        ``deleted`` (rows ever deleted from the outbox) and ``dead_lettered`` (rows
+        ever inserted into the dead letters), ``dead_rows`` (the outbox's) and
+        ``horizon_seconds`` (how long the horizon has been held)."""
+        return self._from_front(
+            "chart_sample",
+            "sampling the outbox",
+            outbox=self.table,
+            dead_letters=f"{self.table}_dead_letters",
         )

@@ -95,19 +95,6 @@ class DeadLetterStore(Session):
                 self.queries["dead_letter_value"], {"row_id": row_id, "what": what, "most": most}
             ).fetchone()
 
-    def chart_sample(self) -> Row:
-        """backlog, oldest_seconds, the counters ``deleted`` (rows ever deleted from
-        the outbox) and ``dead_lettered`` (rows ever inserted into the dead letters),
-        ``dead_rows`` (the outbox's) and ``horizon_seconds`` (how long the horizon has
-        been held)."""
-        with self._translated("sampling the outbox"):
-            row = self.conn.execute(
-                self.queries["chart_sample"],
-                {"outbox": self.table, "dead_letters": f"{self.table}_dead_letters"},
-            ).fetchone()
-        assert row is not None  # a SELECT without FROM returns one row
-        return row
-
     def matching(
         self,
         *,

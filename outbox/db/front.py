@@ -118,10 +118,11 @@ heap when it began) in at most ``RESCAN_SLICES`` slices of at least
 on a page beyond that, or moved by an UPDATE across the slice being read, waits for
 the next pass.
 
-Counting.  ``outbox status`` and the metrics count the backlog where the claims look,
-from the saved front (``queries.sql``, ``front_rows``): the rows from W by the primary
-key (the backlog, and the dead rows since the front was saved), the late ids, and the
-rows inserted by transactions its snapshot did not see.  By the invariant that is
+Counting.  ``outbox status``, the metrics and the console's charts count the backlog
+where the claims look, from the saved front (``queries.sql``, ``front_rows``, composed
+into ``backlog``, ``metrics_snapshot`` and ``chart_sample``): the rows from W by the
+primary key (the backlog, and the dead rows since the front was saved), the late ids,
+and the rows inserted by transactions its snapshot did not see.  By the invariant that is
 every row that exists, but a row whose txid the application wrote, below W, until
 the safety net finds it (it is then a late id of a saved front).  Not an estimate:
 exact, to that exception.

@@ -40,11 +40,14 @@ class Queries:
         ids = table_identifiers(table)
         raw = _raw_blocks()
         # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups;
-        # ``{front_rows}``: the rows where the claims look, in backlog and metrics_snapshot.
+        # ``{front_rows}``: the rows where the claims look, in backlog and metrics_snapshot;
+        # ``{backlog}``: the backlog counted over them, in chart_sample.
+        front_rows = sql.SQL(raw["front_rows"]).format(**ids)
         parts = {
             **ids,
             "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids),
-            "front_rows": sql.SQL(raw["front_rows"]).format(**ids),
+            "front_rows": front_rows,
+            "backlog": sql.SQL(raw["backlog"]).format(**ids, front_rows=front_rows),
         }
         self._composed = {name: sql.SQL(body).format(**parts) for name, body in raw.items()}
 

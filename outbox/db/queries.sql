@@ -396,8 +396,8 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
 -- one whose txid the application wrote, below W, until a relay's safety net finds
 -- it.  No walk over the dead rows below W.  With no front (W the bottom, no
 -- snapshot) every row, from the lowest id.  The sweep is MATERIALIZED, without
--- a condition on id, as in ``claim_batch``.  Composed into ``backlog`` and
--- ``metrics_snapshot`` (``outbox.db.queries``).
+-- a condition on id, as in ``claim_batch``.  Composed into ``backlog`` (and so
+-- ``chart_sample``) and ``metrics_snapshot`` (``outbox.db.queries``).
 WITH swept AS MATERIALIZED (
     SELECT id, created_at FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
     UNION ALL
@@ -590,18 +590,20 @@ FROM (SELECT count(*) AS rows, min(id) FILTER (WHERE isfinite(created_at)) AS fi
 
 -- chart_sample --
 -- What the console's charts sample from one outbox table, in one round trip: the
--- backlog, its oldest row's age, and two counters of the statistics system (which
--- the server keeps anyway): rows ever deleted from the outbox (published or
--- dead-lettered) and rows ever inserted into the dead letters.  Their differences
--- between two samples are what was published and dead-lettered in between.  And
--- the MVCC horizon (``horizon.sql``): the outbox's dead rows, and for how long the
--- oldest transaction of this database, a session's or a prepared one, has held its
--- snapshot (as ``outbox_horizon_age_seconds``; bounded by max_connections and
+-- backlog and its oldest row's age, as ``outbox status`` counts them (``backlog``:
+-- where the relays' claims look, from their saved front; ``count(*)`` and the
+-- lowest id read every dead row a held horizon keeps, every 10 s: 14,851 blocks
+-- behind 200,000 dead rows, tests/integration/web/test_sampler.py), and two
+-- counters of the statistics system (which the server keeps anyway): rows ever
+-- deleted from the outbox (published or dead-lettered) and rows ever inserted into
+-- the dead letters.  Their differences between two samples are what was published
+-- and dead-lettered in between.  And the MVCC horizon (``horizon.sql``): the
+-- outbox's dead rows, and for how long the oldest transaction of this database, a
+-- session's or a prepared one, has held its snapshot (as
+-- ``outbox_horizon_age_seconds``; bounded by max_connections and
 -- max_prepared_transactions).
-SELECT (SELECT count(*) FROM {outbox}) AS backlog,
-       coalesce((SELECT extract(epoch FROM now() - created_at)
-                 FROM {outbox} WHERE isfinite(created_at) ORDER BY id LIMIT 1),
-                0)::float8 AS oldest_seconds,
+SELECT b.rows AS backlog,
+       b.oldest_age_seconds AS oldest_seconds,
        coalesce((SELECT n_tup_del FROM pg_stat_user_tables
                  WHERE relid = to_regclass(%(outbox)s)), 0) AS deleted,
        coalesce((SELECT n_tup_ins FROM pg_stat_user_tables
@@ -616,6 +618,7 @@ SELECT (SELECT count(*) FROM {outbox}) AS backlog,
                    OR current_setting('server_version_num')::int < 140000)),
            (SELECT max(extract(epoch FROM now() - prepared)) FROM pg_prepared_xacts
             WHERE database = current_database())), 0)::float8 AS horizon_seconds
+FROM ({backlog}) AS b
 
 -- table_privileges --
 -- Which of the (table, privilege) pairs the current role holds.  A table that does

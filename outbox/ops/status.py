@@ -40,16 +40,23 @@ class Observation:
         return sum(1 for r in self.relays if r["alive"])
 
 
-def read(settings: Settings) -> Observation:
-    """Every query ``status`` needs, on one short session; no judgement here."""
-    store = HorizonReader(
+def open_reader(settings: Settings, application_name: str = "outbox-status") -> HorizonReader:
+    """A session for what ``status`` reads (the backlog from the relays' saved front,
+    batches, relays, the horizon), bounded by the settings' timeouts; the console's
+    charts sample through one too (``BatchStore.chart_sample``)."""
+    return HorizonReader(
         settings.dsn,
         settings.table,
-        application_name="outbox-status",
+        application_name=application_name,
         connect_timeout=settings.connect_timeout,
         statement_timeout=settings.statement_timeout,
         lock_timeout=settings.lock_timeout,
     )
+
+
+def read(settings: Settings) -> Observation:
+    """Every query ``status`` needs, on one short session; no judgement here."""
+    store = open_reader(settings)
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
         version = migrate.current_version(store.conn, settings.table)

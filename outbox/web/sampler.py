@@ -5,11 +5,13 @@ database once per interval, whoever is looking, and kept in memory.
   ``refresh_seconds``; every tab's refresh within that time gets the same copy (a
   tab used to cost a dozen queries every refresh: ten tabs, ten times that).
 - **The charts** (``charts``): a background thread runs one statement per table
-  every ``sample_seconds`` (``chart_sample``: a count, an index probe, three
-  figures the statistics system keeps anyway, and the age of the oldest transaction
-  holding the MVCC horizon) and keeps the last hour of samples,
-  about 360 per table at 10 s.  The thread starts with the application (or on its
-  first request) and stops with it.
+  every ``sample_seconds``, after reading the relays' saved claim front for an
+  outbox table (``BatchStore.chart_sample``: the backlog and its oldest row's age
+  counted from that front as ``outbox status`` counts them, so that a held MVCC
+  horizon's dead rows are not read every 10 s; three figures the statistics system
+  keeps anyway, and the age of the oldest transaction holding the horizon) and keeps
+  the last hour of samples, about 360 per table at 10 s.  The thread starts with the
+  application (or on its first request) and stops with it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from outbox.config import Settings
 from outbox.errors import OutboxError
 from outbox.events import emit
-from outbox.ops import deadletters
+from outbox.ops import status
 from outbox.web import charts, console
 from outbox.web.console import ConsoleConfig
 
@@ -84,8 +86,9 @@ class Sampler:
             self._stop.wait(self.config.sample_seconds)
 
     def sample(self) -> None:
-        """One sample of every table (one statement each); a table that cannot be
-        read keeps its error for the page, and is tried again next time."""
+        """One sample of every table (one statement each, an outbox's after reading
+        its saved front); a table that cannot be read keeps its error for the page,
+        and is tried again next time."""
         for settings in self.config.outboxes:
             self._take(f"outbox:{settings.table}", functools.partial(_outbox_values, settings))
         for target in self.config.inboxes:
@@ -136,7 +139,7 @@ class Sampler:
 
 
 def _outbox_values(settings: Settings) -> dict[str, float]:
-    store = deadletters.open_store(settings)
+    store = status.open_reader(settings, application_name="outbox-web")
     try:
         row = store.chart_sample()
     finally:

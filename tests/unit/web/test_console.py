@@ -152,7 +152,7 @@ def test_sampler__charts_the_outboxs_dead_rows_and_the_horizons_age_from_its_one
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(sampler_module.deadletters, "open_store", lambda settings: Store())
+    monkeypatch.setattr(sampler_module.status, "open_reader", lambda settings, **_: Store())
     now = [60 * 1000 + 10.0]
     config = console.ConsoleConfig((Settings(),))
     sampler = sampler_module.Sampler(config, clock=lambda: now[0])
