@@ -31,7 +31,6 @@ import errno
 import logging
 import socket
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from struct import unpack_from
@@ -175,6 +174,8 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
 # Errors of ``recv`` that do not mean the connection is gone (as py-amqp's).
 _UNAVAILABLE = frozenset([errno.EAGAIN, errno.EINTR, errno.ENOENT, errno.EWOULDBLOCK])
 _FRAME_END = 0xCE
+_METHOD_FRAME = 1
+_BASIC_DELIVER = (60, 60)  # class and method ids
 
 
 class BufferedFrames:
@@ -212,6 +213,18 @@ class BufferedFrames:
         frames = cls(transport)
         transport.read_frame = frames.read_frame
         return frames
+
+    def next_is_delivery(self) -> bool:
+        """Whether the next frame is part of a delivery (a ``basic.deliver``, or a
+        content header, body or heartbeat frame), read from the socket as far as
+        its first 11 bytes (1 if not a method frame) but not consumed (``TimeoutError``: not here yet).
+        Anything else (a channel or connection close, a cancel, a reply) is left
+        for ``drain``, whose handling of it waits for replies."""
+        self._fill(1)
+        if self.buffer[self.offset] != _METHOD_FRAME:
+            return True
+        self._fill(11)  # type, channel, size, class id, method id
+        return unpack_from(">HH", self.buffer, self.offset + 7) == _BASIC_DELIVER
 
     def read_frame(self) -> tuple[int, int, bytes]:
         buffer, offset = self.buffer, self.offset
@@ -296,6 +309,7 @@ class Heartbeats:
         self._lock = threading.Lock()
         self._busy = threading.Event()
         self._closed = False
+        self._closing = threading.Event()  # set by ``close``: ends the thread's wait
         self.sent = 0
         threading.Thread(target=self._run, name="outbox-heartbeats", daemon=True).start()
 
@@ -320,7 +334,10 @@ class Heartbeats:
                 self.start()
 
     def close(self) -> None:
+        """The thread ends now, not after its current wait: a consumer that
+        reconnects often must not pile up threads waiting out an interval."""
         self._closed = True
+        self._closing.set()
         self._busy.set()  # wakes the thread, which then ends
 
     def _run(self) -> None:
@@ -329,7 +346,8 @@ class Heartbeats:
             if self._closed:
                 return
             # Every half interval: the broker closes a connection silent for two.
-            time.sleep(self._interval / 2)
+            if self._closing.wait(self._interval / 2):
+                return
             with self._lock:
                 if self._closed:
                     return
@@ -596,9 +614,12 @@ class Broker:
         PostgreSQL (``steps.Processor.meanwhile``), so decoding the next batch
         overlaps the server's work instead of following it.
 
-        Never raises: a broker error here (the broker closing the channel, say, on
-        its ``consumer_timeout``) is kept and raised by the next broker call
-        (``drain``, ``settle``, ``resubscribe``), as if that had read it (the batch
+        Deliveries only: it stops at any other method frame (a channel the broker
+        closes on its ``consumer_timeout``, a cancel), which the next ``drain``
+        reads as it always did; py-amqp's handling of those waits for replies
+        (it reopens a closed channel), which a non-blocking read would cut short.
+        Never raises: an error here is kept and raised by the next broker call
+        (``drain``, ``settle``, ``resubscribe``), as if that had met it (the batch
         in hand is not the broker's business until it is settled).  Only with
         ``BufferedFrames`` (plain TCP): elsewhere the next ``drain`` reads as before."""
         conn, frames = self.conn, self._frames
@@ -619,10 +640,12 @@ class Broker:
                 with _nonblocking(conn):
                     read, on_frame = frames.read_frame, conn.connection.on_inbound_frame
                     while len(self._early) + len(received) < batch_size:
+                        if not frames.next_is_delivery():
+                            break
                         on_frame(read())
             except TimeoutError:  # nothing (more) on the connection
                 pass
-            except broker_errors(conn) as exc:
+            except Exception as exc:  # raised by the next broker call
                 self._read_error = exc
             finally:
                 self._received = None
@@ -643,7 +666,7 @@ class Broker:
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
         try:
-            if self._read_error is not None:  # the channel is gone (``read_ahead``)
+            if self._read_error is not None:  # met by ``read_ahead``
                 raise self._read_error
             if ack:
                 delivery.handle.ack(multiple=multiple)
@@ -690,7 +713,7 @@ class Broker:
         received: list[Any] = []
         self._received = received
         try:
-            if self._read_error is not None:  # the channel is gone (``read_ahead``)
+            if self._read_error is not None:  # met by ``read_ahead``
                 raise self._read_error
             consumer.cancel()
             consumer.consume()

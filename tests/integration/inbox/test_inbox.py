@@ -838,3 +838,38 @@ def test_endpoints__consumer_counters_histogram_parked_gauge_and_probes(
     assert metrics["outbox_consumer_broker_up"] == 1
     assert metrics["outbox_consumer_database_up"] == 1
     assert status == 503 and "stopping" in body
+
+
+def test_inbox__outages_leave_no_thread_behind(topology: Topology, consumer_dsn: str) -> None:
+    """Each session and broker connection the consumer replaces takes its threads
+    with it (the read-ahead helper, the heartbeats): after four database outages
+    there is at most one of each, as after none, and none once it stops.  (A
+    closed connection's heartbeat thread used to wait out half an interval, 30 s,
+    before it ended: five were alive here.)"""
+
+    def threads(prefix: str) -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+
+    before = threads("outbox-read-ahead"), threads("outbox-heartbeats")
+    inbox = Inbox(record, consumer_settings(topology, consumer_dsn))
+    applied = 0
+    with running(inbox):
+        for _ in range(5):
+            ids = new_ids(20)  # a batch: the read-ahead runs
+            publish(topology, [(i, b"x") for i in ids])
+            applied += len(ids)
+            wait_for(lambda n=applied: inbox.stats.handled == n, 30, "the batch")
+            scalar(
+                consumer_dsn,
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'outbox-consume'",
+            )
+        # The next batch finds each of the first four sessions gone: an outage each.
+        assert inbox.stats.reconnects >= 4
+        assert threads("outbox-read-ahead") <= before[0] + 1
+        assert threads("outbox-heartbeats") <= before[1] + 1
+    wait_for(
+        lambda: (threads("outbox-read-ahead"), threads("outbox-heartbeats")) == before,
+        5,
+        "the stopped consumer's threads to end",
+    )
