@@ -217,7 +217,8 @@ class BufferedFrames:
     def next_is_delivery(self) -> bool:
         """Whether the next frame is part of a delivery (a ``basic.deliver``, or a
         content header, body or heartbeat frame), read from the socket as far as
-        its first 11 bytes (1 if not a method frame) but not consumed (``TimeoutError``: not here yet).
+        its first 11 bytes (1 if not a method frame) but not consumed
+        (``TimeoutError``: not here yet).
         Anything else (a channel or connection close, a cancel, a reply) is left
         for ``drain``, whose handling of it waits for replies."""
         self._fill(1)
