@@ -69,6 +69,19 @@
 -- 1,000 comparisons per claim: 65 of the 85 ms of a claim of 1,000 keys behind the
 -- relay's own batch.
 --
+-- `front_heads` passes over the rows that other batches hold (prepared, not yet
+-- committed: still visible to this snapshot) without trying to lock them: a row whose
+-- xmax is a prepared transaction's is held by that batch, and SKIP LOCKED would skip
+-- it anyway, but only after a tuple lock and a try on the transaction's lock in the
+-- lock manager.  With 4 relays of 2 batches in flight each, a claim of 1,000 rows
+-- passed 7,000 such rows: 20 ms of its backend's CPU, 12.6 ms without the tries
+-- (4 sessions claiming 1,000 rows in turn from 80,000 of 1 KiB, issue 33).  The
+-- rows are still read: only the lock manager is spared.
+-- Only a hint: a batch finished since this statement's start is skipped this once
+-- (committed: the rows are gone; rolled back: the next claim takes them, W did not
+-- pass them, `start` does not look at xmax), and a row held by a claim not yet
+-- prepared is still skipped by SKIP LOCKED.
+--
 -- `held_by`: with %(hold)s (dead letters block their key), the first dead letter
 -- of the row's key with a lower id (through the index on md5(ordering_key), id:
 -- a key of any length can be indexed that way, schema 0004); the relay moves such a row to the dead letters
@@ -125,6 +138,7 @@ WITH committed_since AS MATERIALIZED (
             SELECT id, ordering_key, octet_length(payload) AS size FROM {outbox}
             WHERE id >= (SELECT id FROM start)
               AND (ordering_key IS NULL OR id IN (SELECT id FROM firsts))
+              AND xmax <> ALL (ARRAY (SELECT transaction FROM pg_prepared_xacts))
             ORDER BY id
             LIMIT (SELECT %(limit)s - count(*) FROM late_heads)
             FOR UPDATE SKIP LOCKED

@@ -441,3 +441,41 @@ def test_claim_plan__starts_at_the_front_through_indexes(
     assert any(
         ">=" in n.get("Index Cond", "") for n, _ in _nodes(heads) if "Index" in n["Node Type"]
     )
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom_plan", "generic_plan"])
+def test_claim_plan__passes_rows_of_prepared_batches_without_locking_them(
+    dsn: str, generic: bool
+) -> None:
+    """Rows that another batch holds prepared (deleted, not committed: visible to
+    the claim's snapshot) are left by the heads' scan itself, by their xmax, not
+    handed to LockRows to be skipped after a try in the lock manager: with 4 relays
+    a claim passed 7 batches of them, and the tries took 7 of its 20 ms of CPU.  Once
+    that batch is rolled back, its rows are claimed again (W never passed them)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _vacuumed_empty(conn)
+    holder = BatchStore(dsn, "outbox", statement_timeout=30)
+    try:
+        held = holder.claim_batch(LIMIT)
+        assert len(held) == LIMIT
+        holder.prepare("obx:outbox:test-holder:1")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            plan = explain(
+                conn, Queries("outbox")["claim_batch"], claim_params(LIMIT), generic=generic
+            )
+        [heads] = [n for n, _ in _nodes(plan) if n.get("Subplan Name") == "CTE front_heads"]
+        [scan] = [n for n, _ in _nodes(heads) if n["Node Type"] == "Index Scan"]
+        [lock] = [n for n, _ in _nodes(heads) if n["Node Type"] == "LockRows"]
+        assert scan.get("Rows Removed by Filter", 0) == LIMIT  # the held rows, read once
+        assert lock["Actual Rows"] == scan["Actual Rows"] == LIMIT  # none skipped there
+        assert deleted(plan) == LIMIT
+        holder.finish("obx:outbox:test-holder:1", commit=False)
+        store = BatchStore(dsn, "outbox", statement_timeout=30)
+        try:
+            first = store.claim_batch(LIMIT)
+            assert [r.id for r in first] == sorted(r.id for r in held)
+            store.abandon_claim()
+        finally:
+            store.close()
+    finally:
+        holder.close()
