@@ -174,8 +174,6 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
 # Errors of ``recv`` that do not mean the connection is gone (as py-amqp's).
 _UNAVAILABLE = frozenset([errno.EAGAIN, errno.EINTR, errno.ENOENT, errno.EWOULDBLOCK])
 _FRAME_END = 0xCE
-_METHOD_FRAME = 1
-_BASIC_DELIVER = (60, 60)  # class and method ids
 
 
 class BufferedFrames:
@@ -213,19 +211,6 @@ class BufferedFrames:
         frames = cls(transport)
         transport.read_frame = frames.read_frame
         return frames
-
-    def next_is_delivery(self) -> bool:
-        """Whether the next frame is part of a delivery (a ``basic.deliver``, or a
-        content header, body or heartbeat frame), read from the socket as far as
-        its first 11 bytes (1 if not a method frame) but not consumed
-        (``TimeoutError``: not here yet).
-        Anything else (a channel or connection close, a cancel, a reply) is left
-        for ``drain``, whose handling of it waits for replies."""
-        self._fill(1)
-        if self.buffer[self.offset] != _METHOD_FRAME:
-            return True
-        self._fill(11)  # type, channel, size, class id, method id
-        return unpack_from(">HH", self.buffer, self.offset + 7) == _BASIC_DELIVER
 
     def read_frame(self) -> tuple[int, int, bytes]:
         buffer, offset = self.buffer, self.offset
@@ -321,18 +306,6 @@ class Heartbeats:
         self._busy.clear()
         with self._lock:  # a frame being written is written
             pass
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No heartbeat written in the block (the loop's thread uses the socket);
-        sending goes on after it only if it was on before."""
-        was_on = self._busy.is_set()
-        self.stop()
-        try:
-            yield
-        finally:
-            if was_on:
-                self.start()
 
     def close(self) -> None:
         """The thread ends now, not after its current wait: a consumer that
@@ -430,11 +403,9 @@ class Broker:
         self._frames: BufferedFrames | None = None  # None: py-amqp reads
         self.policy = QueuePolicy(delivery_limit=settings.delivery_limit)
         self._heartbeats: Heartbeats | None = None
-        # Deliveries that arrived while ``resubscribe`` waited for its replies, or
-        # taken by ``read_ahead``: handed out first by the next ``drain``.
+        # Deliveries that arrived while ``resubscribe`` waited for its replies:
+        # handed out first by the next ``drain``.
         self._early: list[Any] = []
-        # A broker error ``read_ahead`` met, raised by the next broker call.
-        self._read_error: BaseException | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -464,7 +435,6 @@ class Broker:
         )
         self.conn = conn
         self._early = []  # a new channel: nothing of an older one is handed out
-        self._read_error = None
         errors = broker_errors(conn)
         try:
             # Each of the ';'-separated URLs once; the caller backs off between rounds.
@@ -586,8 +556,6 @@ class Broker:
         self._received = received
         batch_size = self.settings.batch_size
         try:
-            if self._read_error is not None:  # met by ``read_ahead``
-                raise self._read_error
             conn.drain_events(timeout=0 if received else timeout)
             with _nonblocking(conn):
                 if self._frames is not None:
@@ -608,50 +576,6 @@ class Broker:
         self.heartbeat()
         return [to_delivery(r, self.settings.queue) for r in received]
 
-    def read_ahead(self) -> None:
-        """Take the deliveries whose frames are already on the connection (at most
-        ``batch_size`` in all), without waiting: the next ``drain`` hands them out
-        first.  Called while a statement of the batch in hand is on its way to
-        PostgreSQL (``steps.Processor.meanwhile``), so decoding the next batch
-        overlaps the server's work instead of following it.
-
-        Deliveries only: it stops at any other method frame (a channel the broker
-        closes on its ``consumer_timeout``, a cancel), which the next ``drain``
-        reads as it always did; py-amqp's handling of those waits for replies
-        (it reopens a closed channel), which a non-blocking read would cut short.
-        Never raises: an error here is kept and raised by the next broker call
-        (``drain``, ``settle``, ``resubscribe``), as if that had met it (the batch
-        in hand is not the broker's business until it is settled).  Only with
-        ``BufferedFrames`` (plain TCP): elsewhere the next ``drain`` reads as before."""
-        conn, frames = self.conn, self._frames
-        batch_size = self.settings.batch_size
-        if (
-            conn is None
-            or frames is None
-            or self._read_error is not None
-            or len(self._early) >= batch_size
-        ):
-            return
-        received: list[Any] = []
-        self._received = received
-        heartbeats = self._heartbeats
-        # Its writes must not meet the socket in non-blocking mode.
-        with heartbeats.paused() if heartbeats is not None else contextlib.nullcontext():
-            try:
-                with _nonblocking(conn):
-                    read, on_frame = frames.read_frame, conn.connection.on_inbound_frame
-                    while len(self._early) + len(received) < batch_size:
-                        if not frames.next_is_delivery():
-                            break
-                        on_frame(read())
-            except TimeoutError:  # nothing (more) on the connection
-                pass
-            except Exception as exc:  # raised by the next broker call
-                self._read_error = exc
-            finally:
-                self._received = None
-        self._early.extend(received)
-
     def heartbeat(self) -> None:
         conn = self.conn
         if conn is None:
@@ -667,8 +591,6 @@ class Broker:
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
         try:
-            if self._read_error is not None:  # met by ``read_ahead``
-                raise self._read_error
             if ack:
                 delivery.handle.ack(multiple=multiple)
             else:
@@ -714,8 +636,6 @@ class Broker:
         received: list[Any] = []
         self._received = received
         try:
-            if self._read_error is not None:  # met by ``read_ahead``
-                raise self._read_error
             consumer.cancel()
             consumer.consume()
         except broker_errors(conn) as exc:
@@ -736,7 +656,6 @@ class Broker:
     def close(self) -> None:
         self._consumer = None
         self._early = []
-        self._read_error = None
         self._frames = None
         if self._heartbeats is not None:
             self._heartbeats.close()

@@ -204,7 +204,6 @@ class Inbox:
                 on_interrupt=None if self._signal_handlers else self.stop,
             )
             self.processor.policy = self.broker.policy
-            self.processor.meanwhile = self.broker.read_ahead
         else:  # the same processor: it may owe attempts from before the outage
             self.processor.store = store
 

@@ -22,10 +22,7 @@ One transaction of messages, in this order (``Processor.transaction``)::
 
 Messages that are already here when the consumer looks (at most half ``--prefetch``)
 go through this in ONE transaction and are acked after its single COMMIT: a busy
-consumer pays one durable commit per batch, not per message.  While the batch's
-first statement and its COMMIT are on their way to the server, the process decodes
-the next deliveries already on the connection (``Processor.meanwhile``,
-``Broker.read_ahead``): the server's work and the consumer's overlap.  If a handler fails
+consumer pays one durable commit per batch, not per message.  If a handler fails
 inside a batch, the batch is rolled back and its messages are applied one by one,
 so a failing message costs only itself (a handler may run more than once for a
 message; only its database effect commits once).
@@ -202,14 +199,8 @@ class StorePort(Protocol):
     @property
     def broken(self) -> bool: ...
 
-    # ``meanwhile`` (record_ids, commit): run once the statement is sent, before
-    # its result is awaited (``Processor.meanwhile``).
     def record_ids(
-        self,
-        keys: Sequence[str],
-        redelivered: Sequence[str],
-        *,
-        meanwhile: Callable[[], None] | None = None,
+        self, keys: Sequence[str], redelivered: Sequence[str]
     ) -> tuple[object, set[str]]: ...
 
     def seal(self) -> object: ...
@@ -227,7 +218,7 @@ class StorePort(Protocol):
 
     def send_seal(self) -> Callable[[], object]: ...
 
-    def commit(self, *, meanwhile: Callable[[], None] | None = None) -> None: ...
+    def commit(self) -> None: ...
 
     def rollback(self) -> None: ...
 
@@ -281,10 +272,6 @@ class BrokerPort(Protocol):
     def open(self) -> None: ...
 
     def drain(self, timeout: float) -> Sequence[Any]: ...
-
-    # The deliveries already on the connection, taken for the next ``drain``
-    # without waiting; never raises (``Processor.meanwhile``).
-    def read_ahead(self) -> None: ...
 
     def settle(self, delivery: Any, *, ack: bool, multiple: bool = False) -> None: ...
 
@@ -386,12 +373,6 @@ class Processor:
         self.pipelining = store.pipelining
         # The queue's policy (``Inbox`` sets it once the broker has read it).
         self.policy = QueuePolicy()
-        # The process's own work that may overlap a round trip of a batch: run
-        # while the batch's first statement and its COMMIT are on their way to
-        # the server (``Inbox`` sets it to ``BrokerPort.read_ahead``: the next
-        # batch is decoded while the server works on this one).  It must not
-        # raise, and it touches nothing of the batch in hand.
-        self.meanwhile: Callable[[], None] | None = None
 
     def process_batch(self, messages: Sequence[InboxMessage]) -> Dispositions:
         """Apply messages that are already here in ONE transaction (one commit for
@@ -525,7 +506,7 @@ class Processor:
         keys = [str(m.message_id) for m in messages]
         redelivered = [str(m.message_id) for m in messages if m.redelivered]
         try:
-            started, new = store.record_ids(keys, redelivered, meanwhile=self.meanwhile)
+            started, new = store.record_ids(keys, redelivered)
         except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
             return Broken(None, exc.message)
         except InboxRowHeld as exc:
@@ -592,8 +573,7 @@ class Processor:
                     "on in a new one",
                 )
         try:
-            # DatabaseUnavailable: outcome unknown, the inbox decides.
-            store.commit(meanwhile=self.meanwhile)
+            store.commit()  # DatabaseUnavailable: outcome unknown, the inbox decides
         except StatementRefused as exc:
             # A deferred constraint or a serialization failure refused the COMMIT:
             # the effect of a message in the transaction failed.

@@ -35,7 +35,6 @@ Connections and the telling of a lost session from a refused statement are
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -256,8 +255,6 @@ class InboxStore:
         # PostgreSQL applies it only between synced statements, so a handler that
         # runs longer in pipeline mode is failed by the loop instead.
         self.idle_timeout: float | None = None
-        # Runs ``meanwhile`` while a statement is awaited (``_overlapped``).
-        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         # The session that holds an attempt lock (``start_attempt``), if any.
         self._attempt_session: psycopg.Connection[Any] | None = None
         self.conn = self._connect()
@@ -307,9 +304,6 @@ class InboxStore:
         self.conn = self._connect()
 
     def close(self) -> None:
-        helper, self._helper = self._helper, None
-        if helper is not None:  # idle: ``_overlapped`` waits for what it runs
-            helper.shutdown()
         held, self._attempt_session = self._attempt_session, None
         with contextlib.suppress(Exception):
             self.conn.close()
@@ -365,19 +359,13 @@ class InboxStore:
 
     # -- one transaction of messages (the loop's steps) -----------------------------
     def record_ids(
-        self,
-        keys: Sequence[str],
-        redelivered: Sequence[str],
-        *,
-        meanwhile: Callable[[], None] | None = None,
+        self, keys: Sequence[str], redelivered: Sequence[str]
     ) -> tuple[datetime.datetime, set[str]]:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
-        ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere).
-        ``meanwhile`` runs once the statements are sent, before their results are
-        awaited (``_overlapped``)."""
+        ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
         with _held(), self._translated("recording message ids"):
-            with self._overlapped(meanwhile), self.conn.pipeline():
+            with self.conn.pipeline():
                 self.conn.execute("BEGIN READ WRITE")
                 cur = self.conn.execute(
                     self.queries["record_messages"],
@@ -424,33 +412,11 @@ class InboxStore:
 
         return started
 
-    def commit(self, *, meanwhile: Callable[[], None] | None = None) -> None:
+    def commit(self) -> None:
         """``DatabaseUnavailable`` here: the outcome is unknown (the inbox decides
-        when the messages come back); ``StatementRefused``: rolled back.
-        ``meanwhile`` runs while the COMMIT is on its way (``_overlapped``)."""
-        with self._translated("committing"), self._overlapped(meanwhile):
+        when the messages come back); ``StatementRefused``: rolled back."""
+        with self._translated("committing"):
             self.conn.execute("COMMIT")
-
-    @contextlib.contextmanager
-    def _overlapped(self, meanwhile: Callable[[], None] | None) -> Iterator[None]:
-        """``meanwhile`` (the process's own work, e.g. decoding the next
-        deliveries) runs on the store's helper thread while the block's
-        statements go to the server and this thread waits for their results (a
-        wait that releases the GIL); the block ends once both are done.  The
-        statements are sent exactly as without it.  ``meanwhile`` must not raise
-        (``Broker.read_ahead`` does not) and must touch nothing of this session."""
-        if meanwhile is None:
-            yield
-            return
-        if self._helper is None:
-            self._helper = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="outbox-read-ahead"
-            )
-        done = self._helper.submit(meanwhile)
-        try:
-            yield
-        finally:
-            done.result()
 
     def rollback(self) -> None:
         with self._translated("rolling back"):

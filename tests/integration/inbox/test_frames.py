@@ -71,33 +71,3 @@ def test_drain__heartbeats_keep_an_idle_connection(topology: Topology, buffered:
             got += broker.drain(timeout=1.0)
         assert [d.message.message_id for d in got] == ids
         assert broker.connected
-
-
-def test_read_ahead__takes_what_is_here_for_the_next_drain_in_order(topology: Topology) -> None:
-    """``read_ahead`` (run while a batch's statement is awaited) takes the deliveries
-    already on the connection, at most ``batch_size``, without waiting; the next
-    ``drain`` hands them out first, in order, and nothing is lost or doubled.  (A
-    channel the broker closes meanwhile fails the next broker call:
-    ``test_long_handlers``'s consumer_timeout test.)"""
-    ids = new_ids(30)
-    publish(topology, [(i, b"x") for i in ids])
-    # A batch is at most half the prefetch: 10.
-    broker = Broker(consumer_settings(topology, "postgresql://unused", prefetch=20))
-    with opened(broker, buffered=True):
-        first = broker.drain(timeout=5.0)
-        assert first
-        deadline = time.monotonic() + 10
-        while len(broker._early) < 10 and time.monotonic() < deadline:
-            broker.read_ahead()  # returns at once when nothing more is here
-        assert len(broker._early) == 10  # the batch size, no more
-        started = time.monotonic()
-        second = broker.drain(timeout=5.0)
-        assert time.monotonic() - started < 1.0  # handed out, not waited for
-        got = first + second
-        broker.settle(got[-1], ack=True, multiple=True)
-        deadline = time.monotonic() + 10
-        while len(got) < len(ids) and time.monotonic() < deadline:
-            broker.read_ahead()
-            got += broker.drain(timeout=0.5)
-            broker.settle(got[-1], ack=True, multiple=True)
-    assert [d.message.message_id for d in got] == ids

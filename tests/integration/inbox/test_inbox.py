@@ -841,21 +841,20 @@ def test_endpoints__consumer_counters_histogram_parked_gauge_and_probes(
 
 
 def test_inbox__outages_leave_no_thread_behind(topology: Topology, consumer_dsn: str) -> None:
-    """Each session and broker connection the consumer replaces takes its threads
-    with it (the read-ahead helper, the heartbeats): after four database outages
-    there is at most one of each, as after none, and none once it stops.  (A
-    closed connection's heartbeat thread used to wait out half an interval, 30 s,
-    before it ended: five were alive here.)"""
+    """Each broker connection the consumer replaces takes its heartbeat thread with
+    it: after four database outages there is at most one, as after none, and none
+    once it stops.  (A closed connection's heartbeat thread used to wait out half
+    an interval, 30 s, before it ended: five were alive here.)"""
 
-    def threads(prefix: str) -> int:
-        return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+    def threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name.startswith("outbox-heartbeats"))
 
-    before = threads("outbox-read-ahead"), threads("outbox-heartbeats")
+    before = threads()
     inbox = Inbox(record, consumer_settings(topology, consumer_dsn))
     applied = 0
     with running(inbox):
         for _ in range(5):
-            ids = new_ids(20)  # a batch: the read-ahead runs
+            ids = new_ids(20)
             publish(topology, [(i, b"x") for i in ids])
             applied += len(ids)
             wait_for(lambda n=applied: inbox.stats.handled == n, 30, "the batch")
@@ -866,10 +865,5 @@ def test_inbox__outages_leave_no_thread_behind(topology: Topology, consumer_dsn:
             )
         # The next batch finds each of the first four sessions gone: an outage each.
         assert inbox.stats.reconnects >= 4
-        assert threads("outbox-read-ahead") <= before[0] + 1
-        assert threads("outbox-heartbeats") <= before[1] + 1
-    wait_for(
-        lambda: (threads("outbox-read-ahead"), threads("outbox-heartbeats")) == before,
-        5,
-        "the stopped consumer's threads to end",
-    )
+        assert threads() <= before + 1
+    wait_for(lambda: threads() == before, 5, "the stopped consumer's threads to end")

@@ -146,16 +146,8 @@ class FakeStore:
     def broken(self) -> bool:
         return self.conn.broken or self.conn.closed
 
-    def record_ids(
-        self,
-        keys: Sequence[str],
-        redelivered: Sequence[str],
-        *,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> tuple[int, set[str]]:
+    def record_ids(self, keys: Sequence[str], redelivered: Sequence[str]) -> tuple[int, set[str]]:
         self.journal.append(f"record_ids {list(keys)}")
-        if meanwhile is not None:
-            meanwhile()
         self._maybe_fail("record_ids")
         self._begin()  # BEGIN READ WRITE
         new = {k for k in keys if k not in self.inbox and k not in self.pending_ids}
@@ -184,10 +176,8 @@ class FakeStore:
         started = self.seal()
         return lambda: started
 
-    def commit(self, *, meanwhile: Callable[[], None] | None = None) -> None:
+    def commit(self) -> None:
         self.journal.append("commit")
-        if meanwhile is not None:
-            meanwhile()
         self._maybe_fail("commit")
         self._commit()
 
@@ -304,7 +294,6 @@ class FakeBroker:
         self.subscription = 0
         self.journal: Journal = []
         self.fail_next: dict[str, OutboxError] = {}
-        self.read_aheads = 0
 
     def open(self) -> None:
         error = self.fail_next.pop("open", None)
@@ -328,10 +317,6 @@ class FakeBroker:
         most = len(got) if self.per_drain is None else older + self.per_drain
         got, self._on_the_way = got[:most], got[most:]
         return got
-
-    def read_ahead(self) -> None:
-        # The fake's deliveries are decoded at once: nothing to take ahead.
-        self.read_aheads += 1
 
     def settle(self, delivery: FakeDelivery, *, ack: bool, multiple: bool = False) -> None:
         if ack:

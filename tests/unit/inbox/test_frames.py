@@ -163,29 +163,3 @@ def test_install__falls_back_to_py_amqp_where_its_transport_is_not_as_expected()
     finally:
         tls.sock.close()
         no_buffer.sock.close()
-
-
-def method(class_id: int, method_id: int, arguments: bytes = b"") -> bytes:
-    return struct.pack(">HH", class_id, method_id) + arguments
-
-
-@pytest.mark.parametrize("cut", [0, 1, 5, 9, 11, 12])
-def test_next_is_delivery__only_deliveries_are_taken_ahead_whatever_the_pieces(cut: int) -> None:
-    """``read_ahead`` takes a delivery's frames and stops at any other method (a
-    channel.close: py-amqp's handling of it waits for replies, which only ``drain``
-    may do).  The frame is looked at, not consumed, even when it comes in pieces."""
-    deliver = frame(1, 1, method(60, 60, b"tag"))
-    close = frame(1, 1, method(20, 40, b"timed out"))
-    wire = deliver + frame(2, 1, b"header") + frame(3, 1, b"x") + frame(8, 0, b"") + close
-    frames, _ = reader([wire[:cut], wire[cut:]] if cut else [wire])
-    seen = []
-    for _ in range(10):  # the frames, and a timeout or two between the pieces
-        try:
-            is_delivery = frames.next_is_delivery()
-        except TimeoutError:
-            continue  # the next piece comes with the next call
-        if not is_delivery:
-            break
-        seen.append(frames.read_frame()[0])
-    assert seen == [1, 2, 3, 8]  # deliver, header, body, heartbeat
-    assert frames.read_frame() == (1, 1, method(20, 40, b"timed out"))  # left for drain

@@ -3,7 +3,7 @@ to the queue without an attempt counted or a handler called; the others go on.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from outbox.inbox.message import InboxMessage
@@ -27,15 +27,9 @@ class HeldStore(FakeStore):
         if self.held.intersection(keys):
             raise InboxRowHeld("gave up waiting for a lock", "")
 
-    def record_ids(
-        self,
-        keys: Sequence[str],
-        redelivered: Sequence[str],
-        *,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> tuple[int, set[str]]:
+    def record_ids(self, keys: Sequence[str], redelivered: Sequence[str]) -> tuple[int, set[str]]:
         self._give_up_on(keys)
-        return super().record_ids(keys, redelivered, meanwhile=meanwhile)
+        return super().record_ids(keys, redelivered)
 
     def start_attempt(self, message_id: str, *, max_attempts: int) -> Started:
         self._give_up_on([message_id])
