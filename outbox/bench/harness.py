@@ -708,7 +708,7 @@ class Bench:
             # ``outbox.bench.drain``) is not part of it.
             delivered: float | None = None
             while True:
-                pause = 0.005
+                pause = WATCH_MIN_SECONDS
                 if delivered is None:
                     depth = self.broker.depth()
                     if depth >= rows:

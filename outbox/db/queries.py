@@ -40,8 +40,8 @@ class Queries:
         ids = table_identifiers(table)
         raw = _raw_blocks()
         # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups;
-        # ``{front_rows}``: the rows where the claims look, in backlog and metrics_snapshot;
-        # ``{backlog}``: the backlog counted over them, in chart_sample.
+        # ``{front_rows}``: the rows where the claims look, in backlog;
+        # ``{backlog}``: the backlog counted over them, in chart_sample and metrics_snapshot.
         front_rows = sql.SQL(raw["front_rows"]).format(**ids)
         parts = {
             **ids,

@@ -411,7 +411,7 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
 -- it.  No walk over the dead rows below W.  With no front (W the bottom, no
 -- snapshot) every row, from the lowest id.  The sweep is MATERIALIZED, without
 -- a condition on id, as in ``claim_batch``.  Composed into ``backlog`` (and so
--- ``chart_sample``) and ``metrics_snapshot`` (``outbox.db.queries``).
+-- ``chart_sample`` and ``metrics_snapshot``; ``outbox.db.queries``).
 WITH swept AS MATERIALIZED (
     SELECT id, created_at FROM {outbox} WHERE txid >= pg_snapshot_xmax(%(seen)s::pg_snapshot)
     UNION ALL
@@ -579,12 +579,11 @@ RETURNING id, message_id, ordering_key
 
 -- metrics_snapshot --
 -- Everything the metrics endpoint reads from the database, in one round trip.  The
--- backlog is counted where the relays' claims look (``front_rows``), not over the
--- dead rows below their front; its oldest row is the lowest id (ids are close to
--- commit order), not found by scanning created_at.
+-- backlog and its oldest row's age are ``backlog``'s, as ``outbox status`` and the
+-- console's charts count them: where the relays' claims look (``front_rows``), not
+-- over the dead rows below their front.
 SELECT b.rows AS backlog_rows,
-       coalesce((SELECT extract(epoch FROM now() - created_at) FROM {outbox} WHERE id = b.first),
-                0)::float8 AS oldest_row_age_seconds,
+       b.oldest_age_seconds AS oldest_row_age_seconds,
        (SELECT count(*) FROM pg_prepared_xacts
         WHERE database = current_database() AND starts_with(gid, %(gid_prefix)s)) AS prepared_batches,
        coalesce((SELECT extract(epoch FROM now() - min(prepared)) FROM pg_prepared_xacts
@@ -599,8 +598,7 @@ SELECT b.rows AS backlog_rows,
          AND l.classid = %(lock_class)s::int::oid
          AND l.objid = r.lock_key::oid
          AND l.objsubid = 2) AS live_relays
-FROM (SELECT count(*) AS rows, min(id) FILTER (WHERE isfinite(created_at)) AS first
-      FROM ({front_rows}) AS f) AS b
+FROM ({backlog}) AS b
 
 -- chart_sample --
 -- What the console's charts sample from one outbox table, in one round trip: the

@@ -294,8 +294,7 @@ class Heartbeats:
         self._interval = interval
         self._lock = threading.Lock()
         self._busy = threading.Event()
-        self._closed = False
-        self._closing = threading.Event()  # set by ``close``: ends the thread's wait
+        self._closing = threading.Event()  # set by ``close``: ends the thread at once
         self.sent = 0
         threading.Thread(target=self._run, name="outbox-heartbeats", daemon=True).start()
 
@@ -310,20 +309,19 @@ class Heartbeats:
     def close(self) -> None:
         """The thread ends now, not after its current wait: a consumer that
         reconnects often must not pile up threads waiting out an interval."""
-        self._closed = True
         self._closing.set()
         self._busy.set()  # wakes the thread, which then ends
 
     def _run(self) -> None:
         while True:
             self._busy.wait()
-            if self._closed:
+            if self._closing.is_set():
                 return
             # Every half interval: the broker closes a connection silent for two.
             if self._closing.wait(self._interval / 2):
                 return
             with self._lock:
-                if self._closed:
+                if self._closing.is_set():
                     return
                 if not self._busy.is_set():
                     continue
