@@ -39,11 +39,12 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import datetime
 import inspect
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -227,39 +228,60 @@ class LoopConnection:
         return LoopCursor(self._bridge, cursor, rows)
 
     @contextlib.contextmanager
-    def pipeline(self, *, entered: bool = False) -> Iterator[None]:
+    def pipeline(
+        self, *, entered: bool = False, first: Sequence[tuple[Any, Any]] = ()
+    ) -> Iterator[list[LoopCursor]]:
         """Pipeline mode on the ``AsyncConnection`` for the block.  The store's
         statements in the block are sent when it ends, in the hop that leaves
         pipeline mode (its sync: their results, or the first error) and reads
         their rows: a block of statements is one hop.  ``entered``: pipeline mode
         from the start of the block, for handlers awaited in it (their statements
-        do not wait for their results; the store's go after them)."""
+        do not wait for their results; the store's go after them), and ``first``
+        sent in the hop that enters it, ahead of the handlers'.  Gives the
+        cursors of ``first``, read once the block has ended."""
         _READ_TOO_EARLY.discard(self.aconn)
         block = self.aconn.pipeline()
-        if entered:
-            self._bridge.run(block.__aenter__())
+        faces = [LoopCursor(self._bridge) for _ in first]
         queued: list[tuple[Any, Any, LoopCursor]] = []
+        sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]] = []
+        if entered:
+            cursors = self._bridge.run(self._entered(block, first))
+            sent.extend(zip(cursors, faces, strict=True))
+        else:
+            queued.extend(
+                (query, params, face) for (query, params), face in zip(first, faces, strict=True)
+            )
         object.__setattr__(self, "_queued", queued)
         try:
-            yield
+            yield faces
         except BaseException as exc:
             object.__setattr__(self, "_queued", None)
             if entered:
                 self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
             raise
         object.__setattr__(self, "_queued", None)
-        self._bridge.run(self._ended(block, queued, entered=entered))
+        self._bridge.run(self._ended(block, queued, sent, entered=entered))
+
+    async def _entered(
+        self, block: contextlib.AbstractAsyncContextManager[Any], first: Sequence[tuple[Any, Any]]
+    ) -> list[psycopg.AsyncCursor[Any]]:
+        await block.__aenter__()
+        try:
+            return [await self.aconn.execute(query, params) for query, params in first]
+        except BaseException as exc:
+            await block.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
 
     async def _ended(
         self,
         block: contextlib.AbstractAsyncContextManager[Any],
         queued: list[tuple[Any, Any, LoopCursor]],
+        sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]],
         *,
         entered: bool,
     ) -> None:
         if not entered:
             await block.__aenter__()
-        sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]] = []
         try:
             for query, params, face in queued:
                 sent.append((await self.aconn.execute(query, params), face))
@@ -339,13 +361,19 @@ class AsyncInboxStore(InboxStore):
         return shown if shown is not None else loop_session(self.connection)
 
     @contextlib.contextmanager
-    def pipeline(self) -> Iterator[None]:
+    def pipeline(
+        self, record: tuple[Sequence[str], Sequence[str]] | None = None
+    ) -> Iterator[Callable[[], tuple[datetime.datetime, set[str]]] | None]:
         """``InboxStore.pipeline``, in pipeline mode from the start (the handlers run
-        in it)."""
+        in it); ``record``'s statements go in the hop that enters it."""
         conn = cast(LoopConnection, self.conn)
+        first = self._recording(*record) if record is not None else []
         try:
-            with self._translated("running the handlers' statements"), conn.pipeline(entered=True):
-                yield
+            with (
+                self._translated("running the handlers' statements"),
+                conn.pipeline(entered=True, first=first) as faces,
+            ):
+                yield self._recorded(faces[-1]) if record is not None else None
         finally:  # no handler call of this transaction comes after the block
             self._ahead.clear()
 

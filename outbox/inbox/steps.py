@@ -20,6 +20,16 @@ One transaction of messages, in this order (``Processor.transaction``)::
     COMMIT
     ack
 
+A pipelined batch of first deliveries records its ids ahead (``record_ahead``): the
+INSERT goes out in the pipeline with the handlers' statements instead of waiting for
+its own round trip first, on the bet that every id is new (a duplicate that was not
+redelivered is rare: a relay's crash window, a foreign publisher).  Its result is
+read at the sync; if it shows an id already there, or anything in the batch fails,
+the transaction is rolled back and the batch runs again the way above, ids first, so
+a duplicate's effect never commits and every failure is attributed as before (the
+handlers of a batch recorded ahead may run twice; only their effects commit once).
+After such a rerun the next ``AHEAD_PAUSE`` batches record their ids first.
+
 Messages that are already here when the consumer looks (at most half ``--prefetch``)
 go through this in ONE transaction and are acked after its single COMMIT: a busy
 consumer pays one durable commit per batch, not per message.  If a handler fails
@@ -188,6 +198,14 @@ from outbox.inbox.store import (
 
 log = logging.getLogger("outbox.inbox")
 
+# Batches that record their ids first after one recorded ahead had to run again
+# (duplicates come in runs: a relay's crash window republishes a whole batch).
+AHEAD_PAUSE = 8
+
+# How to read what the ids recorded ahead gave: when the transaction started, and
+# the ids that were new.
+Recorded = Callable[[], tuple[object, set[str]]]
+
 
 # -- the ports ------------------------------------------------------------------------------
 class StorePort(Protocol):
@@ -207,14 +225,19 @@ class StorePort(Protocol):
 
     # Pipeline mode for a batch's handlers: ``pipeline()`` sends their statements
     # without waiting and resolves them when the block ends; ``send_seal`` sends the
-    # seal in it and returns how to read its result after the block.
+    # seal in it and returns how to read its result after the block.  ``record``
+    # (keys, redelivered): the block starts with the transaction and ``record_ids``
+    # sent ahead of the handlers' statements; it gives how to read their result
+    # after the block.
     @property
     def pipelining(self) -> bool: ...
 
     @property
     def idle_timeout(self) -> float | None: ...
 
-    def pipeline(self) -> contextlib.AbstractContextManager[None]: ...
+    def pipeline(
+        self, record: tuple[Sequence[str], Sequence[str]] | None = None
+    ) -> contextlib.AbstractContextManager[Recorded | None]: ...
 
     def send_seal(self) -> Callable[[], object]: ...
 
@@ -371,6 +394,8 @@ class Processor:
         # succeeds one by one: e.g. COPY, or logic on an error caught at once).
         # A lost session is no such sign: pipelining stays on through outages.
         self.pipelining = store.pipelining
+        # Batches left that record their ids first (``record_ahead``).
+        self.ahead_paused = 0
         # The queue's policy (``Inbox`` sets it once the broker has read it).
         self.policy = QueuePolicy()
 
@@ -491,7 +516,26 @@ class Processor:
         self, messages: Sequence[InboxMessage], *, pipelined: bool = False
     ) -> Dispositions | Broken:
         """The steps of one transaction (see the module docstring).  On ``Broken``
-        the transaction is rolled back and the session is usable again.
+        the transaction is rolled back and the session is usable again.  A
+        pipelined batch records its ids ahead when ``record_ahead`` says so, and
+        runs again with its ids recorded first if that was not the whole story."""
+        if record_ahead(messages, pipelined=pipelined, paused=self.ahead_paused):
+            done = self._transaction(messages, pipelined=True, ahead=True)
+            if done is not None:
+                return done
+            self.ahead_paused = AHEAD_PAUSE
+        elif pipelined and self.ahead_paused:
+            self.ahead_paused -= 1
+        done = self._transaction(messages, pipelined=pipelined)
+        assert done is not None  # only a batch recorded ahead runs again
+        return done
+
+    def _transaction(
+        self, messages: Sequence[InboxMessage], *, pipelined: bool, ahead: bool = False
+    ) -> Dispositions | Broken | None:
+        """``transaction``, once.  ``ahead``: the ids are recorded in the pipeline,
+        all taken for new; None if the batch must run again without that (an id
+        was there already, or something failed: rolled back, session restored).
 
         ``pipelined``: the handlers' statements and the seal go out in pipeline
         mode and are resolved together at one sync, one round trip for the batch
@@ -505,21 +549,39 @@ class Processor:
         before = store.session()
         keys = [str(m.message_id) for m in messages]
         redelivered = [str(m.message_id) for m in messages if m.redelivered]
-        try:
-            started, new = store.record_ids(keys, redelivered)
-        except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
-            return Broken(None, exc.message)
-        except InboxRowHeld as exc:
-            if len(messages) > 1:  # one by one: only the held one waits again
+        started: object = None
+        if ahead:
+            new = set(keys)
+        else:
+            try:
+                started, new = store.record_ids(keys, redelivered)
+            except StatementRefused as exc:  # e.g. two consumers' batches deadlocked
                 return Broken(None, exc.message)
-            return [self._held(messages[0], exc)]
+            except InboxRowHeld as exc:
+                if len(messages) > 1:  # one by one: only the held one waits again
+                    return Broken(None, exc.message)
+                return [self._held(messages[0], exc)]
         outcomes: Dispositions = []
         in_hand: InboxMessage | None = None
         failed: str | None = None
         sealed: Callable[[], object] | None = None
         pipelined = pipelined and bool(new)
+
+        def broken(reason: str) -> Broken | None:
+            assert in_hand is not None
+            done = self._broken(in_hand, before, reason)  # rolled back (or an outage)
+            if not ahead:
+                return done
+            emit(log, "consumer.batch_again", logging.DEBUG, size=len(messages), reason=reason)
+            return None
+
         try:
-            with store.pipeline() if pipelined else contextlib.nullcontext():
+            block: contextlib.AbstractContextManager[Recorded | None] = (
+                store.pipeline((keys, redelivered) if ahead else None)
+                if pipelined
+                else contextlib.nullcontext()
+            )
+            with block as recorded:
                 run_ahead = getattr(self.handler, "outbox_run_ahead", None) if pipelined else None
                 if run_ahead is not None:
                     # An async handler (``aio``) runs the batch's calls on its loop in
@@ -552,25 +614,25 @@ class Processor:
             # statement failed at the sync; the transaction is over either way.
             if in_hand is None or (isinstance(exc, StatementRefused) and not pipelined):
                 raise
-            return self._broken(in_hand, before, failed or exc.message)
+            return broken(failed or exc.message)
         if failed is not None:
-            assert in_hand is not None
-            return self._broken(in_hand, before, failed)
+            return broken(failed)
         if sealed is not None:
-            assert in_hand is not None
             left = handler_left(before, store.session()) if pipelined else None
             if left:
-                return self._broken(in_hand, before, left)
+                return broken(left)
             try:
+                if recorded is not None:
+                    started, recorded_new = recorded()
+                    if recorded_new != set(keys):
+                        return broken("a message of the batch was applied before")
                 same = sealed() == started
             except DatabaseUnavailable as exc:
-                return self._broken(in_hand, before, exc.message)
+                return broken(exc.message)
             if not same:
-                return self._broken(
-                    in_hand,
-                    before,
+                return broken(
                     "the handler ended the transaction itself (commit or rollback) and went "
-                    "on in a new one",
+                    "on in a new one"
                 )
         try:
             store.commit()  # DatabaseUnavailable: outcome unknown, the inbox decides
@@ -769,6 +831,17 @@ class Processor:
             error=error,
         )
         return Disposition.RETRY, delay
+
+
+def record_ahead(messages: Sequence[InboxMessage], *, pipelined: bool, paused: int) -> bool:
+    """Whether a batch records its ids in the pipeline, taken for new, instead of
+    first (pure): pipelined batches of two or more first deliveries, unless a batch
+    recorded ahead had to run again in the last ``AHEAD_PAUSE`` batches.  A
+    redelivered message may well be a duplicate (its consumer died after the
+    COMMIT), and one alone gains nothing."""
+    return (
+        pipelined and not paused and len(messages) > 1 and not any(m.redelivered for m in messages)
+    )
 
 
 def to_call(messages: Sequence[InboxMessage], new: set[str]) -> list[InboxMessage]:

@@ -364,16 +364,27 @@ class InboxStore:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
         ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
-        with _held(), self._translated("recording message ids"):
-            with self.conn.pipeline():
-                self.conn.execute("BEGIN READ WRITE")
-                cur = self.conn.execute(
-                    self.queries["record_messages"],
-                    self._params(ids=list(keys), redelivered=list(redelivered)),
-                )
-            row = cur.fetchone()
-        assert row is not None
-        return row[0], set(row[2])
+        with _held(), self._translated("recording message ids"), self.conn.pipeline():
+            cursors = [self.conn.execute(q, p) for q, p in self._recording(keys, redelivered)]
+        return self._recorded(cursors[-1])()
+
+    def _recording(
+        self, keys: Sequence[str], redelivered: Sequence[str]
+    ) -> list[tuple[Any, dict[str, Any] | None]]:
+        """The statements of ``record_ids``: the transaction, then the ids."""
+        params = self._params(ids=list(keys), redelivered=list(redelivered))
+        return [("BEGIN READ WRITE", None), (self.queries["record_messages"], params)]
+
+    def _recorded(self, cursor: Any) -> Callable[[], tuple[datetime.datetime, set[str]]]:
+        """How to read ``record_messages``' result from its cursor."""
+
+        def recorded() -> tuple[datetime.datetime, set[str]]:
+            with self._translated("recording message ids"):
+                row = cursor.fetchone()
+            assert row is not None
+            return row[0], set(row[2])
+
+        return recorded
 
     def seal(self) -> datetime.datetime:
         """The last statement before ``commit``: when the transaction started."""
@@ -390,13 +401,20 @@ class InboxStore:
         return _FETCH_ON_DEMAND and psycopg.Pipeline.is_supported()
 
     @contextlib.contextmanager
-    def pipeline(self) -> Iterator[None]:
+    def pipeline(
+        self, record: tuple[Sequence[str], Sequence[str]] | None = None
+    ) -> Iterator[Callable[[], tuple[datetime.datetime, set[str]]] | None]:
         """Statements sent in the block do not wait for their results; the block's
         end waits for all of them (one round trip) and raises the first error,
         translated (``StatementRefused``, or ``DatabaseUnavailable`` if the session
-        is gone)."""
+        is gone).  ``record`` (keys, redelivered): the block starts with
+        ``record_ids``' statements, and gives how to read their result after it."""
         with self._translated("running the handlers' statements"), self.conn.pipeline():
-            yield
+            if record is None:
+                yield None
+            else:
+                cursors = [self.conn.execute(q, p) for q, p in self._recording(*record)]
+                yield self._recorded(cursors[-1])
 
     def send_seal(self) -> Callable[[], datetime.datetime]:
         """``seal`` sent inside ``pipeline()``; call the result after the block."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
 from outbox.inbox.message import InboxMessage, Parking
 from outbox.inbox.policy import QueuePolicy
-from outbox.inbox.store import SETTINGS, Failure, SessionState, Started
+from outbox.inbox.store import SETTINGS, Failure, InboxRowHeld, SessionState, Started
 
 Journal = list[str]
 
@@ -169,8 +169,34 @@ class FakeStore:
     pipelining = True
     idle_timeout: float | None = None
 
-    def pipeline(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    def pipeline(
+        self, record: tuple[Sequence[str], Sequence[str]] | None = None
+    ) -> contextlib.AbstractContextManager[Callable[[], tuple[int, set[str]]] | None]:
+        if record is None:
+            return contextlib.nullcontext()
+        try:
+            recorded = self.record_ids(*record)  # ahead of the handlers, as in the pipeline
+        except OutboxError as exc:
+            return self._aborted(exc)
+        return contextlib.nullcontext(lambda: recorded)
+
+    @contextlib.contextmanager
+    def _aborted(self, exc: OutboxError) -> Iterator[Callable[[], tuple[int, set[str]]]]:
+        """A pipeline whose first statements failed: the handlers' statements fail
+        (the transaction is aborted) and the sync raises the error as PostgreSQL
+        reports it there (a lock wait that timed out is no ``InboxRowHeld`` yet)."""
+        self._begin()
+        self.conn.status = "inerror"
+        if isinstance(exc, DatabaseUnavailable) and not isinstance(exc, StatementTimedOut):
+            self.conn.broken = True  # the session is gone
+
+        def recorded() -> tuple[int, set[str]]:
+            raise exc
+
+        yield recorded
+        if isinstance(exc, InboxRowHeld):
+            raise StatementTimedOut(exc.message, exc.hint)
+        raise exc
 
     def send_seal(self) -> Callable[[], int]:
         started = self.seal()

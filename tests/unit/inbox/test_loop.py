@@ -18,7 +18,7 @@ from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.steps import Processor, handler_left
+from outbox.inbox.steps import AHEAD_PAUSE, Processor, handler_left, record_ahead
 from outbox.inbox.store import SETTINGS, SessionState, StatementRefused
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 
@@ -134,6 +134,51 @@ def test_loop__copies_are_skipped_in_the_batch_and_after_it() -> None:
     assert p.stats.handled == 2 and p.stats.duplicates_skipped == 3
 
 
+def test_ahead__a_batch_that_meets_an_id_applied_before_runs_again_ids_first() -> None:
+    """Recorded ahead, all ids taken for new: the copy's handler ran, but the
+    transaction is rolled back when the ids' result shows it, and the batch runs
+    again with its ids recorded first, so the copy's effect never commits."""
+    store = FakeStore()
+    calls: list[str] = []
+
+    def counting(conn: FakeConnection, msg: InboxMessage) -> None:
+        calls.append(str(msg.message_id))
+        act(conn, msg)
+
+    p = Processor(store, counting, SETTINGS_FOR_TESTS, ConsumerStats())
+    p.process_batch([message("a", b"ok"), message("b", b"ok")])
+    assert store.journal.count("commit") == 1 and p.ahead_paused == 0
+    outcomes = p.process_batch([message("a", b"ok"), message("c", b"ok")])
+    assert [o for o, _ in outcomes] == [Disposition.DUPLICATE, Disposition.HANDLED]
+    assert store.effects == ["a", "b", "c"] and store.inbox == {"a", "b", "c"}
+    assert calls == ["a", "b", "a", "c", "c"]  # the copy ran once, rolled back
+    assert store.journal[-4:] == ["restore", "record_ids ['a', 'c']", "seal", "commit"]
+    assert p.pipelining and p.stats.duplicates_skipped == 1 and store.attempts == {}
+    # The next batches record their ids first, then ahead again.
+    assert p.ahead_paused == AHEAD_PAUSE
+    for i in range(AHEAD_PAUSE):
+        p.process_batch([message(f"x{i}", b"ok"), message(f"y{i}", b"ok")])
+    assert p.ahead_paused == 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "pipelined", "paused", "ahead"),
+    [
+        (2, True, 0, True),
+        (1, True, 0, False),  # one alone gains nothing
+        (2, False, 0, False),  # without pipelining there is nothing to send it with
+        (2, True, 3, False),  # a batch ran again lately
+    ],
+)
+def test_record_ahead__only_pipelined_batches_of_first_deliveries(
+    messages: int, pipelined: bool, paused: int, ahead: bool
+) -> None:
+    first = [message(f"m{i}") for i in range(messages)]
+    assert record_ahead(first, pipelined=pipelined, paused=paused) is ahead
+    again = [*first, message("r", redelivered=True)]
+    assert record_ahead(again, pipelined=pipelined, paused=paused) is False
+
+
 def test_loop__messages_without_id_or_readable_properties_are_parked_unseen() -> None:
     store = FakeStore()
     unreadable = message("u", b"ok", properties={"x-outbox-unreadable-properties": "bad"})
@@ -211,8 +256,32 @@ def test_outage__lost_before_any_handler_ran_owes_nothing() -> None:
     store.fail_next["record_ids"] = DatabaseUnavailable("gone")
     p = processor(store)
     with pytest.raises(DatabaseUnavailable):
-        p.process_batch(batch("ok", "ok"))
+        p.process(message("a", b"ok"))
     assert p.owed == [] and store.attempts == {}
+
+
+def test_outage__a_batch_recorded_ahead_on_a_lost_session_owes_the_attempt_in_hand() -> None:
+    """The ids go out in the pipeline with the handlers' statements, so a session
+    lost there is found in a handler's time: the message in hand owes its attempt,
+    as when the session is lost in a handler of a batch whose ids went first."""
+    store = FakeStore()
+    store.fail_next["record_ids"] = DatabaseUnavailable("gone")
+    store.down = True
+    p = processor(store)
+    with pytest.raises(DatabaseUnavailable):
+        p.process_batch(batch("ok", "ok"))
+    assert [m.message_id for m, _, _ in p.owed] == ["m0"]
+    assert store.attempts == {} and store.effects == []
+
+
+def test_outage__a_batch_recorded_ahead_on_a_lost_session_runs_again_on_a_new_one() -> None:
+    store = FakeStore()
+    store.fail_next["record_ids"] = DatabaseUnavailable("gone")
+    p = processor(store)
+    outcomes = p.process_batch(batch("ok", "ok"))
+    assert [o for o, _ in outcomes] == [Disposition.HANDLED, Disposition.HANDLED]
+    assert p.owed == [] and store.attempts == {} and len(store.effects) == 2
+    assert "reconnect" in store.journal and p.pipelining
 
 
 def test_outage__lost_during_commit_is_unknown_and_owes_nothing() -> None:
