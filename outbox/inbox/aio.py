@@ -83,14 +83,45 @@ class Bridge:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self._deferred: list[Coroutine[Any, Any, None]] = []
+
+    def defer(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` at the start of the next hop, before that hop's own
+        coroutine: two steps for one hop.  If it raises, the hop's coroutine does
+        not run and the hop raises that."""
+        self._deferred.append(coro)
+
+    def drop_deferred(self) -> bool:
+        """Forget the coroutines not run yet; whether there were any."""
+        deferred, self._deferred = self._deferred, []
+        for coro in deferred:
+            coro.close()
+        return bool(deferred)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         # Waiting on the loop's own thread, or for a loop that does not run, would
         # wait for ever: refuse (the callers treat it as the session being gone).
         if not self.loop.is_running() or _running_loop() is self.loop:
             coro.close()
+            self.drop_deferred()
             raise DatabaseUnavailable("the application's event loop is not running")
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            coro = _after(deferred, coro)
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+async def _after(first: list[Coroutine[Any, Any, None]], then: Coroutine[Any, Any, T]) -> T:
+    """``first`` awaited in turn, then ``then``; none of the rest if one raises."""
+    pending = collections.deque(first)
+    try:
+        while pending:
+            await pending.popleft()
+    except BaseException:
+        for coro in (*pending, then):
+            coro.close()
+        raise
+    return await then
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -237,16 +268,23 @@ class LoopConnection:
         their rows: a block of statements is one hop.  ``entered``: pipeline mode
         from the start of the block, for handlers awaited in it (their statements
         do not wait for their results; the store's go after them), and ``first``
-        sent in the hop that enters it, ahead of the handlers'.  Gives the
+        sent in the hop that enters it, ahead of the handlers'.  That hop is the
+        block's first (``Bridge.defer``): the handlers run ahead in it.  Gives the
         cursors of ``first``, read once the block has ended."""
         _READ_TOO_EARLY.discard(self.aconn)
         block = self.aconn.pipeline()
         faces = [LoopCursor(self._bridge) for _ in first]
         queued: list[tuple[Any, Any, LoopCursor]] = []
         sent: list[tuple[psycopg.AsyncCursor[Any], LoopCursor]] = []
-        if entered:
-            cursors = self._bridge.run(self._entered(block, first))
+        inside: list[bool] = []  # [True] once pipeline mode is entered
+
+        async def enter() -> None:
+            cursors = await self._entered(block, first)
             sent.extend(zip(cursors, faces, strict=True))
+            inside.append(True)
+
+        if entered:
+            self._bridge.defer(enter())
         else:
             queued.extend(
                 (query, params, face) for (query, params), face in zip(first, faces, strict=True)
@@ -256,7 +294,8 @@ class LoopConnection:
             yield faces
         except BaseException as exc:
             object.__setattr__(self, "_queued", None)
-            if entered:
+            self._bridge.drop_deferred()
+            if inside:
                 self._bridge.run(block.__aexit__(type(exc), exc, exc.__traceback__))
             raise
         object.__setattr__(self, "_queued", None)

@@ -55,6 +55,52 @@ def test_bridge__runs_on_the_loop_and_raises_there_what_was_raised_there() -> No
         loop.close()
 
 
+def test_bridge__a_deferred_step_runs_first_in_the_next_hop_and_its_failure_is_that_hops(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    steps: list[str] = []
+    hops: list[int] = []
+    original = loop.call_soon_threadsafe
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        hops.append(1)
+        return original(*args, **kwargs)
+
+    async def step(name: str, *, fail: bool = False) -> None:
+        steps.append(name)
+        if fail:
+            raise ValueError(name)
+
+    async def last() -> str:
+        steps.append("last")
+        return "done"
+
+    try:
+        bridge = Bridge(loop)
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        bridge.defer(step("first"))
+        bridge.defer(step("second"))
+        assert bridge.run(last()) == "done"
+        assert steps == ["first", "second", "last"] and len(hops) == 1
+        bridge.defer(step("broken", fail=True))
+        bridge.defer(step("never"))
+        with pytest.raises(ValueError, match="broken"):
+            bridge.run(last())
+        assert steps[3:] == ["broken"]  # neither the rest nor the hop's own ran
+        bridge.defer(step("dropped"))
+        assert bridge.drop_deferred() and not bridge.drop_deferred()
+        assert bridge.run(last()) == "done" and "dropped" not in steps
+    finally:
+        loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
 def test_bridge__refuses_to_wait_for_ever_on_a_stopped_loop_or_on_its_own_thread() -> None:
     loop = asyncio.new_event_loop()
     try:
