@@ -104,6 +104,20 @@ class HorizonOptions:
     relays: int = 1
     keys: int = 0  # ordering keys the rows share; 0: none
     find_rate: bool = False
+    # "outbox": the table's own autovacuum parameters, as ``outbox init`` sets them;
+    # "server": reset to the server's defaults (what the parameters are worth).
+    autovacuum: str = "outbox"
+
+
+# The outbox table's own autovacuum parameters (schema 0001), reset by
+# ``--table-autovacuum server``.
+TABLE_AUTOVACUUM = (
+    "autovacuum_vacuum_scale_factor",
+    "autovacuum_vacuum_threshold",
+    "autovacuum_vacuum_insert_scale_factor",
+    "autovacuum_vacuum_insert_threshold",
+    "autovacuum_analyze_scale_factor",
+)
 
 
 def parse_holders(text: str) -> tuple[str, ...]:
@@ -403,6 +417,7 @@ def horizon_run(
     table = f"outbox_horizon_{suffix}"
     conn = session.connect(db.dsn, application_name="outbox-bench")
     migrate.migrate(conn, table)
+    table_autovacuum(conn, table, o.autovacuum)
     # A topology per run: its blocking connection, idle for the whole run, would miss
     # its heartbeats and be closed by the broker.
     broker = BenchTopology(o.amqp_url, suffix)
@@ -454,6 +469,7 @@ def horizon_run(
                     )
             committed = producer.result()
             named = holder_named(samples[-1].horizon)
+            vacuums = autovacuums(conn, table)
         deadline = time.monotonic() + DRAIN_SECONDS
         while len(receiver.arrived) < len(committed) and time.monotonic() < deadline:
             relays.check_alive()
@@ -491,9 +507,29 @@ def horizon_run(
         "p99_last_to_first": ratio(last["p99_ms"], first["p99_ms"]),
         "dead_rows_end": end.dead_rows,
         "table_bytes_end": end.table_bytes,
+        "autovacuums": vacuums,
         "horizon_age_xids_end": end.age_xids,
         "status_names": named,
     }
+
+
+def table_autovacuum(conn: Any, table: str, choice: str) -> None:
+    """``choice`` "server": the table's own autovacuum parameters reset, so the
+    server's defaults apply; "outbox": left as ``outbox init`` set them."""
+    if choice == "server":
+        conn.execute(f'ALTER TABLE "{table}" RESET ({", ".join(TABLE_AUTOVACUUM)})')
+    elif choice != "outbox":
+        raise ValueError(f"unknown autovacuum choice {choice!r}")
+
+
+def autovacuums(conn: Any, table: str) -> int | None:
+    """How many times autovacuum has vacuumed ``table`` (the statistics' count)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(
+        "SELECT autovacuum_count AS n FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+        [f'"{table}"'],
+    ).fetchone()
+    return int(row["n"]) if row else None
 
 
 def backlog(committed: dict[str, float], arrived: dict[str, float], at: float) -> int:
@@ -585,6 +621,7 @@ def run_horizon_bench(o: HorizonOptions, echo: Echo) -> dict[str, Any]:
         "payload_bytes": o.payload,
         "seconds": o.seconds,
         "window_seconds": o.window_seconds,
+        "autovacuum": o.autovacuum,
         "runs": runs,
         "every_row_arrived": bool(done)
         and all(r["delivered"] == r["sent"] and r["duplicates"] == 0 for r in done),
@@ -610,15 +647,21 @@ def render(report: dict[str, Any]) -> str:
         f"outbox bench --horizon: {report['rate']:,.0f} rows/s in {report['rows_per_commit']}-row "
         f"transactions of {report['payload_bytes']} B payloads, {keys}, "
         f"{report['seconds']:.0f} s per run, windows of {report['window_seconds']:.0f} s; "
-        f"{relays}, default settings; PostgreSQL: {report['postgres']}",
+        f"{relays}, default settings; PostgreSQL: {report['postgres']}; autovacuum: "
+        + (
+            "the server's defaults (the table's own parameters reset)"
+            if report.get("autovacuum") == "server"
+            else "the outbox table's own parameters (outbox init)"
+        ),
         "",
         "| holder | p50 first → last | p99 first → last | last/first p50 | last p50 vs "
-        "nothing held | dead rows at the end | table at the end | `outbox status` names |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "nothing held | dead rows at the end | table at the end | autovacuums | "
+        "`outbox status` names |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run in report["runs"]:
         if run["skipped"]:
-            lines.append(f"| {run['holder']} | skipped: {run['skipped']} | | | | | | |")
+            lines.append(f"| {run['holder']} | skipped: {run['skipped']} | | | | | | | |")
             continue
         first, last = run["windows"][0], run["windows"][-1]
         lines.append(
@@ -626,7 +669,7 @@ def render(report: dict[str, Any]) -> str:
             f"{_ms(first['p99_ms'])} → {_ms(last['p99_ms'])} ms | "
             f"{_x(run['p50_last_to_first'])} | {_x(run.get('last_p50_to_control'))} | "
             f"{run['dead_rows_end'] or 0:,} | {_mib(run['table_bytes_end'])} | "
-            f"{run['status_names']} |"
+            f"{run.get('autovacuums')} | {run['status_names']} |"
         )
     lines += [
         "",

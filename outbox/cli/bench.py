@@ -209,6 +209,14 @@ from outbox.errors import ExitCode
     "as in the ordering runs (0: no key).",
 )
 @click.option(
+    "--table-autovacuum",
+    type=click.Choice(["outbox", "server"]),
+    default="outbox",
+    show_default=True,
+    help="--horizon: the outbox table's own autovacuum parameters (as `outbox init` sets "
+    "them) or the server's defaults (the table's reset), to measure what they are worth.",
+)
+@click.option(
     "--find-rate",
     is_flag=True,
     help="--horizon: first a ramp with nothing held, from --rate doubling, two "
@@ -268,6 +276,7 @@ def bench(
     soak_seconds: float,
     holders: str,
     horizon_relays: int,
+    table_autovacuum: str,
     keys: int,
     find_rate: bool,
     horizon_seconds: float,
@@ -331,6 +340,7 @@ def bench(
                 relays=horizon_relays,
                 keys=keys,
                 find_rate=find_rate,
+                autovacuum=table_autovacuum,
             ),
             echo,
         )
