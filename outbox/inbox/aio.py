@@ -409,7 +409,7 @@ class AsyncInboxStore(InboxStore):
         """``InboxStore.pipeline``, in pipeline mode from the start (the handlers run
         in it); ``record``'s statements go in the hop that enters it."""
         conn = cast(LoopConnection, self.conn)
-        first = self._recording(*record) if record is not None else []
+        first = self._recording(*record, ahead=True) if record is not None else []
         try:
             with (
                 self._translated("running the handlers' statements"),

@@ -113,6 +113,23 @@ SELECT now() AS started,
        set_config('outbox.inbox_guard', 'armed', true) AS guard,
        ARRAY(SELECT message_id FROM new) AS new
 
+-- record_new --
+-- record_messages for a batch whose ids go out ahead of its handlers' statements,
+-- all taken for new (``steps.record_ahead``): a plain INSERT, without the speculative
+-- insertion ON CONFLICT costs PostgreSQL for every row.  An id already here fails
+-- it (a unique violation: the transaction is aborted, the handlers' statements
+-- after it fail, nothing commits), and the batch runs again with record_messages.
+-- A copy within the batch is inserted once (DISTINCT).
+WITH new AS (
+    INSERT INTO {inbox} (consumer, message_id)
+    SELECT %(consumer)s, id FROM (SELECT DISTINCT id FROM unnest(%(ids)s::text[]) AS id) AS ids
+    ORDER BY id
+    RETURNING message_id
+)
+SELECT now() AS started,
+       set_config('outbox.inbox_guard', 'armed', true) AS guard,
+       ARRAY(SELECT message_id FROM new) AS new
+
 -- seal --
 -- The last statement before the consumer's COMMIT: when the transaction started
 -- (the consumer compares it with record_messages': a handler that ended the

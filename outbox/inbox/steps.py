@@ -23,12 +23,15 @@ One transaction of messages, in this order (``Processor.transaction``)::
 A pipelined batch of first deliveries records its ids ahead (``record_ahead``): the
 INSERT goes out in the pipeline with the handlers' statements instead of waiting for
 its own round trip first, on the bet that every id is new (a duplicate that was not
-redelivered is rare: a relay's crash window, a foreign publisher).  Its result is
-read at the sync; if it shows an id already there, or anything in the batch fails,
-the transaction is rolled back and the batch runs again the way above, ids first, so
-a duplicate's effect never commits and every failure is attributed as before (the
-handlers of a batch recorded ahead may run twice; only their effects commit once).
-After such a rerun the next ``AHEAD_PAUSE`` batches record their ids first.
+redelivered is rare: a relay's crash window, a foreign publisher).  It is a plain
+INSERT (``record_new``): an id already there fails it and aborts the transaction,
+so nothing of the batch can commit, not even by a handler's own COMMIT (with ON
+CONFLICT DO NOTHING a batch of copies would insert no row and arm no guard).  If the
+batch fails in any way, the transaction is rolled back and the batch runs again the
+way above, ids first, so a duplicate's effect never commits and every failure is
+attributed as before (the handlers of a batch recorded ahead may run twice; only
+their effects commit once).  After such a rerun the next ``AHEAD_PAUSE`` batches
+record their ids first.
 
 Messages that are already here when the consumer looks (at most half ``--prefetch``)
 go through this in ONE transaction and are acked after its single COMMIT: a busy
@@ -314,13 +317,19 @@ class BrokerPort(Protocol):
 
 
 # -- what a handler left (pure) ------------------------------------------------------------
-def handler_left(before: SessionState, after: SessionState, *, pending: bool = False) -> str | None:
+def handler_left(
+    before: SessionState, after: SessionState, *, pending: bool = False, unsynced: bool = False
+) -> str | None:
     """Why the session a handler returned breaks the contract, or None if it does
     not (the handler's transaction may go on to the COMMIT).  ``pending``: in
     pipeline mode, before the sync, where a transaction with statements in flight
-    shows as active (the whole check runs again after the sync)."""
+    shows as active (the whole check runs again after the sync).  ``unsynced``:
+    its BEGIN went out in the pipeline too (ids recorded ahead), and libpq shows
+    the session idle until a sync says otherwise, once the results in flight are
+    read; a handler that did end the transaction is found at the sync (and its
+    effect cannot commit: ``record_new`` arms the guard or aborts the transaction)."""
     transaction = after.transaction
-    if pending and transaction == "active":
+    if pending and (transaction == "active" or (unsynced and transaction == "idle")):
         transaction = "intrans"
     if after.closed:
         return "the handler closed the connection it was handed"
@@ -427,12 +436,7 @@ class Processor:
         if isinstance(done, Broken):
             emit(log, "consumer.batch_split", logging.DEBUG, size=len(messages), error=done.reason)
             replayed = self.one_by_one(messages)
-            if (
-                pipelined
-                and done.message is not None
-                and not done.lost
-                and all(o in (Disposition.HANDLED, Disposition.DUPLICATE) for o, _ in replayed)
-            ):
+            if pipelined and needs_sync_mode(done, messages, replayed):
                 # Failed in pipeline mode, applied without it: this handler needs
                 # each statement's outcome at once.  Batches go on without pipelining.
                 self.pipelining = False
@@ -595,7 +599,9 @@ class Processor:
                     in_hand = message
                     called = time.monotonic()
                     error = self._call(message)
-                    failed = error or handler_left(before, store.session(), pending=pipelined)
+                    failed = error or handler_left(
+                        before, store.session(), pending=pipelined, unsynced=ahead
+                    )
                     idle = store.idle_timeout
                     if not failed and pipelined and idle and time.monotonic() - called >= idle:
                         # The server would have ended the session had the
@@ -831,6 +837,19 @@ class Processor:
             error=error,
         )
         return Disposition.RETRY, delay
+
+
+def needs_sync_mode(done: Broken, messages: Sequence[InboxMessage], replayed: Dispositions) -> bool:
+    """Whether a batch that failed in pipeline mode and was applied again one by one
+    without it shows a handler that needs each statement's outcome at once (pure):
+    the message blamed succeeded this time (applied, not skipped as a copy that
+    another consumer applied meanwhile) and nothing else failed."""
+    if done.message is None or done.lost:
+        return False
+    blamed = [o for m, (o, _) in zip(messages, replayed, strict=True) if m is done.message]
+    return blamed == [Disposition.HANDLED] and all(
+        o in (Disposition.HANDLED, Disposition.DUPLICATE) for o, _ in replayed
+    )
 
 
 def record_ahead(messages: Sequence[InboxMessage], *, pipelined: bool, paused: int) -> bool:

@@ -369,11 +369,13 @@ class InboxStore:
         return self._recorded(cursors[-1])()
 
     def _recording(
-        self, keys: Sequence[str], redelivered: Sequence[str]
+        self, keys: Sequence[str], redelivered: Sequence[str], *, ahead: bool = False
     ) -> list[tuple[Any, dict[str, Any] | None]]:
-        """The statements of ``record_ids``: the transaction, then the ids."""
+        """The statements of ``record_ids``: the transaction, then the ids (``ahead``:
+        all taken for new, ``record_new``)."""
         params = self._params(ids=list(keys), redelivered=list(redelivered))
-        return [("BEGIN READ WRITE", None), (self.queries["record_messages"], params)]
+        query = self.queries["record_new" if ahead else "record_messages"]
+        return [("BEGIN READ WRITE", None), (query, params)]
 
     def _recorded(self, cursor: Any) -> Callable[[], tuple[datetime.datetime, set[str]]]:
         """How to read ``record_messages``' result from its cursor."""
@@ -413,7 +415,8 @@ class InboxStore:
             if record is None:
                 yield None
             else:
-                cursors = [self.conn.execute(q, p) for q, p in self._recording(*record)]
+                statements = self._recording(*record, ahead=True)
+                cursors = [self.conn.execute(q, p) for q, p in statements]
                 yield self._recorded(cursors[-1])
 
     def send_seal(self) -> Callable[[], datetime.datetime]:

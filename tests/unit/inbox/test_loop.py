@@ -18,7 +18,14 @@ from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.steps import AHEAD_PAUSE, Processor, handler_left, record_ahead
+from outbox.inbox.steps import (
+    AHEAD_PAUSE,
+    Broken,
+    Processor,
+    handler_left,
+    needs_sync_mode,
+    record_ahead,
+)
 from outbox.inbox.store import SETTINGS, SessionState, StatementRefused
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 
@@ -320,6 +327,38 @@ def test_handler_left__names_what_breaks_the_contract(after: SessionState, words
 
 def test_handler_left__nothing_when_the_transaction_is_as_it_was() -> None:
     assert handler_left(state(), state()) is None
+
+
+def test_handler_left__an_unsynced_begin_shows_idle_until_the_sync() -> None:
+    """Ids recorded ahead: the BEGIN went out in the pipeline, and once a handler's
+    read brought the results in flight, libpq shows the session idle (no sync has
+    said otherwise); that is checked again after the sync, not failed now."""
+    idle = state(transaction="idle")
+    assert handler_left(state(), idle, pending=True, unsynced=True) is None
+    assert "ended the transaction" in str(handler_left(state(), idle, pending=True))
+    assert "ended the transaction" in str(handler_left(state(), idle, unsynced=True))
+    aborted = state(transaction="inerror")
+    assert "caught a database error" in str(
+        handler_left(state(), aborted, pending=True, unsynced=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("blamed", "lost", "needs"),
+    [
+        (Disposition.HANDLED, False, True),  # failed pipelined, succeeded on its own
+        (Disposition.DUPLICATE, False, False),  # another consumer applied a copy meanwhile
+        (Disposition.RETRY, False, False),  # a real failure
+        (Disposition.HANDLED, True, False),  # the session was lost: no handler's doing
+    ],
+)
+def test_needs_sync_mode__only_when_the_blamed_message_succeeds_on_its_own(
+    blamed: Disposition, lost: bool, needs: bool
+) -> None:
+    messages = batch("ok", "ok")
+    replayed = [(Disposition.HANDLED, 0.0), (blamed, 0.0)]
+    assert needs_sync_mode(Broken(messages[1], "x", lost=lost), messages, replayed) is needs
+    assert needs_sync_mode(Broken(None, "deadlock"), messages, replayed) is False
 
 
 # -- the process on fakes ---------------------------------------------------------------------
