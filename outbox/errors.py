@@ -71,6 +71,11 @@ class BrokerBlocked(BrokerUnavailable):
     """RabbitMQ is blocking publishers (a resource alarm): the connection lives."""
 
 
+class BatchNotConfirmed(BrokerUnavailable):
+    """RabbitMQ nacked a batch's messages, or did not confirm them in time, while the
+    connection lives: the confirms of another batch on it still arrive."""
+
+
 class PreparedTransactionsDisabled(OutboxError):
     """``max_prepared_transactions`` is 0 on the server."""
 

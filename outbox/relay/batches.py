@@ -48,6 +48,14 @@ finds N with its evidence sent (crash table: "ledger record sent"; committed
 once the ledger has it, no duplicate).  Under a backlog N's confirms are usually still
 due at that point, and 2 overlaps them as before.
 
+If they are still due after 2, 4 runs before 3 (``_sends_early``): N+1 is
+published beside N, so the broker persists both and is not left idle between N's
+last confirm and N+1's publishing (the relay waited there for the broker, and the
+broker for the relay: four relays draining a backlog left a fifth of two cores idle;
+``docs/benchmarks.md``).  Still two batches in flight, no more.  Not when N+1
+follows N (below), holds a suspect row (sent alone, waiting for its confirm) or
+must write dead letters first, nor after a failure until a batch is committed again.
+
 When N+1 holds the next rows of ordering keys that N holds (it ``follows`` N:
 the claim may take them, ``BatchStore.claim_batch(own=…)``), 4 and 5 swap: N+1 is
 published only after N is committed, so no row goes out while an earlier row of
@@ -56,14 +64,14 @@ published, is rolled back with it.
 
 Each batch still goes claim → PREPARE → publish → confirms → ledger → COMMIT
 PREPARED in that order, and N+1 is published only after its own PREPARE
-succeeded and after N's messages were all confirmed.
+succeeded (and, when it follows N, after N is committed).
 
 One failure path (``fail``): a failure (database or broker lost, no confirm, a
 nack, a refusal, no prepared-transaction slot) makes every open batch
 ``IN_DOUBT``, except a batch already published (``SENT`` or ``RECORDED``) when the
-failure cannot have touched its confirms (a database failure, a resource alarm:
-``survives_failure``); that
-one stays in flight, ``kept``, and is finished first on the next step.  A step
+failure cannot have touched its confirms (a database failure, a resource alarm,
+the other batch nacked on a live connection: ``survives_failure``); such a batch
+(or both) stays in flight, ``kept``, and is finished first on the next step.  A step
 that must give a batch up rolls it back at once (``_give_up``) and raises.
 
 What a crash (kill -9) leaves at each step, and who cleans up:
@@ -86,11 +94,12 @@ COMMIT PREPARED sent           unknown to the relay             gid gone → don
 =============================  ===============================  ==================================
 
 At depth 2 the crash also finds the other batch in flight at its own step of
-the table: N+1 is at most "PREPARE" until N's ledger record is sent, and at most
-"messages sent, not confirmed" until N is committed; whether N's confirms were in
-by N+1's claim (``collect_confirms``, above) decides only which of the two
-orders the crash cuts.  So a crash leaves at most two batches to resolve, and
-duplicates per crash are ≤ batch_size at depth 1, ≤ 2 x batch_size at depth 2.
+the table: N+1 is at most "messages sent, not confirmed" until N is committed,
+and at most "PREPARE" until N's ledger record is sent if N's confirms were in by
+N+1's claim (``collect_confirms``, above); if they were not, N+1 went out beside
+N, and a crash before N's ledger record rolls both back.  So a crash leaves at
+most two batches to resolve, and duplicates per crash are ≤ batch_size at depth 1,
+≤ 2 x batch_size at depth 2.
 
 The crash points of ``outbox/fault_injection.py`` (``OUTBOX_CRASH_AT``) only
 observe this schedule: armed or not, the relay awaits exactly the confirms it
@@ -181,6 +190,7 @@ from outbox.amqp.confirms import Delivery, Outcome, Pending
 from outbox.amqp.frames import Message
 from outbox.config import Settings
 from outbox.errors import (
+    BatchNotConfirmed,
     BrokerBlocked,
     BrokerUnavailable,
     DatabaseRefused,
@@ -303,9 +313,14 @@ def survives_failure(error: OutboxError) -> bool:
     what the broker read before it blocked is still confirmed, the batch's ledger
     record too if it went out (``Batches.step``: early).  The batch is kept and
     finished first once the relay retries; if its confirms do not come within
-    ``publish_timeout``, it is rolled back then, as before.
+    ``publish_timeout``, it is rolled back then, as before.  Likewise after the
+    other batch was nacked or not confirmed in time on a live connection
+    (``BatchNotConfirmed``): that one is rolled back, this one, published early
+    beside it, is finished by its own confirms.
     """
-    return isinstance(error, BrokerBlocked) or not isinstance(error, BrokerUnavailable)
+    return isinstance(error, (BrokerBlocked, BatchNotConfirmed)) or not isinstance(
+        error, BrokerUnavailable
+    )
 
 
 def _sent(batch: Batch) -> int:
@@ -360,6 +375,9 @@ class Batches:
         self.relay_id = ""  # the relay's current id (a new one after a lost control session)
         self.in_flight: dict[str, Batch] = {}  # by gid, in claim order
         self.ledger_doubtful = False  # probe the ledger before the next batch
+        # Publish the next batch before the previous one's confirms are in ("the
+        # schedule", 3 after 4): only while nothing has failed since the last commit.
+        self._early = True
         self._may_commit = may_commit
         self._on_batch = on_batch
         self._seq = 0
@@ -382,18 +400,25 @@ class Batches:
         claims again at once instead of waiting for a wake-up."""
         try:
             finished = 0
+            for survivor in [b for b in self.in_flight.values() if b.kept and b.state in _WAITING]:
+                # Published before a failure that it survived: finish it before
+                # preparing another (which may be what failed, e.g. no slot).
+                self._finish(survivor)
+                finished += len(survivor.rows)
             kept = self._waiting()
-            if kept is not None and kept.kept:
-                # Published before a database failure that it survived: finish it
-                # before preparing another (which may be what failed, e.g. no slot).
-                self._finish(kept)
-                finished, kept = len(kept.rows), None
             if kept is not None and self._confirms_in(kept):
                 # Its evidence goes out before the claim, not between the next
                 # batch's PREPARE and its publishing: that path is every message's
                 # latency, and the ledger record is then confirmed sooner too.
                 self._record(kept)
             batch = self._claim_and_prepare(kept)
+            early = kept is not None and kept.state is State.SENT and self._sends_early(batch)
+            if early:
+                # The broker persists both while N's confirms come in: it is never
+                # left without a batch of this relay between N's last confirm and
+                # N+1's publishing (the schedule: 4 before 3).
+                assert batch is not None
+                self._send(batch)
             if kept is not None and kept.state is State.SENT:
                 self._record(kept)
             if batch is not None and kept is not None and batch.follows:
@@ -402,7 +427,7 @@ class Batches:
                 finished += len(kept.rows)
                 batch.first_dead = ordering.blockers(kept.dead)
                 kept = None
-            if batch is not None:
+            if batch is not None and not early:
                 self._send(batch)
             if kept is not None:
                 self._commit(kept)
@@ -413,6 +438,22 @@ class Batches:
         except RETRYABLE as exc:
             self.fail(exc)
             raise
+
+    def _sends_early(self, batch: Batch | None) -> bool:
+        """Whether ``batch`` may be published while the batch before it still waits
+        for its confirms: not when it follows that batch (its keys' rows wait for
+        its commit), nor when publishing it could fail or wait for a confirm of its
+        own (no dead letter left unwritten, no suspect row sent alone), nor after a
+        failure until a batch is committed again (a retry costs what it cost
+        before: the early batch is never what a failure puts in doubt twice)."""
+        return (
+            batch is not None
+            and self._early
+            and not batch.follows
+            and batch.unpublishable is None
+            and not self._unwritten
+            and self.triage.suspects.empty
+        )
 
     def finish_in_flight(self) -> None:
         """Stopping: finish the batch published last, claim no more, settle the rest.
@@ -434,8 +475,7 @@ class Batches:
                 )
             return
         try:
-            waiting = self._waiting()
-            if waiting is not None:
+            for waiting in [b for b in self.in_flight.values() if b.state in _WAITING]:
                 self._finish(waiting)
         finally:
             self.fail(None)
@@ -670,7 +710,7 @@ class Batches:
             if any("404" in d.reason for d in failed):
                 self.triage.forget_exchanges()
             self.triage.learn(d.reason for d in failed)
-            error = BrokerUnavailable(f"batch {batch.gid} not confirmed: {reason}")
+            error = BatchNotConfirmed(f"batch {batch.gid} not confirmed: {reason}")
         self._give_up(batch, error, accepted=in_doubt, reason=reason)
 
     def _store_dead_letters(self, batch: Batch, returned: Sequence[DeadLetter]) -> None:
@@ -717,6 +757,7 @@ class Batches:
             self._store().finish(batch.gid, commit=True)
         del self.in_flight[batch.gid]
         self.triage.suspects.clear(r.id for r in batch.rows)
+        self._early = True
         self._count_committed(batch)
         self.stats.batch_seconds.observe(time.monotonic() - batch.started)
         emit(
@@ -755,6 +796,7 @@ class Batches:
     def fail(self, error: OutboxError | None) -> None:
         """After ``error`` (None: stopping, or the relay id was lost), every open batch
         is in doubt, except a published one that survives it, which stays in flight."""
+        self._early = False
         for batch in self.in_flight.values():
             if batch.state is State.IN_DOUBT:
                 continue

@@ -119,14 +119,14 @@ def test_step__pipelined_overlaps_two_batches_in_the_documented_order() -> None:
     journal.clear()
     broker.confirms_late = True
     assert batches.step() == 5
-    # N's confirms not in yet: claim+PREPARE N+1 while N persists; N's evidence;
-    # publish N+1; commit N
+    # N's confirms not in yet: claim+PREPARE N+1 while N persists; publish N+1
+    # beside it (the broker persists both); N's evidence; commit N
     assert journal == [
         "claim 5",
         "prepare obx:outbox:r1:3",
+        "send 5",
         "confirmed 10",
         "ledger 1",
-        "send 5",
         "commit obx:outbox:r1:2",
     ]
     drain(batches)
@@ -190,8 +190,9 @@ CRASH_TABLE = [
 CRASH_TABLE_LATE_CONFIRMS = [
     ("after_claim", 2, 2, 10),
     ("after_prepare", 2, 2, 10),
-    # batch 1's record went out before batch 2 was sent: the fake ledger has it
-    ("mid_publish", 2, 2, 10),
+    # batch 2 went out before batch 1's confirms were in (published early): both
+    # without evidence, both rolled back (≤ 2 batches, the pipelined bound)
+    ("mid_publish", 2, 2, 20),
 ]
 
 
@@ -389,13 +390,97 @@ def test_failure__broker_loss_puts_the_published_batch_in_doubt() -> None:
     broker.lose_connection_on_confirm = True
     with pytest.raises(BrokerUnavailable, match="lost RabbitMQ"):
         batches.step()
-    # batch 1 (no confirm) was rolled back at once; batch 2 (prepared) is in doubt
+    # batch 1 (no confirm) was rolled back at once; batch 2, published beside it
+    # while its confirms were due, is in doubt
     assert all(b.state is State.IN_DOUBT for b in batches.in_flight.values())
     batches.settle()
     assert store.prepared == {}
     broker.connected = True
     drain(batches)
-    assert duplicates(broker, 20) == 10
+    assert duplicates(broker, 20) == 20  # both batches: the pipelined bound
+
+
+def test_schedule__the_next_batch_goes_out_beside_one_whose_confirms_are_due() -> None:
+    """Pipelined, N's confirms not in at N+1's PREPARE: N+1 is published at once,
+    so the broker persists both (it would otherwise sit idle between N's last
+    confirm and N+1's send); still at most two batches prepared, none lost."""
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(40), journal), FakeBroker(journal)
+    broker.confirms_late = True
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    journal.clear()
+    batches.step()
+    assert journal.index("send 10") < journal.index("confirmed 10")
+    assert len(store.prepared) <= 2
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 40) == 0
+
+
+def test_schedule__a_nack_of_one_batch_keeps_the_one_published_beside_it() -> None:
+    """N is nacked on a live connection after N+1 went out early: N is rolled back,
+    N+1 is kept and committed from its own confirms: no duplicate of N+1."""
+    nacked: set[str] = set()
+
+    def nack_once(message: object) -> bool:
+        key = getattr(message, "message_id", "")
+        if key.startswith("ledger") or nacked or getattr(message, "body", b"") != b"row 3":
+            return False
+        nacked.add(key)
+        return True
+
+    store = FakeStore(make_rows(20))
+    broker = FakeBroker(routing=Routing(nack=nack_once))
+    broker.confirms_late = True
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    with pytest.raises(BrokerUnavailable, match="not confirmed"):
+        batches.step()
+    [second] = batches.in_flight.values()
+    assert (second.state, second.kept) == (State.SENT, True)
+    assert batches.step() == 10  # finishes the kept batch first; publishes nothing early
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    assert batches.stats.batches_rolled_back == 1
+    assert duplicates(broker, 20) == 9  # batch 1's accepted messages only
+
+
+def test_schedule__nothing_goes_out_early_after_a_failure_until_a_commit() -> None:
+    journal: Journal = []
+    store, broker = FakeStore(make_rows(40), journal), FakeBroker(journal)
+    broker.confirms_late = True
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    batches.fail(DatabaseUnavailable("lost"))  # the published batch survives, kept
+    journal.clear()
+    batches.step()
+    # the kept batch is finished first; the next is then claimed, nothing is waiting
+    assert journal[:3] == ["confirmed 10", "ledger 1", "commit obx:outbox:r1:1"]
+    journal.clear()
+    batches.step()
+    # a commit came since the failure: early again
+    assert journal.index("send 10") < journal.index("confirmed 10")
+    drain(batches)
+    assert duplicates(broker, 40) == 0
+
+
+def test_schedule__two_published_batches_outlive_a_database_failure() -> None:
+    """N's COMMIT PREPARED is cut off while N+1, published early, waits: N is in
+    doubt (looked up: committed), N+1 is kept and finished: no duplicate."""
+    store, broker = FakeStore(make_rows(30)), FakeBroker()
+    broker.confirms_late = True
+    batches = make_batches(store, broker, depth=2)
+    batches.step()
+    store.fail_next["finish"] = OutcomeUnknown("connection lost during COMMIT PREPARED")
+    with pytest.raises(OutboxError):
+        batches.step()
+    states = sorted(b.state.name for b in batches.in_flight.values())
+    assert states == ["IN_DOUBT", "SENT"]
+    batches.settle()
+    drain(batches)
+    assert store.rows == {} and store.prepared == {}
+    assert duplicates(broker, 30) == 0
 
 
 def test_failure__broker_loss_after_the_next_batch_went_out_puts_both_in_doubt() -> None:
