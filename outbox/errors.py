@@ -72,8 +72,8 @@ class BrokerBlocked(BrokerUnavailable):
 
 
 class BatchNotConfirmed(BrokerUnavailable):
-    """RabbitMQ nacked a batch's messages, or did not confirm them in time, while the
-    connection lives: the confirms of another batch on it still arrive."""
+    """RabbitMQ nacked a batch's messages while the connection lives: the confirms
+    of another batch on it still arrive."""
 
 
 class PreparedTransactionsDisabled(OutboxError):

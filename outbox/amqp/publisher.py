@@ -441,7 +441,9 @@ class Publisher:
 
         A timeout abandons the channel: every message still unconfirmed on it, of
         this batch or another, is then in doubt (late confirms must not be taken
-        for a later batch's).
+        for a later batch's).  A nack abandons it too (below), but only once the
+        confirms due for the other messages on it have come (or ``timeout``): a
+        batch published beside a nacked one is finished by its own confirms.
         """
         self._run_until(lambda: pending.settled or self._failure is not None, timeout)
         if not pending.settled:
@@ -449,12 +451,15 @@ class Publisher:
                 self._confirms.give_up(f"connection lost: {self._failure}")
             else:
                 self._confirms.give_up("no confirm before the publish timeout")
-                self._abandon_channel()
+                self._abandon_channel("channel abandoned after a confirm timeout")
         elif pending.nacked:
             # RabbitMQ 3.10: a channel whose publish to a quorum queue was nacked
             # because the queue's leader had just died nacks every later publish to
             # that queue, long after a new leader took over; a new channel does not.
-            self._abandon_channel()
+            # What else is out on it (the next batch, published beside this one)
+            # is confirmed or nacked first, not put in doubt.
+            self._run_until(lambda: not self._confirms or self._failure is not None, timeout)
+            self._abandon_channel("channel abandoned after a nack")
         for delivery in pending.deliveries:
             if delivery.outcome is Outcome.UNKNOWN and not delivery.reason:
                 delivery.reason = "not sent: the channel closed"
@@ -488,9 +493,9 @@ class Publisher:
         _Wire.write(conn, coalesce(chunk))
         return True
 
-    def _abandon_channel(self) -> None:
+    def _abandon_channel(self, reason: str) -> None:
         channel, self._channel = self._channel, None
-        self._confirms.give_up("channel abandoned after a confirm timeout")
+        self._confirms.give_up(reason)
         if channel is not None and channel.is_open:
             try:
                 channel.close()

@@ -314,9 +314,11 @@ def survives_failure(error: OutboxError) -> bool:
     record too if it went out (``Batches.step``: early).  The batch is kept and
     finished first once the relay retries; if its confirms do not come within
     ``publish_timeout``, it is rolled back then, as before.  Likewise after the
-    other batch was nacked or not confirmed in time on a live connection
-    (``BatchNotConfirmed``): that one is rolled back, this one, published early
-    beside it, is finished by its own confirms.
+    other batch was nacked on a live connection (``BatchNotConfirmed``; the
+    publisher takes this one's confirms before it abandons the channel): that one
+    is rolled back, this one, published early beside it, is finished by its own
+    confirms.  A confirm timeout puts every message out on the channel in doubt:
+    both are rolled back.
     """
     return isinstance(error, (BrokerBlocked, BatchNotConfirmed)) or not isinstance(
         error, BrokerUnavailable
@@ -710,7 +712,14 @@ class Batches:
             if any("404" in d.reason for d in failed):
                 self.triage.forget_exchanges()
             self.triage.learn(d.reason for d in failed)
-            error = BatchNotConfirmed(f"batch {batch.gid} not confirmed: {reason}")
+            # Nacked on a live connection: the other batch's confirms still came
+            # (``Publisher.confirmed``).  A timeout put them in doubt with these.
+            kind = (
+                BatchNotConfirmed
+                if all(d.outcome is Outcome.NACKED for d in failed)
+                else BrokerUnavailable
+            )
+            error = kind(f"batch {batch.gid} not confirmed: {reason}")
         self._give_up(batch, error, accepted=in_doubt, reason=reason)
 
     def _store_dead_letters(self, batch: Batch, returned: Sequence[DeadLetter]) -> None:
