@@ -144,12 +144,13 @@ def test_amqp_cut__ledger_record_unconfirmed_means_rollback(
 
     assert amqp_proxy.triggered.is_set()
     # Every message of that batch was confirmed, then rolled back: the batch again.
-    # Pipelined, batch 2 (prepared, published after that ledger record) is rolled
-    # back too; the broker got none of it, unless the proxy read its first bytes in
-    # the same read as the ledger record (confirm-lost only).
+    # Pipelined, batch 2 is rolled back too: published after that ledger record
+    # (the broker got none of it, unless the proxy read its first bytes in the same
+    # read), or before it, beside batch 1 while batch 1's confirms were due
+    # (``batches.py``, "the schedule"): then the broker may have all of it.
     assert relay.stats.batches_rolled_back == in_flight(settings)
     report = check_delivery(settings.dsn, topology, committed, max_duplicates=2 * BATCH)
-    if settings.pipeline and after_server:
+    if settings.pipeline:
         assert BATCH <= report.duplicates <= 2 * BATCH
     else:
         assert report.duplicates == BATCH
