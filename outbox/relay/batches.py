@@ -115,8 +115,9 @@ run a schedule production never runs; the kill after the send already leaves
 anything from none to all of it on the broker (the kernel may still deliver the
 socket's tail, or reset the connection and drop it).
 
-A database outage costs at most one batch at either depth, and none at depth 2
-while the control session survives.  "resolver" is any relay's periodic pass or ``outbox
+A database outage costs at most one batch at depth 1; at depth 2, none while the
+control session survives, else up to two (N+1 may be out beside N: both in doubt,
+rolled back without evidence).  "resolver" is any relay's periodic pass or ``outbox
 resolve`` (``resolver/decide.py``).
 
 A write that keeps failing (whatever the error: a lock, a timeout, a refused

@@ -74,6 +74,14 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     return seen
 
 
+@pytest.fixture
+def confirms_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """N's confirms are taken as still due when the next step starts (as under a
+    backlog), whatever the machine's speed: the next batch then goes out early.
+    They are still awaited and taken as in production (``Publisher.confirmed``)."""
+    monkeypatch.setattr(batches_module.Batches, "_confirms_in", lambda self, batch: False)
+
+
 @contextlib.contextmanager
 def running(settings: Settings) -> Iterator[Relay]:
     relay = Relay(settings)
@@ -112,13 +120,14 @@ def early_settings(settings: Settings, **changes: Any) -> Settings:
 
 
 def test_nack_of_n_keeps_the_early_batch_finished_by_its_own_confirms(
-    settings: Settings, topology: Topology, spy: Spy
+    settings: Settings, topology: Topology, spy: Spy, confirms_due: None
 ) -> None:
-    """Batch N: 9 good rows (big payloads, so its confirms are still due at the next
-    step) then 1 row for a full reject-publish queue (nacked).  Batch N+1: 10 good
-    rows published early beside N.  Promised (guarantee.md: "a nack ... on a live
-    connection: the messages of that batch already accepted; a batch published beside
-    it is finished by its own confirms"): only N's rows may be duplicated."""
+    """Batch N: 9 good rows (big payloads; its confirms taken as still due at the
+    next step, ``confirms_due``) then 1 row for a full reject-publish queue
+    (nacked).  Batch N+1: 10 good rows published early beside N.  Promised
+    (guarantee.md: "a nack on a live connection: the messages of that batch already
+    accepted; a batch published beside it is finished by its own confirms"): only
+    N's rows may be duplicated."""
     settings = early_settings(settings, backoff_initial=1.0, backoff_max=1.0)
     suffix = uuid.uuid4().hex[:8]
     full_ex, full_q, roomy_q = f"adv.full.{suffix}", f"adv.fullq.{suffix}", f"adv.roomy.{suffix}"
@@ -201,6 +210,7 @@ def test_confirm_timeout_of_n_with_the_early_batch_out_stays_within_two_batches(
     topology: Topology,
     stall_proxy: StallProxy,
     monkeypatch: pytest.MonkeyPatch,
+    confirms_due: None,
 ) -> None:
     """The broker stalls every reply for 2 s (publish timeout 1 s) right after each of
     the first three early sends: each stall is one outage; the bound is 2 batches each."""
@@ -234,7 +244,11 @@ def test_confirm_timeout_of_n_with_the_early_batch_out_stays_within_two_batches(
 
 
 def test_broker_connection_cut_with_two_batches_out(
-    settings: Settings, topology: Topology, amqp_proxy: TcpProxy, monkeypatch: pytest.MonkeyPatch
+    settings: Settings,
+    topology: Topology,
+    amqp_proxy: TcpProxy,
+    monkeypatch: pytest.MonkeyPatch,
+    confirms_due: None,
 ) -> None:
     """The broker connection is cut right after N+1 went out beside N (three times)."""
     settings = early_settings(settings, amqp_url=proxied_amqp_url(settings.amqp_url, amqp_proxy))
@@ -314,14 +328,17 @@ def arrivals(topology: Topology, queue: str | None = None) -> list[str]:
 
 
 def test_mixed_backlog_three_relays_exchange_deleted_with_batches_out(
-    settings: Settings, topology: Topology, spy: Spy
+    settings: Settings, topology: Topology, spy: Spy, confirms_due: None
 ) -> None:
     """600 rows, batches of 10, three relays: plain rows, 8 ordering keys, a key whose
     3rd row is unroutable (the rest of it must follow into the dead letters), rows to a
     missing exchange, oversize rows, and rows to a second exchange that is deleted
     while the relays run (404 closes the channel with two batches out).  Every row ends
-    delivered or a dead letter, never both; keys in id order; nothing after a key's
-    dead letter; duplicates only from the deletion (≤ 2 batches per relay)."""
+    delivered or a dead letter; keys in id order; nothing after a key's dead letter;
+    duplicates only from the deletion (≤ 2 batches per relay).  A row of the deleted
+    exchange may be both: its message accepted in a batch that the 404 then rolled
+    back (a duplicate of that window), the row itself a dead letter at the retry, its
+    exchange gone (docs/how-to/dead-letters.md); no other row may."""
     settings = early_settings(settings, max_message_bytes=50_000)
     suffix = uuid.uuid4().hex[:8]
     doomed_ex, doomed_q = f"adv.doomed.{suffix}", f"adv.doomedq.{suffix}"
@@ -391,7 +408,7 @@ def test_mixed_backlog_three_relays_exchange_deleted_with_batches_out(
     counts = collections.Counter(main) + collections.Counter(doomed)
     assert not set(counts) - set(ids), "messages nobody committed"
     both = set(counts) & set(letters)
-    assert not both, f"{len(both)} rows delivered and dead-lettered"
+    assert {kind_of[m] for m in both} <= {"doomed"}, "a row delivered and dead-lettered"
     neither = set(ids) - set(counts) - set(letters)
     assert not neither, f"{len(neither)} rows neither delivered nor dead letters"
     for m in ids:
@@ -404,14 +421,21 @@ def test_mixed_backlog_three_relays_exchange_deleted_with_batches_out(
     for key in {k for k in kinds if k.startswith("key-") or k == "dead-key"}:
         seq = [order[m] for m in main if kind_of[m] == key]
         assert seq == sorted(seq), f"{key} out of id order: {seq}"
-    duplicates = sum(n - 1 for n in counts.values())
+    # A delivered copy of a row that ended a dead letter is that window's duplicate too.
+    duplicates = sum(n - 1 for n in counts.values()) + len(both)
     assert duplicates <= len(relays) * 2 * BATCH, f"{duplicates} duplicates"
-    assert max(counts.values()) <= 2
-    print(f"mixed: {spy.early} early sends, {rolled_back} rollbacks, {duplicates} duplicates")
+    # No bound per message here: a refusal that closes the channel (the 404) makes
+    # suspects of the batch's unconfirmed rows, and a good one accepted alone before
+    # a later refusal goes out again (guarantee.md: "then those accepted before each
+    # refusal of the culprit alone").
+    print(
+        f"mixed: {spy.early} early sends, {rolled_back} rollbacks, {duplicates} duplicates "
+        f"({len(both)} delivered copies of rows that ended dead letters)"
+    )
 
 
 def test_dead_letter_write_failing_while_two_batches_out(
-    settings: Settings, topology: Topology, spy: Spy
+    settings: Settings, topology: Topology, spy: Spy, confirms_due: None
 ) -> None:
     """Every batch holds an unroutable row; the dead-letter write fails for 6 s from
     the moment the first early batch went out.  The retries must cost the batches in
@@ -480,6 +504,7 @@ def test_resource_alarm_right_after_an_early_send(
     alarm_seconds: float,
     publish_timeout: float,
     bound: int,
+    confirms_due: None,
 ) -> None:
     """The node raises a memory alarm right after N+1 went out beside N.  Promised:
     0 duplicates if it clears within --publish-timeout, else ≤ 2 batches."""

@@ -146,7 +146,13 @@ def test_resource_alarm__relay_waits_while_blocked_then_delivers(
     # It backed off while blocked instead of spinning, and claimed nothing new.
     assert retries_while_blocked < 50
     # The batch published into the blocked connection timed out; pipelined, the
-    # next one may have been prepared before the alarm was noticed (never published).
+    # next one may have been prepared before the alarm was noticed, or published
+    # beside it while its confirms were due (``batches.py``, "the schedule").
     assert 1 <= running_relay.stats.batches_rolled_back <= in_flight(node_settings)
-    # Only the one batch published into the blocked connection may arrive twice.
-    check_delivery(node_settings.dsn, node_topology, committed, max_duplicates=BATCH)
+    # Only the batches published into the blocked connection may arrive twice.
+    check_delivery(
+        node_settings.dsn,
+        node_topology,
+        committed,
+        max_duplicates=in_flight(node_settings) * BATCH,
+    )
