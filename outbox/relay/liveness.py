@@ -13,6 +13,13 @@ What can still make the heartbeat stale is what should: the control session
 cannot reach PostgreSQL (a partition, a server that hangs), or the server cannot
 run the heartbeat within ``statement_timeout``.  The batch loop reads ``age`` and
 stops committing before a resolver may presume it dead (``Relay._may_commit``).
+
+After the relay's work session was lost, the control session may be lost with it
+(a server restart or a failover ends every session), and the heartbeat thread
+would only find out at its next beat, up to ``interval`` later: batches published
+meanwhile under the dead relay id are rolled back, a second round of duplicates
+for one outage.  So the relay asks for a beat at once (``probe``), on this thread,
+before it claims again.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Liveness:
         self.last_ok = time.monotonic()  # when the last heartbeat committed
         self._lost = threading.Event()
         self._stopping = threading.Event()
+        self._beat_now = threading.Event()  # ``probe``: beat before ``interval`` is up
+        self._beaten = threading.Event()  # a beat was tried since ``probe`` asked
         self._thread = threading.Thread(
             target=self._run, name=f"outbox-heartbeat-{self.relay_id[:8]}", daemon=True
         )
@@ -90,24 +99,43 @@ class Liveness:
         """Seconds since the last heartbeat committed."""
         return time.monotonic() - self.last_ok
 
+    def probe(self, timeout: float) -> None:
+        """Beat now and wait for it, up to ``timeout``: a control session found gone
+        turns ``lost`` before the relay claims again (the module docstring).  A
+        beat that does not answer in time changes nothing here: the heartbeat's
+        age tells the batch loop, as it does without a probe."""
+        if self.lost or not self._thread.is_alive():
+            return
+        self._beaten.clear()
+        self._beat_now.set()
+        self._beaten.wait(timeout)
+
     def _run(self) -> None:
-        while not self._stopping.wait(self.interval):
+        while True:
+            self._beat_now.wait(self.interval)
+            self._beat_now.clear()
+            if self._stopping.is_set():
+                return
             try:
                 self.control.heartbeat()
             except DatabaseUnavailable as exc:
                 if self.control.broken:
                     self._lost.set()
+                    self._beaten.set()
                     emit(log, "relay.control_session_lost", logging.WARNING, error=exc.message)
                     return
                 # A live session whose heartbeat failed (statement timeout, a lock
                 # held on our registry row): the age grows, which is the truth.
                 emit(log, "relay.heartbeat_failed", logging.WARNING, error=exc.message)
+                self._beaten.set()
                 continue
             self.last_ok = time.monotonic()
+            self._beaten.set()
 
     def stop(self, *, unregister: bool) -> None:
         """Stop beating; with ``unregister``, remove the registry row (clean exit)."""
         self._stopping.set()
+        self._beat_now.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5)
         if unregister and not self.control.broken:

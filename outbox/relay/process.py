@@ -159,6 +159,11 @@ class Relay:
                 self.store.close()
             self.store = self.batches.store = None
             self.store = self.batches.store = self._open_store()
+            if self.liveness is not None:
+                # The outage that took the work session may have taken the control
+                # session too: learn it now, not at the next heartbeat, before
+                # anything is published under a relay id that is already dead.
+                self.liveness.probe(s.connect_timeout)
         if self._predecessors:
             self._end_predecessors(self.store)
         if self.wakeups is None or self.wakeups.broken:

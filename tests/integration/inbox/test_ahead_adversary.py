@@ -215,14 +215,23 @@ def test_ahead__a_copy_of_an_applied_id_is_rolled_back_and_the_batch_runs_again(
         expected.append(D)
     with closing(p):
         assert run(p, batch) == expected
-        # Nothing read: every call ran ahead (the copy's once) and was rolled back.
-        # A read: the ids' INSERT failed on the copy (a unique violation), the first
-        # handler's read meets that error and the run ahead stops there.
-        ahead = [str(batch[0].message_id)] if body == "read" else [old, *fresh]
-        # Then ids first: the fresh ones once more; nobody a third time.
-        assert calls.n == {
-            i: ahead.count(i) + (i in fresh) for i in [old, *fresh] if i in ahead or i in fresh
-        }
+        if body == "read":
+            # The ids' INSERT failed on the copy (a unique violation), the first
+            # handler's read meets that error and the run ahead stops there; then
+            # ids first: the fresh ones once more; nobody a third time.
+            ahead = [str(batch[0].message_id)]
+            assert calls.n == {
+                i: ahead.count(i) + (i in fresh) for i in [old, *fresh] if i in ahead or i in fresh
+            }
+        else:
+            # Nothing read: every call runs ahead (the copy's once) and is rolled
+            # back, unless the INSERT's error came back before a handler's statement
+            # was sent (a slow client: psycopg takes the results that have arrived at
+            # each statement), where the run ahead stops.  Then ids first: each fresh
+            # one once more, the copy never; nobody a third time.
+            assert calls.n.get(old, 0) <= 1
+            assert all(calls.n[f] in (1, 2) for f in fresh)
+            assert set(calls.n) <= {old, *fresh}
         assert p.ahead_paused == AHEAD_PAUSE
         assert p.pipelining
         assert p.stats.handler_failures == 0
