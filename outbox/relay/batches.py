@@ -459,7 +459,8 @@ class Batches:
         )
 
     def finish_in_flight(self) -> None:
-        """Stopping: finish the batch published last, claim no more, settle the rest.
+        """Stopping: finish the batches published (their confirms and evidence), claim
+        no more, settle the rest.
 
         Without a database session (it was lost and could not be opened again) none
         can be finished or looked up: they are left in doubt to the resolvers, whose

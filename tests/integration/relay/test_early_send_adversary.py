@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import signal
 import threading
 import time
 import uuid
@@ -22,16 +21,16 @@ from outbox.config import Settings
 from outbox.relay import batches as batches_module
 from outbox.relay.process import Relay
 from tests.fixtures.faults import (
-    RelayProcess,
     TcpProxy,
     arrived,
     check_delivery,
+    crash_relay,
     drain,
     insert_rows,
     prepared_left,
     proxied_amqp_url,
-    relay_sessions,
     rows_left,
+    wait_for,
 )
 from tests.fixtures.servers import Topology, run_cli, settings_env
 
@@ -96,25 +95,6 @@ def running(settings: Settings) -> Iterator[Relay]:
         assert not thread.is_alive(), "relay did not stop"
 
 
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-def take(ch: Any, queue: str) -> collections.Counter[str]:
-    got: collections.Counter[str] = collections.Counter()
-    for method, props, _body in ch.consume(queue, inactivity_timeout=0.5):
-        if method is None:
-            break
-        got[str(props.message_id)] += 1
-        ch.basic_ack(method.delivery_tag)
-    ch.cancel()
-    return got
-
-
 def early_settings(settings: Settings, **changes: Any) -> Settings:
     return dataclasses.replace(settings, pipeline=True, batch_size=BATCH, **changes)
 
@@ -147,14 +127,14 @@ def test_nack_of_n_keeps_the_early_batch_finished_by_its_own_confirms(
 
     try:
         with running(settings) as relay:
-            wait_until(lambda: relay.stats.batches_rolled_back >= 1, 30, "the nack")
+            wait_for(lambda: relay.stats.batches_rolled_back >= 1, 30, "the nack")
             # The cause goes away at once (the retry backs off 1 s first).
             ch.queue_declare(roomy_q)
             ch.queue_bind(roomy_q, full_ex)
             ch.queue_delete(full_q)
-            wait_until(lambda: rows_left(settings.dsn) == 0, 30, "the drain")
+            wait_for(lambda: rows_left(settings.dsn) == 0, 30, "the drain")
             rolled_back = relay.stats.batches_rolled_back
-        roomy = take(ch, roomy_q)
+        roomy = collections.Counter(arrivals(topology, roomy_q))
     finally:
         ch.queue_delete(roomy_q)
         ch.exchange_delete(full_ex)
@@ -233,7 +213,7 @@ def test_confirm_timeout_of_n_with_the_early_batch_out_stays_within_two_batches(
     monkeypatch.setattr(batches_module.Batches, "_send", send)
     ids = insert_rows(settings.dsn, topology.exchange, 300)
     with running(settings) as relay:
-        wait_until(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
+        wait_for(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
         stats = relay.stats
     assert done[0] == stalls, f"only {done[0]} stalls happened"
     report = check_delivery(settings.dsn, topology, ids, max_duplicates=stalls * 2 * BATCH)
@@ -269,7 +249,7 @@ def test_broker_connection_cut_with_two_batches_out(
     monkeypatch.setattr(batches_module.Batches, "_send", send)
     ids = insert_rows(settings.dsn, topology.exchange, 400)
     with running(settings):
-        wait_until(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
+        wait_for(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
     assert cuts[0] >= 1, "no cut with two batches out: the test proves nothing"
     report = check_delivery(settings.dsn, topology, ids, max_duplicates=cuts[0] * 2 * BATCH)
     assert max(report.counts.values()) <= 2
@@ -286,12 +266,7 @@ def test_kill_9_with_two_batches_out(settings: Settings, topology: Topology, poi
     crashes = 2
     before: collections.Counter[str] = collections.Counter()
     for _ in range(crashes):
-        relay = RelayProcess(settings, crash_at=point)
-        try:
-            assert relay.wait() == -signal.SIGKILL, relay.output()
-        finally:
-            relay.close()
-        wait_until(lambda: relay_sessions(settings.dsn) == 0, 10, "the dead relay's sessions")
+        crash_relay(settings, point)
         result = run_cli("resolve", env=settings_env(settings))
         assert result.returncode == 0, result.stderr
         assert prepared_left(settings.dsn) == []
@@ -314,17 +289,10 @@ def dead_letter_rows(dsn: str) -> dict[str, str]:
 
 
 def arrivals(topology: Topology, queue: str | None = None) -> list[str]:
-    """Message ids in the order the queue holds them."""
-    ch = topology.channel()
-    got = []
-    for method, props, _body in ch.consume(queue or topology.queue, inactivity_timeout=0.7):
-        if method is None:
-            break
-        got.append(str(props.message_id))
-        ch.basic_ack(method.delivery_tag)
-    ch.cancel()
-    ch.connection.close()
-    return got
+    """Message ids in the order the queue (``topology``'s by default) holds them."""
+    if queue is not None:
+        topology = dataclasses.replace(topology, queue=queue)
+    return [str(props.message_id) for _, props, _ in topology.messages(idle=0.7)]
 
 
 def test_mixed_backlog_three_relays_exchange_deleted_with_batches_out(
@@ -385,10 +353,10 @@ def test_mixed_backlog_three_relays_exchange_deleted_with_batches_out(
             thread = threading.Thread(target=relay.run, daemon=True)
             thread.start()
             threads.append(thread)
-        wait_until(lambda: spy.early >= 3, 20, "early sends")
+        wait_for(lambda: spy.early >= 3, 20, "early sends")
         ch.exchange_delete(doomed_ex)
         deleted = True
-        wait_until(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
+        wait_for(lambda: rows_left(settings.dsn) == 0, 50, "the drain")
     finally:
         for relay in relays:
             relay.stop.set()
@@ -472,10 +440,10 @@ def test_dead_letter_write_failing_while_two_batches_out(
     monkeypatch.setattr(batches_module.Batches, "_send", send)
     try:
         with running(settings) as relay:
-            wait_until(started.is_set, 20, "an early send")
+            wait_for(started.is_set, 20, "an early send")
             time.sleep(6)
             switch.execute("DELETE FROM test_faults")
-            wait_until(lambda: rows_left(settings.dsn) == 0, 40, "the drain")
+            wait_for(lambda: rows_left(settings.dsn) == 0, 40, "the drain")
             stats = relay.stats
     finally:
         monkeypatch.undo()
@@ -530,10 +498,10 @@ def test_resource_alarm_right_after_an_early_send(
     ids = insert_many(settings.dsn, [(node_topology.exchange, "k", big, None)] * 120)
     try:
         with running(settings):
-            wait_until(raised.is_set, 30, "an early send")
+            wait_for(raised.is_set, 30, "an early send")
             time.sleep(alarm_seconds)
             rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")
-            wait_until(lambda: rows_left(settings.dsn) == 0, 45, "the drain")
+            wait_for(lambda: rows_left(settings.dsn) == 0, 45, "the drain")
     finally:
         monkeypatch.undo()
         rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")

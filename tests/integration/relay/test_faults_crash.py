@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 from typing import Any
 
 import pytest
@@ -28,16 +27,14 @@ from outbox.amqp import ledger
 from outbox.config import Settings
 from outbox.gid import parse
 from tests.fixtures.faults import (
-    RelayProcess,
     arrived,
     both_modes,
     check_delivery,
+    crash_relay,
     drain,
     ids_left,
     insert_rows,
     prepared_left,
-    relay_sessions,
-    wait_for,
 )
 from tests.fixtures.servers import Topology, run_cli, settings_env
 
@@ -113,16 +110,6 @@ def by_seq(gids: list[Any]) -> list[Any]:
 @pytest.fixture
 def crash_settings(settings: Settings) -> Settings:
     return dataclasses.replace(settings, batch_size=BATCH)
-
-
-def crash_relay(settings: Settings, point: str) -> None:
-    relay = RelayProcess(settings, crash_at=point)
-    try:
-        assert relay.wait() == -signal.SIGKILL, relay.output()
-    finally:
-        relay.close()
-    # The killed relay's sessions (and its advisory lock) go away within moments.
-    wait_for(lambda: relay_sessions(settings.dsn) == 0, 10, "the dead relay's sessions to end")
 
 
 def by_seq_batches(batches: list[dict[str, object]]) -> list[dict[str, object]]:
