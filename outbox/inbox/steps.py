@@ -246,6 +246,12 @@ class StorePort(Protocol):
 
     def commit(self) -> None: ...
 
+    # ``unless()`` once the handlers' statements are resolved: COMMIT if it gives
+    # None, else give its reason (nothing committed, the transaction still open).
+    # A store may end the pipeline block there, in the COMMIT's round trip: an error
+    # the block's end raises is then given as the reason.
+    def commit_unless(self, unless: Callable[[], str | None]) -> str | None: ...
+
     def rollback(self) -> None: ...
 
     def session(self) -> SessionState: ...
@@ -623,30 +629,45 @@ class Processor:
             return broken(failed or exc.message)
         if failed is not None:
             return broken(failed)
-        if sealed is not None:
+
+        def unsealed() -> str | None:
+            """Why the transaction must not commit, once the handlers' statements
+            are resolved (after the block; in the COMMIT's round trip for a store
+            that ends the block there), or None."""
+            assert sealed is not None
             left = handler_left(before, store.session()) if pipelined else None
             if left:
-                return broken(left)
+                return left
+            begun = started
             try:
                 if recorded is not None:
-                    started, recorded_new = recorded()
+                    begun, recorded_new = recorded()
                     if recorded_new != set(keys):
-                        return broken("a message of the batch was applied before")
-                same = sealed() == started
+                        return "a message of the batch was applied before"
+                same = sealed() == begun
             except DatabaseUnavailable as exc:
-                return broken(exc.message)
+                return exc.message
             if not same:
-                return broken(
+                return (
                     "the handler ended the transaction itself (commit or rollback) and went "
                     "on in a new one"
                 )
+            return None
+
         try:
-            store.commit()  # DatabaseUnavailable: outcome unknown, the inbox decides
+            # DatabaseUnavailable: outcome unknown, the inbox decides.
+            refusal = None
+            if sealed is not None:
+                refusal = store.commit_unless(unsealed)
+            else:  # no handler ran: every message was applied before
+                store.commit()
         except StatementRefused as exc:
             # A deferred constraint or a serialization failure refused the COMMIT:
             # the effect of a message in the transaction failed.
             store.restore(before)
             return Broken(in_hand if len(messages) == 1 else None, exc.message)
+        if refusal is not None:
+            return broken(refusal)
         for message, (outcome, _) in zip(messages, outcomes, strict=True):
             if outcome is Disposition.HANDLED:
                 self.stats.handled += 1

@@ -439,6 +439,14 @@ class InboxStore:
         with self._translated("committing"):
             self.conn.execute("COMMIT")
 
+    def commit_unless(self, unless: Callable[[], str | None]) -> str | None:
+        """``commit`` if ``unless()`` gives None (the handlers' statements are
+        resolved: the pipeline block has ended); else its reason, uncommitted."""
+        reason = unless()
+        if reason is None:
+            self.commit()
+        return reason
+
     def rollback(self) -> None:
         with self._translated("rolling back"):
             if self.conn.info.transaction_status != TransactionStatus.IDLE:

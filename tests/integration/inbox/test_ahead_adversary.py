@@ -99,9 +99,9 @@ class Calls:
 
 def act(calls: Calls, dsn: str) -> Callable[[psycopg.Connection[Any], InboxMessage], None]:
     """A plain handler doing what the body says: ok, read (fetchone + rowcount),
-    raise, commit, commit_method, rollback, close, terminate (its own backend),
-    kill_outside (its session ended by another session), swallow, sleep:<s>,
-    raise_once."""
+    raise, divide (a statement's error), commit, commit_method, rollback, close,
+    terminate (its own backend), kill_outside (its session ended by another
+    session), swallow, sleep:<s>, raise_once."""
 
     def handler(conn: psycopg.Connection[Any], message: InboxMessage) -> None:
         n = calls.add(message)
@@ -129,6 +129,8 @@ def act(calls: Calls, dsn: str) -> Callable[[psycopg.Connection[Any], InboxMessa
             conn.close()
         elif what == "terminate":
             conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        elif what == "divide":  # pipelined, its error arrives with the sync
+            conn.execute("SELECT 1/0")
         elif what == "kill_outside" and n == 1:
             pid = conn.pgconn.backend_pid
             terminate_from_outside(dsn, pid)
@@ -468,6 +470,10 @@ def act_async(calls: Calls, dsn: str) -> Callable[..., Any]:
             await conn.close()
         elif what == "terminate":
             await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        elif what == "divide":  # its error arrives with the pipeline's sync
+            await conn.execute("SELECT 1/0")
+        elif what == "orphan":  # refused only by the COMMIT
+            await conn.execute("INSERT INTO children VALUES (42)")
         elif what == "kill_outside" and n == 1:
             await asyncio.to_thread(terminate_from_outside, dsn, conn.pgconn.backend_pid)
         elif what.startswith("sleep:"):
@@ -476,8 +482,10 @@ def act_async(calls: Calls, dsn: str) -> Callable[..., Any]:
     return handler
 
 
-def async_processor(dsn: str, topology: Topology, handler: Any, loop: Loop) -> Processor:
-    settings = consumer_settings(topology, dsn, max_attempts=3)
+def async_processor(
+    dsn: str, topology: Topology, handler: Any, loop: Loop, *, max_attempts: int = 3
+) -> Processor:
+    settings = consumer_settings(topology, dsn, max_attempts=max_attempts)
     bridge, ahead = aio.Bridge(loop.loop), aio.Ahead()
     store = aio.AsyncInboxStore(settings, bridge, ahead)
     store.ensure_schema()
@@ -528,19 +536,65 @@ def test_ahead_async__a_batch_of_reading_handlers_is_recorded_ahead_once(
     assert effect_counts(consumer_dsn) == {i: 1 for i in ids}
 
 
-@pytest.mark.parametrize("bad", ["raise", "commit", "rollback", "close", "terminate"])
+@pytest.mark.parametrize(
+    "bad", ["raise", "commit", "rollback", "close", "terminate", "divide", "orphan"]
+)
 def test_ahead_async__a_failing_handler_counts_only_its_attempt(
     topology: Topology, consumer_dsn: str, app_loop: Loop, bad: str
 ) -> None:
-    ids = new_ids(3)
+    """The pipeline block of a batch of async handlers ends in the COMMIT's hop, so
+    a statement's error that arrives with the sync (divide) or a COMMIT refused by a
+    deferred constraint (orphan) fails the batch there, as a failure seen in the
+    handler's own time does: applied again one by one, only the bad message fails,
+    and the next batch goes through."""
+    with psycopg.connect(consumer_dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS parents (id int PRIMARY KEY);"
+            "CREATE TABLE IF NOT EXISTS children "
+            "(parent int REFERENCES parents DEFERRABLE INITIALLY DEFERRED)"
+        )
+    ids, more = new_ids(3), new_ids(3)
     calls = Calls()
     p = async_processor(consumer_dsn, topology, act_async(calls, consumer_dsn), app_loop)
     with closing(p):
         got = run(p, [msg(ids[0]), msg(ids[1], bad.encode()), msg(ids[2])])
         assert got == [H, R, H]
         assert p.pipelining and p.stats.handler_failures == 1
-    assert effect_counts(consumer_dsn) == {ids[0]: 1, ids[2]: 1}
+        assert run(p, [msg(i) for i in more]) == [H, H, H]
+    assert effect_counts(consumer_dsn) == {i: 1 for i in [ids[0], ids[2], *more]}
     assert attempts(consumer_dsn) == {ids[1]: 1}
+    # In the batch with its ids ahead, again with them first, then alone; a refused
+    # COMMIT is no handler's own failure: the batch is not run again ids first.
+    assert calls.n[ids[1]] == (2 if bad == "orphan" else 3)
+
+
+def test_ahead_async__a_batch_of_first_deliveries_costs_two_hops(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """The handlers run ahead in one hop; the pipeline's end, the checks and the
+    COMMIT in a second, whatever the batch's size (three before 0.6.0's change)."""
+    p = async_processor(consumer_dsn, topology, act_async(Calls(), consumer_dsn), app_loop)
+    store = p.store
+    assert isinstance(store, aio.AsyncInboxStore)
+    bridge = store._bridge
+    hops = 0
+    real = bridge.run
+
+    def counted(coro: Any) -> Any:
+        nonlocal hops
+        hops += 1
+        return real(coro)
+
+    with closing(p):
+        run(p, [msg(i) for i in new_ids(3)])  # warm: the first batch may record ids first
+        for size in (2, 50):
+            hops = 0
+            bridge.run = counted  # type: ignore[method-assign]
+            try:
+                assert run(p, [msg(i) for i in new_ids(size)]) == [H] * size
+            finally:
+                bridge.run = real  # type: ignore[method-assign]
+            assert hops == 2, (size, hops)
 
 
 def test_ahead_async__the_session_killed_from_outside_mid_batch_costs_nobody_an_attempt(
@@ -579,21 +633,33 @@ def test_ahead_async__the_session_killed_while_idle_before_a_batch(
 
 
 # -- a property: copies, failures and kills mixed ---------------------------------------------
-BEHAVIOURS = ["ok", "ok", "read", "raise", "rollback", "close", "terminate", "kill_outside"]
+BEHAVIOURS = [
+    "ok",
+    "ok",
+    "read",
+    "raise",
+    "divide",
+    "rollback",
+    "close",
+    "terminate",
+    "kill_outside",
+]
 
 
-@hypothesis_settings(
+PROPERTY = hypothesis_settings(
     max_examples=int(os.environ.get("OUTBOX_AHEAD_EXAMPLES", "12")),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(
-    batches=st.lists(
-        st.lists(st.tuples(st.integers(0, 7), st.sampled_from(BEHAVIOURS)), min_size=2, max_size=6),
-        min_size=1,
-        max_size=4,
-    )
+BATCHES = st.lists(
+    st.lists(st.tuples(st.integers(0, 7), st.sampled_from(BEHAVIOURS)), min_size=2, max_size=6),
+    min_size=1,
+    max_size=4,
 )
+
+
+@PROPERTY
+@given(batches=BATCHES)
 def test_ahead__property_copies_failures_and_kills(
     topology: Topology, consumer_dsn: str, batches: list[list[tuple[int, str]]]
 ) -> None:
@@ -602,11 +668,29 @@ def test_ahead__property_copies_failures_and_kills(
     are duplicates; a bad one has no effect and one attempt per delivery of it
     (copies included); pipelining stays on."""
     p = processor(consumer_dsn, topology, act(Calls(), consumer_dsn), max_attempts=100)
+    copies_failures_and_kills(p, consumer_dsn, batches)
+
+
+@PROPERTY
+@given(batches=BATCHES)
+def test_ahead_async__property_copies_failures_and_kills(
+    topology: Topology, consumer_dsn: str, app_loop: Loop, batches: list[list[tuple[int, str]]]
+) -> None:
+    """The same with ``async def`` handlers, whose batches run ahead on the loop and
+    end their pipeline in the COMMIT's round trip."""
+    handler = act_async(Calls(), consumer_dsn)
+    p = async_processor(consumer_dsn, topology, handler, app_loop, max_attempts=100)
+    copies_failures_and_kills(p, consumer_dsn, batches)
+
+
+def copies_failures_and_kills(
+    p: Processor, consumer_dsn: str, batches: list[list[tuple[int, str]]]
+) -> None:
     with psycopg.connect(consumer_dsn, autocommit=True) as conn:
         conn.execute(f"TRUNCATE effects, {INBOX}, {INBOX}_attempts, {INBOX}_parked")
     pool = new_ids(8)
     behaviour: dict[str, str] = {}
-    failing = {"raise", "rollback", "close", "terminate"}
+    failing = {"raise", "divide", "rollback", "close", "terminate"}
     expected_attempts: dict[str, int] = {}
     applied: set[str] = set()
     with closing(p):

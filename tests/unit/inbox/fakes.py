@@ -207,6 +207,12 @@ class FakeStore:
         self._maybe_fail("commit")
         self._commit()
 
+    def commit_unless(self, unless: Callable[[], str | None]) -> str | None:
+        reason = unless()
+        if reason is None:
+            self.commit()
+        return reason
+
     def rollback(self) -> None:
         self.journal.append("rollback")
         self._maybe_fail("rollback")
