@@ -60,7 +60,7 @@ from psycopg.pq import ExecStatus
 from psycopg.rows import Row, tuple_row
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
-from outbox.db.session import cannot_connect, connect_options
+from outbox.db.session import bound_statements, cannot_connect, connect_options, first_line
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.inbox.handlers import Handler, HandlerNotFound
 from outbox.inbox.message import InboxMessage
@@ -82,6 +82,11 @@ def is_async(handler: object) -> bool:
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)  # noqa: B004 - the method, not callable()
     )
+
+
+class LoopNotRunning(DatabaseUnavailable):
+    """The application's loop does not run (stopped, closed, or this is its own
+    thread): nothing was sent, an outage for the consumer, no message's failure."""
 
 
 class Bridge:
@@ -111,7 +116,11 @@ class Bridge:
         if not self.loop.is_running() or _running_loop() is self.loop:
             coro.close()
             self.drop_deferred()
-            raise DatabaseUnavailable("the application's event loop is not running")
+            raise LoopNotRunning(
+                "the application's event loop is not running",
+                "the consumer goes on once it runs again; stop the consumer first "
+                "(cancel the task awaiting consume_async) when stopping the loop",
+            )
         deferred, self._deferred = self._deferred, []
         if deferred:
             coro = _after(deferred, coro)
@@ -216,6 +225,12 @@ class LoopCursor:
         if self._rows is not None:
             return self._rows.pop(0) if self._rows else None
         return self._bridge.run(self._sent().fetchone())
+
+    def fetchall(self) -> list[Any]:
+        if self._rows is not None:
+            rows, self._rows = self._rows, []
+            return rows
+        return self._bridge.run(self._sent().fetchall())
 
     @property
     def rowcount(self) -> int:
@@ -354,8 +369,20 @@ class LoopConnection:
         for cursor, face in sent:
             face.settle(cursor, await _rows(cursor))
 
+    def cursor(self, **options: Any) -> LoopCursorMaker:
+        """A cursor with ``options`` (``row_factory``, …) whose ``execute`` is
+        awaited on the loop, as code written for a ``Connection`` uses it
+        (``db.session.holders`` names what held a lock that timed out)."""
+        return LoopCursorMaker(self, options)
+
     def close(self) -> None:
-        self._bridge.run(self.aconn.close())
+        """Closed on the loop; if the loop does not run, the session is ended from
+        here (the socket closed), so that its transaction, holding inbox rows,
+        does not outlive the consumer's giving it up."""
+        try:
+            self._bridge.run(self.aconn.close())
+        except LoopNotRunning:
+            self.aconn.pgconn.finish()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.aconn, name)
@@ -366,6 +393,24 @@ class LoopConnection:
             setattr(self.aconn, name, value)
         else:
             self._bridge.run(getattr(self.aconn, setter)(value))
+
+
+class LoopCursorMaker:
+    """``LoopConnection.cursor``: ``execute`` runs in one hop and brings the rows."""
+
+    def __init__(self, conn: LoopConnection, options: dict[str, Any]) -> None:
+        self._conn, self._options = conn, options
+
+    def execute(self, query: Any, params: Any = None) -> LoopCursor:
+        aconn = self._conn.aconn
+
+        async def executed() -> tuple[psycopg.AsyncCursor[Any], list[Any]]:
+            cursor = aconn.cursor(**self._options)
+            await cursor.execute(query, params)
+            return cursor, await _rows(cursor)
+
+        cursor, rows = self._conn._bridge.run(executed())
+        return LoopCursor(self._conn._bridge, cursor, rows)
 
 
 class AsyncInboxStore(InboxStore):
@@ -397,10 +442,18 @@ class AsyncInboxStore(InboxStore):
             aconn.cursor_factory = AsyncPipelinedCursor
             return aconn
 
+        conn = LoopConnection(self._bridge.run(opened()), self._bridge)
+        try:  # the lock_timeout (and statement_timeout) of the plain consumer's sessions
+            bound_statements(
+                cast("psycopg.Connection[Any]", conn), self.statement_timeout, self.lock_timeout
+            )
+        except psycopg.Error as exc:
+            conn.close()
+            raise DatabaseUnavailable(
+                f"cannot configure the consumer's PostgreSQL session: {first_line(exc)}"
+            ) from exc
         # InboxStore uses only what LoopConnection offers of a Connection.
-        return cast(
-            "psycopg.Connection[Any]", LoopConnection(self._bridge.run(opened()), self._bridge)
-        )
+        return cast("psycopg.Connection[Any]", conn)
 
     @property
     def connection(self) -> psycopg.AsyncConnection[Any]:  # type: ignore[override]
@@ -436,6 +489,8 @@ class AsyncInboxStore(InboxStore):
         try:
             with self._translated("running the handlers' statements"):
                 reason, refused = self._bridge.run(self._commit_unless(unless))
+        except LoopNotRunning:
+            raise  # nothing was sent: an outage, no message's failure
         except (DatabaseUnavailable, StatementRefused) as exc:
             return exc.message  # nothing was committed
         if refused is not None:

@@ -17,7 +17,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -684,29 +684,40 @@ def test_ahead_async__property_copies_failures_and_kills(
 
 
 def copies_failures_and_kills(
-    p: Processor, consumer_dsn: str, batches: list[list[tuple[int, str]]]
+    p: Processor,
+    consumer_dsn: str,
+    batches: list[list[tuple[int, str]]],
+    *,
+    failing: Collection[str] = ("raise", "divide", "rollback", "close", "terminate"),
+    killed_alone: str = "kill_outside",
+    before_batch: Callable[[int], None] | None = None,
 ) -> None:
+    """The property's checks over ``batches`` of (pool index, behaviour): a
+    behaviour in ``failing`` fails each delivery (one attempt each), the
+    ``killed_alone`` one may fail once where it runs alone (its session ended in
+    its own time), any other applies once; ``before_batch(n)`` runs before batch n."""
     with psycopg.connect(consumer_dsn, autocommit=True) as conn:
         conn.execute(f"TRUNCATE effects, {INBOX}, {INBOX}_attempts, {INBOX}_parked")
     pool = new_ids(8)
     behaviour: dict[str, str] = {}
-    failing = {"raise", "divide", "rollback", "close", "terminate"}
     expected_attempts: dict[str, int] = {}
     applied: set[str] = set()
     with closing(p):
-        for batch in batches:
+        for n, batch in enumerate(batches):
             messages = []
             for k, what in batch:
                 i = pool[k]
                 behaviour.setdefault(i, what)
                 messages.append(msg(i, behaviour[i].encode()))
+            if before_batch is not None:
+                before_batch(n)
             got = run(p, messages)
             seen: set[str] = set()
             for m, o in zip(messages, got, strict=True):
                 i = str(m.message_id)
                 if i in applied or i in seen:
                     assert o is D, (i, behaviour[i], got)
-                elif behaviour[i] == "kill_outside" and o is R:
+                elif behaviour[i] == killed_alone and o is R:
                     # its session ended while it ran alone (one by one, after the
                     # batch failed elsewhere): that is its failure, by the contract
                     expected_attempts[i] = expected_attempts.get(i, 0) + 1
@@ -719,6 +730,7 @@ def copies_failures_and_kills(
                     applied.add(i)
                     seen.add(i)
         assert p.pipelining
+        assert p.store.connection._pipeline is None  # no pipeline left open
     assert effect_counts(consumer_dsn) == {i: 1 for i in applied}
     assert attempts(consumer_dsn) == expected_attempts
 

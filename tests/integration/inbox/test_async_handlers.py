@@ -128,6 +128,33 @@ def test_async__effects_and_inbox_rows_commit_in_one_transaction_once_each(
     assert consumer_sessions(consumer_dsn) == 0  # closed when cancelled
 
 
+def test_async__the_handlers_session_has_the_plain_consumers_lock_timeout(
+    topology: Topology, consumer_dsn: str, app_loop: Loop
+) -> None:
+    """The same bounds as ``outbox consume``'s plain session: a lock_timeout of 5 s
+    (a handler waiting longer fails; a store statement meeting a held inbox row
+    gives it back), no statement_timeout.  Async sessions had none (issue 31,
+    found by an adversarial test: a new session waited for ever on the rows of
+    one the consumer had given up)."""
+    [one] = new_ids(1)
+    publish(topology, [(one, b"x")])
+    seen: list[tuple[str, str]] = []
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        cur = await conn.execute(
+            "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        seen.append((str(row[0]), str(row[1])))
+        await record_async(conn, message)
+
+    inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    with running_async(inbox, app_loop):
+        wait_for(lambda: inbox.stats.handled == 1, 20, "1 effect")
+    assert seen == [("5s", "0")]
+
+
 def test_async__an_effect_of_a_failed_async_handler_is_rolled_back_with_its_id(
     topology: Topology, consumer_dsn: str, app_loop: Loop
 ) -> None:
