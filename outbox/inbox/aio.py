@@ -116,15 +116,34 @@ class Bridge:
         if not self.loop.is_running() or _running_loop() is self.loop:
             coro.close()
             self.drop_deferred()
-            raise LoopNotRunning(
-                "the application's event loop is not running",
-                "the consumer goes on once it runs again; stop the consumer first "
-                "(cancel the task awaiting consume_async) when stopping the loop",
-            )
+            raise _not_running()
         deferred, self._deferred = self._deferred, []
         if deferred:
             coro = _after(deferred, coro)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        while True:
+            try:
+                return future.result(timeout=LOOP_CHECK_SECONDS)
+            except TimeoutError:
+                if future.done():  # the coroutine's own TimeoutError
+                    raise
+                # A loop stopped mid-hop may run again (the hop goes on then); a
+                # closed one never will: its task is gone, stop waiting for it.
+                if self.loop.is_closed():
+                    future.cancel()
+                    raise _not_running() from None
+
+
+# How often a hop that waits checks that the application's loop was not closed.
+LOOP_CHECK_SECONDS = 1.0
+
+
+def _not_running() -> LoopNotRunning:
+    return LoopNotRunning(
+        "the application's event loop is not running",
+        "the consumer goes on once it runs again; stop the consumer first "
+        "(cancel the task awaiting consume_async) when stopping the loop",
+    )
 
 
 async def _after(first: list[Coroutine[Any, Any, None]], then: Coroutine[Any, Any, T]) -> T:

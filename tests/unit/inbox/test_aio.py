@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.aio import Bridge, is_async
+from outbox.inbox.aio import Bridge, LoopNotRunning, is_async
 
 
 async def double(x: int) -> int:
@@ -114,3 +114,41 @@ def test_bridge__refuses_to_wait_for_ever_on_a_stopped_loop_or_on_its_own_thread
         loop.run_until_complete(inside())
     finally:
         loop.close()
+
+
+def test_bridge__a_hop_on_a_loop_closed_under_it_ends_and_its_own_timeouts_stay_its_own() -> None:
+    """A loop stopped while a hop's coroutine waits, then closed: the hop's task is
+    gone for good, so the consumer's thread stops waiting (LoopNotRunning) instead
+    of for ever.  A TimeoutError the coroutine raises itself is raised as such."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    bridge = Bridge(loop)
+    started = threading.Event()
+
+    async def waits() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    async def times_out() -> None:
+        raise TimeoutError("its own")
+
+    with pytest.raises(TimeoutError, match="its own"):
+        bridge.run(times_out())
+    outcome: list[BaseException] = []
+
+    def hop() -> None:
+        try:
+            bridge.run(waits())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=hop, daemon=True)
+    waiting.start()
+    assert started.wait(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "the hop still waits on a closed loop"
+    assert len(outcome) == 1 and isinstance(outcome[0], LoopNotRunning)
