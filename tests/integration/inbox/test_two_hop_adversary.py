@@ -37,6 +37,7 @@ from outbox.inbox.steps import Processor
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_ahead_adversary import (
+    INSERT,
     Calls,
     Loop,
     apply_first,
@@ -51,6 +52,7 @@ from tests.integration.inbox.test_ahead_adversary import (
     run,
     terminate_from_outside,
 )
+from tests.integration.inbox.test_async_handlers import record_async
 from tests.integration.inbox.test_inbox import (
     INBOX,
     consumer_settings,
@@ -59,7 +61,6 @@ from tests.integration.inbox.test_inbox import (
     ready_messages,
 )
 
-INSERT = "INSERT INTO effects (message_id, body) VALUES (%s, %s)"
 H, D, R, P = Disposition.HANDLED, Disposition.DUPLICATE, Disposition.RETRY, Disposition.PARKED
 
 
@@ -624,10 +625,6 @@ def consume_until(
             await asyncio.wait_for(task, 20)
 
     in_thread(lambda: asyncio.run(application()), timeout + 30)
-
-
-async def record_async(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
-    await conn.execute(INSERT, [message.message_id, message.body])
 
 
 def settled_once(topology: Topology, dsn: str, ids: list[str]) -> None:
