@@ -80,7 +80,10 @@ class HorizonReader(BatchStore):
 
     def horizon(self, limit: int = HOLDERS_SHOWN) -> Horizon:
         params = {"limit": limit, "table": self.table}
-        with self._translated("reading what holds the horizon"):
+        # One transaction: every age is measured from the same now() (each statement
+        # in autocommit has its own), so holders of the same xid age rank by how long
+        # they have held it however slowly the five statements come.
+        with self._translated("reading what holds the horizon"), self.conn.transaction():
             sessions = self.conn.execute(self._horizon["horizon_sessions"], params).fetchall()
             hidden = self.conn.execute(self._horizon["horizon_hidden_sessions"]).fetchone()
             slots = self.conn.execute(self._horizon["horizon_slots"], params).fetchall()

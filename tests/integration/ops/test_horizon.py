@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from outbox.config import Settings
 from outbox.db import migrate
 from outbox.db.devcluster import PostgresCluster
+from outbox.db.horizon import HorizonReader
 from outbox.errors import StatementTimedOut
 from outbox.ops import status
 from outbox.relay.metrics import DatabaseFigures
@@ -195,4 +197,43 @@ def test_console__overview_names_a_prepared_transaction_holding_the_horizon(
     finally:
         follower.close()
         other.execute("ROLLBACK PREPARED 'billing-43'")
+        other.close()
+
+
+def test_horizon__holders_of_one_xid_age_rank_by_how_long_however_slow_the_reader(
+    logical_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot taken just before another transaction's xid is assigned has that xid
+    as its xmin: the same age in transactions.  The one that has held it longer (the
+    report, 0.1 s before the PREPARE) is named, even when the reader's statements come
+    0.3 s apart (a loaded machine): ages from one now(), not one per statement."""
+    report = psycopg.connect(logical_dsn, application_name="nightly-report")
+    report.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    report.execute("SELECT 1")
+    time.sleep(0.1)
+    other = psycopg.connect(logical_dsn, autocommit=True)
+    other.execute("BEGIN")
+    other.execute("SELECT pg_current_xact_id()")
+    other.execute("PREPARE TRANSACTION 'billing-44'")
+    reader = HorizonReader(logical_dsn, "outbox")
+    execute = reader.conn.execute
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        cursor = execute(*args, **kwargs)
+        time.sleep(0.3)
+        return cursor
+
+    try:
+        monkeypatch.setattr(reader.conn, "execute", slow)
+        horizon = reader.horizon()
+        by_kind = {h.kind: h for h in horizon.holders}
+        session, prepared = by_kind["session"], by_kind["prepared_transaction"]
+        assert session.xmin_age_xids == prepared.xmin_age_xids, "the shape needs a tie"
+        assert horizon.oldest is session, horizon.holders
+        assert session.age_seconds is not None and prepared.age_seconds is not None
+        assert 0.05 < session.age_seconds - prepared.age_seconds < 1.0
+    finally:
+        reader.close()
+        report.close()
+        other.execute("ROLLBACK PREPARED 'billing-44'")
         other.close()
