@@ -193,8 +193,8 @@ def test_operator_commands__a_postgresql_that_stops_answering_mid_statement_ends
     """Shape: a TCP path to PostgreSQL that stops forwarding (both ways, connections
     kept open) once a command sends its first real query.  With --statement-timeout 1,
     --lock-timeout 1 and --connect-timeout 2 every command must end within a generous
-    10 s with a one-line error (exit 3 or 6).  What happened: parked list, parked purge,
-    dead-letters list, dead-letters retry, status and resolve all still ran after 10 s (they
+    8 s with a one-line error (exit 3 or 6).  What happened: parked list, parked purge,
+    dead-letters list, dead-letters retry, status and resolve all still ran after 8 s (they
     wait for ever: the proxy's kernel acknowledges everything)."""
     insert_parked(inbox_dsn, "q", 2)
     host, port = pg_host_port(inbox_dsn)
@@ -209,8 +209,8 @@ def test_operator_commands__a_postgresql_that_stops_answering_mid_statement_ends
     with stalling_proxy(host, port, b"FROM") as proxy:
         env = cli_env(proxied_dsn(inbox_dsn, proxy))
         with started(commands, env) as procs:
-            hung = still_running_after(procs, 10)
-    assert hung == [], f"still running after 10 s: {hung}"
+            hung = still_running_after(procs, 8)
+    assert hung == [], f"still running after 8 s: {hung}"
     for name, proc in procs.items():
         assert proc.returncode in (3, 6), (name, proc.returncode, proc.stderr)
         assert "Traceback" not in proc.stderr, (name, proc.stderr)
@@ -235,7 +235,7 @@ def test_parked_list__a_stopped_backend_does_not_hang_it(inbox_dsn: str) -> None
     """Shape: ``parked list`` waits for a lock another session holds (ACCESS EXCLUSIVE on
     the parked table) and its backend is then stopped (SIGSTOP, as a backend stuck in
     I/O or a frozen VM).  With --lock-timeout 2 and --statement-timeout 3 it must end
-    within a generous 10 s (exit 3 or 6).  What happened: it waited for ever (the
+    within a generous 8 s (exit 3 or 6).  What happened: it waited for ever (the
     server's timers cannot fire in a stopped process, the kernel still acknowledges)."""
     insert_parked(inbox_dsn, "q", 1)
     env = {**cli_env(inbox_dsn), "OUTBOX_LOCK_TIMEOUT": "2", "OUTBOX_STATEMENT_TIMEOUT": "3"}
@@ -251,12 +251,12 @@ def test_parked_list__a_stopped_backend_does_not_hang_it(inbox_dsn: str) -> None
                 )
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
-                hung = still_running_after(procs, 10)
+                hung = still_running_after(procs, 8)
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
             holder.rollback()
-    assert hung == [], "parked list still ran 10 s after its backend stopped"
+    assert hung == [], "parked list still ran 8 s after its backend stopped"
     assert procs["parked list"].returncode in (3, 6), procs["parked list"].stderr
 
 
@@ -273,15 +273,15 @@ def test_parked_retry__a_broker_that_stops_answering_after_the_handshake_ends_it
     """Shape: a TCP path to RabbitMQ that stops forwarding once ``parked retry`` opens
     its channel (the connection handshake went through: a broker that froze, a proxy
     that lost its upstream).  With --connect-timeout 2 and --publish-timeout 2 it must
-    end within a generous 10 s with exit 3 or 6, every message still parked.  What
+    end within a generous 8 s with exit 3 or 6, every message still parked.  What
     happened: it waited for ever on channel.open."""
     insert_parked(inbox_dsn, topology.queue, 3)
     broker = pika.URLParameters(topology.amqp_url)
     with stalling_proxy(broker.host, broker.port, CHANNEL_OPEN) as proxy:
         env = cli_env(inbox_dsn, proxied_amqp_url(topology.amqp_url, proxy))
         with started({"parked retry": ["parked", "retry", "--all"]}, env) as procs:
-            hung = still_running_after(procs, 10)
-    assert hung == [], "parked retry still ran 10 s after the broker stopped answering"
+            hung = still_running_after(procs, 8)
+    assert hung == [], "parked retry still ran 8 s after the broker stopped answering"
     retry = procs["parked retry"]
     assert retry.returncode in (3, 6), retry.stderr
     assert "Traceback" not in retry.stderr
@@ -324,7 +324,7 @@ def test_web__fifty_requests_to_a_postgresql_that_stops_answering_are_each_answe
     """Shape: ``outbox web`` whose PostgreSQL stops answering mid-statement (a TCP path
     that stops forwarding once a query is sent, connections kept open); 50 requests for
     the dead-letter and parked lists, 10 at a time.  Each must be answered (an error
-    page) within a generous 10 s, and afterwards the console must hold no more threads
+    page) within a generous 8 s, and afterwards the console must hold no more threads
     or sessions than before.  What happened: no request was answered, each kept a
     thread of the console's threadpool and a PostgreSQL session."""
     host, port = pg_host_port(inbox_dsn)
@@ -344,7 +344,7 @@ def test_web__fifty_requests_to_a_postgresql_that_stops_answering_are_each_answe
             with concurrent.futures.ThreadPoolExecutor(10) as pool:
                 for start in range(0, len(paths), 10):
                     urls = [console.url + path for path in paths[start : start + 10]]
-                    batch = list(pool.map(lambda url: get(url, 10), urls))
+                    batch = list(pool.map(lambda url: get(url, 8), urls))
                     answers.extend(batch)
                     if any(isinstance(a, str) for a in batch):
                         break  # the console hangs: no need to wait for the other batches
@@ -649,7 +649,7 @@ def test_parked_retry__killed_or_interrupted_at_random_moments_loses_nothing(
     inbox_dsn: str, topology: Topology
 ) -> None:
     """Shape: ``parked retry --all`` (one message a page: --batch-max-bytes 1) sent
-    SIGKILL or SIGINT at 6 moments spread over its run, then run to the end.  Held:
+    SIGKILL or SIGINT at 4 moments spread over its run, then run to the end.  Held:
     after every interruption each message is still parked (with its inbox id, so the
     consumer skips no copy it needs: the id is gone only for a released page) or on
     the queue, and in the end every message is on the queue at least once, nothing is
@@ -663,7 +663,7 @@ def test_parked_retry__killed_or_interrupted_at_random_moments_loses_nothing(
         )
     env = {**cli_env(inbox_dsn, topology.amqp_url), "OUTBOX_BATCH_MAX_BYTES": "1"}
     arrived: list[str] = []
-    for attempt, delay in enumerate([0.5, 0.7, 0.9, 1.0, 1.1, 1.3]):
+    for attempt, delay in enumerate([0.6, 0.9, 1.1, 1.3]):
         with started({"retry": ["parked", "retry", "--all"]}, env) as procs:
             time.sleep(delay)
             with contextlib.suppress(ProcessLookupError):
@@ -680,3 +680,86 @@ def test_parked_retry__killed_or_interrupted_at_random_moments_loses_nothing(
     assert set(arrived) == ids
     assert parked_ids(inbox_dsn) == set()
     assert inbox_ids(inbox_dsn) == set()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="parked retry decodes the original routing key (and exchange) from its inbox "
+    "key as UTF-8 for its x-outbox-original-* header: a key that is not UTF-8 raises "
+    "UnicodeDecodeError outside _send's error handling, a traceback (exit 1), and the "
+    "messages after it are not retried (outbox/inbox/parked.py _text)",
+)
+def test_parked_retry__a_routing_key_that_is_not_utf8_is_no_traceback(
+    inbox_dsn: str, topology: Topology
+) -> None:
+    """Shape: a parked message whose original routing key was not UTF-8 (bytes 0xff 00
+    fe: the consumer records it as its documented escape, ``\\xff00fe``; an older release
+    recorded a key that merely looked so), parked before a good message.  ``parked
+    retry --all`` must not print a traceback, and must send the good message back.
+    What happened: "unexpected UnicodeDecodeError … this is a bug" with a traceback,
+    exit 1, the good message still parked."""
+    insert_parked(inbox_dsn, topology.queue, 1, message_id="'bin'")
+    with psycopg.connect(inbox_dsn) as conn:
+        conn.execute(f"UPDATE {INBOX}_parked SET routing_key = %s", ["\\xff00fe"])
+    insert_parked(inbox_dsn, topology.queue, 1, message_id="'good'")
+    done = subprocess.run(
+        [*outbox_command(), "parked", "retry", "--all"],
+        env=cli_env(inbox_dsn, topology.amqp_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in done.stderr, done.stderr[-600:]
+    arrived = {str(props.message_id) for _method, props, _body in topology.messages()}
+    assert "good" in arrived, (arrived, done.stderr)
+
+
+@pytest.fixture
+def pg_cutter(dsn: str) -> Iterator[TcpProxy]:
+    host, port = pg_host_port(dsn)
+    proxy = TcpProxy(host, port)
+    yield proxy
+    proxy.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ParkedStore's errors carry the consumer's hint ('the consumer reconnects by "
+    "itself'): an operator whose `parked retry` lost its session is told something "
+    "untrue and not that running it again finishes the job (outbox/inbox/store.py "
+    "InboxStore's translated(who='consumer'), used by ParkedStore)",
+)
+def test_parked_retry__a_session_lost_after_the_publishes_says_to_run_it_again(
+    inbox_dsn: str, topology: Topology, pg_cutter: TcpProxy
+) -> None:
+    """Shape: ``parked retry`` whose PostgreSQL connection is cut at step 3 (the delete
+    of the rows whose copies were confirmed), then run again.  Held: exit 3, no
+    traceback; the second run completes, every message on the queue, none parked.
+    What went wrong: the error's hint read "the consumer reconnects by itself; check
+    the server if this repeats": no consumer is involved, nothing reconnects, and the
+    operator is not told to run the retry again."""
+    insert_parked(inbox_dsn, topology.queue, 3)
+    pg_cutter.arm(b"unnest(")
+    first = subprocess.run(
+        [*outbox_command(), "parked", "retry", "--all"],
+        env=cli_env(proxied_dsn(inbox_dsn, pg_cutter), topology.amqp_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert pg_cutter.triggered.is_set()
+    second = subprocess.run(
+        [*outbox_command(), "parked", "retry", "--all"],
+        env=cli_env(inbox_dsn, topology.amqp_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 0, second.stderr
+    arrived = {str(props.message_id) for _method, props, _body in topology.messages()}
+    assert arrived == {"m1", "m2", "m3"}
+    assert count(inbox_dsn, f"SELECT count(*) FROM {INBOX}_parked") == 0
+    assert first.returncode == 3, first.stderr
+    assert "Traceback" not in first.stderr
+    assert "consumer reconnects" not in first.stderr, first.stderr
+    assert "again" in first.stderr, first.stderr
