@@ -5,15 +5,21 @@ Applications call ``enqueue`` (or plain SQL) inside their own transaction; the
 crashes, and at least once when something does.
 """
 
-from outbox.enqueue import (
-    OutgoingMessage,
-    enqueue,
-    enqueue_async,
-    enqueue_json,
-    enqueue_json_async,
-    enqueue_many,
-    enqueue_many_async,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outbox.enqueue import (
+        OutgoingMessage,
+        enqueue,
+        enqueue_async,
+        enqueue_json,
+        enqueue_json_async,
+        enqueue_many,
+        enqueue_many_async,
+    )
 
 __version__ = "0.6.0"  # pyproject.toml's (tests/unit/test_release.py)
 
@@ -26,3 +32,12 @@ __all__ = [
     "enqueue_many",
     "enqueue_many_async",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The API is imported on first use: ``import outbox`` (which every ``outbox.*``
+    import runs first) loads no driver, so the ``outbox`` command's entry point
+    (``outbox.entry``) is running before anything slow is imported."""
+    if name in __all__:
+        return getattr(importlib.import_module("outbox.enqueue"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

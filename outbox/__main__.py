@@ -1,5 +1,5 @@
 """``python -m outbox`` is the ``outbox`` command."""
 
-from outbox.cli import main
+from outbox.entry import main
 
 main()

@@ -27,6 +27,7 @@ class ExitCode(enum.IntEnum):
     SCHEMA_TOO_NEW = 5  # the schema was migrated by a newer outbox-relay than this one
     TIMED_OUT = 6  # a statement or lock wait outlived --statement-timeout/--lock-timeout
     # (the error names what held it), or a publish its --publish-timeout
+    INTERRUPTED = 130  # Ctrl-C (SIGINT) before the command finished: 128 + SIGINT
 
 
 class OutboxError(Exception):

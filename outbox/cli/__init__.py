@@ -3,7 +3,8 @@
 Exit codes (also in docs/reference/exit-codes.md): 0 ok; 1 failure, or ``status`` found something
 that needs attention; 2 usage (a bad option, value or file); 3 PostgreSQL or
 RabbitMQ unreachable; 4 database not ready (prepared transactions disabled, schema
-missing or too old); 5 schema newer than this version.
+missing or too old); 5 schema newer than this version; 6 a wait outlived its
+timeout; 130 interrupted (Ctrl-C).
 
 Every error is one line (``error: …`` and maybe ``  hint: …``), or one JSON
 object with ``--log-format json``, with every password masked
@@ -76,8 +77,15 @@ def main(argv: Sequence[str] | None = None, prog_name: str = "outbox") -> None:
         as_json = wants_json(ctx, args)
         report_error(exc.format_message(), hint, code=exc.exit_code, as_json=as_json)
         sys.exit(exc.exit_code)
-    except click.Abort:
-        sys.exit(int(ExitCode.FAILURE))
+    except (click.Abort, KeyboardInterrupt):
+        # click turns a Ctrl-C into Abort; one outside its main (here, say) stays one.
+        report_error(
+            "interrupted (Ctrl-C) before the command finished",
+            "what it finished stays done; it is safe to run it again for the rest",
+            code=int(ExitCode.INTERRUPTED),
+            as_json=wants_json(None, args),
+        )
+        sys.exit(int(ExitCode.INTERRUPTED))
     except BrokenPipeError:
         sys.exit(int(ExitCode.FAILURE))  # stdout closed early (`outbox … | head`)
     except Exception as exc:

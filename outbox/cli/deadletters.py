@@ -16,9 +16,7 @@ from outbox.cli.common import (
     server_options,
     settings_from,
 )
-from outbox.cli.options import (
-    Age,
-)
+from outbox.cli.options import LIST_LIMIT, Age
 from outbox.db import deadletters
 from outbox.errors import ExitCode
 
@@ -51,7 +49,7 @@ def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any
     "--limit",
     default=1000,
     show_default=True,
-    type=click.IntRange(1, 2**31 - 1),
+    type=LIST_LIMIT,
     help="Show at most this many.",
 )
 @known_errors

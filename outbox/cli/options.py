@@ -24,6 +24,11 @@ else:  # older click releases have no generic ParamType
     _TextType = click.ParamType
 
 
+# A list's --limit: at least one row, at most what PostgreSQL's LIMIT takes as an
+# integer without an error of its own.
+LIST_LIMIT = click.IntRange(1, 2**31 - 1)
+
+
 class FiniteFloatRange(click.FloatRange):
     """``click.FloatRange`` that also refuses ``nan`` (which passes every comparison)."""
 

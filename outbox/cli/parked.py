@@ -14,7 +14,7 @@ from outbox.cli.common import (
     known_errors,
     operator_session_options,
 )
-from outbox.cli.options import Age, limited
+from outbox.cli.options import LIST_LIMIT, Age, limited
 from outbox.config import Settings
 from outbox.errors import ExitCode
 
@@ -50,7 +50,7 @@ def _parked_store(
     "--limit",
     default=1000,
     show_default=True,
-    type=click.IntRange(1, None),
+    type=LIST_LIMIT,
     help="Show at most this many.",
 )
 @known_errors

@@ -12,7 +12,7 @@ from psycopg import errors as pgerrors
 
 from outbox.config import Settings
 from outbox.db import privileges
-from outbox.db.queries import search_terms
+from outbox.db.queries import LISTED, search_terms
 from outbox.db.session import Session
 from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
@@ -40,7 +40,9 @@ class DeadLetterStore(Session):
     def entries(self, limit: int) -> list[Row]:
         self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")
         with self._translated("listing dead letters"):
-            return self.conn.execute(self.queries["list_dead_letters"], {"limit": limit}).fetchall()
+            return self.conn.execute(
+                self.queries["list_dead_letters"], {**LISTED, "limit": limit}
+            ).fetchall()
 
     def entry(self, row_id: int, most: int) -> Row | None:
         """One dead letter with the first ``most`` bytes of its payload (``payload_bytes``
@@ -58,7 +60,7 @@ class DeadLetterStore(Session):
         with self._translated("searching dead letters"):
             return self.conn.execute(
                 self.queries["search_dead_letters"],
-                {**search_terms(text), "limit": limit, "offset": offset},
+                {**search_terms(text), **LISTED, "limit": limit, "offset": offset},
             ).fetchall()
 
     def groups(self, text: str, by: str, limit: int) -> list[Row]:
@@ -67,7 +69,12 @@ class DeadLetterStore(Session):
         with self._translated("grouping dead letters"):
             return self.conn.execute(
                 self.queries["dead_letter_groups"],
-                {**search_terms(text), "by": "reason" if by == "reason" else "key", "limit": limit},
+                {
+                    **search_terms(text),
+                    **LISTED,
+                    "by": "reason" if by == "reason" else "key",
+                    "limit": limit,
+                },
             ).fetchall()
 
     def sharing_reason(self, row_id: int, limit: int) -> list[int]:

@@ -55,6 +55,12 @@ class Queries:
         return self._composed[name]
 
 
+# What a list (a command's, a console page's) shows of each row: text cut at
+# ``chars`` characters and headers only up to ``headers_bytes`` of JSON, so that it
+# holds at most its limit of rows of this size, whatever a row holds.
+LISTED: dict[str, int] = {"chars": 1000, "headers_bytes": 8192}
+
+
 def search_terms(text: str) -> dict[str, str]:
     """The parameters of a console search for ``text``: itself (``q``, compared with
     a row's number) and an ILIKE pattern of it (``like``, its wildcards escaped)."""

@@ -442,8 +442,14 @@ SELECT count(*) AS dead_letters, count(DISTINCT ordering_key) AS ordering_keys
 FROM {dead_letters}
 
 -- list_dead_letters --
--- created_at as text: a dead letter may hold a value Python cannot (infinity).
-SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+-- created_at as text: a dead letter may hold a value Python cannot (infinity).  Text
+-- cut at %(chars)s characters (the reason's length in reason_chars): a routing key
+-- too long to publish is a reason to be a dead letter, and the list stays bounded by
+-- its --limit whatever a row holds.
+SELECT id, message_id, left(exchange, %(chars)s) AS exchange,
+       left(routing_key, %(chars)s) AS routing_key,
+       left(ordering_key, %(chars)s) AS ordering_key, left(reason, %(chars)s) AS reason,
+       length(reason) AS reason_chars, attempts, gid, left(content_type, %(chars)s) AS content_type,
        octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at
 FROM {dead_letters}
 ORDER BY failed_at, id
@@ -476,7 +482,11 @@ WHERE d.id = %(row_id)s
 -- message id, reason, exchange, routing key or ordering key contains it (%(like)s,
 -- case-insensitive), over the whole table, oldest failure first, with the total.
 -- A substring search cannot use a B-tree: it reads the table (5,000 rows: a few ms).
-SELECT id, message_id, exchange, routing_key, ordering_key, reason, attempts, gid, content_type,
+-- Text cut at %(chars)s characters as in list_dead_letters.
+SELECT id, message_id, left(exchange, %(chars)s) AS exchange,
+       left(routing_key, %(chars)s) AS routing_key,
+       left(ordering_key, %(chars)s) AS ordering_key, left(reason, %(chars)s) AS reason,
+       length(reason) AS reason_chars, attempts, gid, left(content_type, %(chars)s) AS content_type,
        octet_length(payload) AS payload_bytes, created_at::text AS created_at, failed_at,
        count(*) OVER () AS total
 FROM {dead_letters}
@@ -488,15 +498,19 @@ LIMIT %(limit)s OFFSET %(offset)s
 
 -- dead_letter_groups --
 -- The same dead letters by reason, or by ordering key (%(by)s), biggest group first;
--- each group is named by one of its rows (first_id), never by its text, in a link.
-SELECT CASE WHEN %(by)s = 'reason' THEN reason ELSE ordering_key END AS label,
-       count(*) AS count, min(failed_at) AS oldest, min(id) AS first_id
-FROM {dead_letters}
-WHERE (%(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
-       OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
-       OR ordering_key ILIKE %(like)s)
-  AND (%(by)s = 'reason' OR ordering_key IS NOT NULL)
-GROUP BY 1
+-- each group is named by one of its rows (first_id), never by its text, in a link;
+-- grouped by the whole text, shown cut at %(chars)s characters.
+SELECT left(label, %(chars)s) AS label, length(label) AS label_chars, count(*) AS count,
+       min(failed_at) AS oldest, min(id) AS first_id
+FROM (
+    SELECT CASE WHEN %(by)s = 'reason' THEN reason ELSE ordering_key END AS label, failed_at, id
+    FROM {dead_letters}
+    WHERE (%(q)s = '' OR id::text = %(q)s OR message_id::text ILIKE %(like)s
+           OR reason ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
+           OR ordering_key ILIKE %(like)s)
+      AND (%(by)s = 'reason' OR ordering_key IS NOT NULL)
+) AS matching
+GROUP BY matching.label
 ORDER BY count(*) DESC, min(failed_at), min(id)
 LIMIT %(limit)s
 

@@ -227,8 +227,16 @@ WHERE consumer = %(consumer)s
 SELECT count(*) AS parked FROM {parked} WHERE consumer = %(consumer)s
 
 -- list_parked --
-SELECT id, consumer, message_id, queue, exchange, routing_key, octet_length(body) AS body_bytes,
-       headers, properties, error, attempts, parked_at
+-- Text columns cut at %(chars)s characters (the whole error's length in error_chars)
+-- and headers shown only up to %(headers_bytes)s bytes of JSON (headers_bytes: their
+-- size): what a list holds is bounded by its --limit, whatever a row holds (a
+-- handler's error may quote a body of any size).
+SELECT id, left(consumer, %(chars)s) AS consumer, left(message_id, %(chars)s) AS message_id,
+       left(queue, %(chars)s) AS queue, left(exchange, %(chars)s) AS exchange,
+       left(routing_key, %(chars)s) AS routing_key, octet_length(body) AS body_bytes,
+       CASE WHEN octet_length(headers::text) <= %(headers_bytes)s THEN headers END AS headers,
+       octet_length(headers::text) AS headers_bytes,
+       left(error, %(chars)s) AS error, length(error) AS error_chars, attempts, parked_at
 FROM {parked}
 ORDER BY parked_at, id
 LIMIT %(limit)s
@@ -263,9 +271,13 @@ WHERE p.id = %(id)s
 -- search_parked --
 -- A page of the console's list over the whole table: every parked message whose
 -- number is %(q)s or whose message id, consumer, queue, exchange, routing key or
--- error contains it (case-insensitive), oldest first, with the total.
-SELECT id, consumer, message_id, queue, exchange, routing_key, octet_length(body) AS body_bytes,
-       error, attempts, parked_at, count(*) OVER () AS total
+-- error contains it (case-insensitive), oldest first, with the total; text cut at
+-- %(chars)s characters as in list_parked.
+SELECT id, left(consumer, %(chars)s) AS consumer, left(message_id, %(chars)s) AS message_id,
+       left(queue, %(chars)s) AS queue, left(exchange, %(chars)s) AS exchange,
+       left(routing_key, %(chars)s) AS routing_key, octet_length(body) AS body_bytes,
+       left(error, %(chars)s) AS error, length(error) AS error_chars, attempts, parked_at,
+       count(*) OVER () AS total
 FROM {parked}
 WHERE %(q)s = '' OR id::text = %(q)s OR message_id ILIKE %(like)s OR consumer ILIKE %(like)s
    OR queue ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s
@@ -275,8 +287,10 @@ LIMIT %(limit)s OFFSET %(offset)s
 
 -- parked_groups --
 -- The same parked messages by consumer and error, biggest group first, each named by
--- one of its rows (first_id).
-SELECT consumer, error, count(*) AS count, min(parked_at) AS oldest, min(id) AS first_id
+-- one of its rows (first_id); each group's error cut at %(chars)s characters.
+SELECT left(consumer, %(chars)s) AS consumer, left(error, %(chars)s) AS error,
+       length(error) AS error_chars, count(*) AS count, min(parked_at) AS oldest,
+       min(id) AS first_id
 FROM {parked}
 WHERE %(q)s = '' OR id::text = %(q)s OR message_id ILIKE %(like)s OR consumer ILIKE %(like)s
    OR queue ILIKE %(like)s OR exchange ILIKE %(like)s OR routing_key ILIKE %(like)s

@@ -51,7 +51,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
-from outbox.db.queries import load_blocks, search_terms
+from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import connect, first_line, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
@@ -654,7 +654,7 @@ class ParkedStore(InboxStore):
     def entries(self, limit: int) -> list[dict[str, Any]]:
         with self._reading("listing parked messages") as conn:
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.queries["list_parked"], {"limit": limit}).fetchall()
+            return cur.execute(self.queries["list_parked"], {**LISTED, "limit": limit}).fetchall()
 
     def last_parked(self) -> int:
         """The newest parked row's number: a retry run takes none after it."""
@@ -678,7 +678,7 @@ class ParkedStore(InboxStore):
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(
                 self.queries["search_parked"],
-                {**search_terms(text), "limit": limit, "offset": offset},
+                {**search_terms(text), **LISTED, "limit": limit, "offset": offset},
             ).fetchall()
 
     def groups(self, text: str, limit: int) -> list[dict[str, Any]]:
@@ -687,7 +687,7 @@ class ParkedStore(InboxStore):
         with self._reading("grouping parked messages") as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(
-                self.queries["parked_groups"], {**search_terms(text), "limit": limit}
+                self.queries["parked_groups"], {**search_terms(text), **LISTED, "limit": limit}
             ).fetchall()
 
     def message_ids(self, parked_ids: Sequence[int], group_of: int | None, limit: int) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.db.deadletters import DeadLetterStore
+from outbox.terminal import cut
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _MAX_ROW_ID = 2**63 - 1  # bigint
@@ -91,6 +92,7 @@ def as_dict(row: dict[str, Any]) -> dict[str, Any]:
         "routing_key": row["routing_key"],
         "ordering_key": row["ordering_key"],
         "reason": row["reason"],
+        "reason_chars": row["reason_chars"],
         "attempts": row["attempts"],
         "failed_at": row["failed_at"].isoformat(),
         "created_at": row["created_at"],  # as PostgreSQL prints it: may be 'infinity'
@@ -112,7 +114,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             f"routing_key={row['routing_key'][:80]!r}  {row['payload_bytes']} bytes"
             + (f"  ordering_key={row['ordering_key'][:80]!r}" if row["ordering_key"] else "")
         )
-        lines.append(f"    reason: {row['reason']}")
+        lines.append(f"    reason: {cut(row['reason'], row['reason_chars'])}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from outbox.config import Settings
 from outbox.db import migrate, privileges, replication
 from outbox.db.horizon import Holder, Horizon, HorizonReader
+from outbox.terminal import shown
 from resolver.decide import is_ours
 
 
@@ -176,7 +177,7 @@ def judge_horizon(horizon: Horizon, table: str, max_age: float) -> list[str]:
 def describe_holder(holder: Holder, table: str) -> str:
     d = holder.detail
     if holder.kind == "session":
-        app = d.get("application_name") or "no application_name"
+        app = shown(d.get("application_name") or "no application_name")
         state = d.get("state") or d["backend_type"]
         return f"session pid {d['pid']} ({app}, role {d.get('role')}, {state})"
     if holder.kind == "replication_slot":
