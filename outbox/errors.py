@@ -68,6 +68,12 @@ class ConfirmTimedOut(BrokerUnavailable):
     exit_code = ExitCode.TIMED_OUT
 
 
+class NotTaken(OutboxError):
+    """An operator's publish (``outbox parked retry``) of one message the broker did
+    not take and said why (returned unroutable: its queue is gone; nacked), or that
+    could not be sent at all: it stays where it was, the next one can be sent."""
+
+
 class BrokerBlocked(BrokerUnavailable):
     """RabbitMQ is blocking publishers (a resource alarm): the connection lives."""
 

@@ -95,7 +95,8 @@ def parked_list(
     "OUTBOX_BATCH_MAX_BYTES",
     default=Settings.batch_max_bytes,
     type=limited("batch_max_bytes"),
-    help="Most body bytes held in memory at once (a larger message goes alone).",
+    help="Most bytes of parked messages (bodies, headers, properties) held in memory at "
+    "once (a larger message goes alone).",
 )
 @click.argument("message_ids", nargs=-1)
 @known_errors
@@ -112,12 +113,15 @@ def parked_retry(
     lock_timeout: float,
 ) -> None:
     """Send parked messages back to the queue they came from (same message_id), once
-    the handler or the data is fixed.  Exits 1 if a MESSAGE_ID is not parked."""
-    from outbox.inbox.parked import retry
+    the handler or the data is fixed.  A message the broker does not take (its queue
+    is gone) stays parked, named with why on stderr, and the others are sent.  Exits
+    1 if a message stayed parked so, or a MESSAGE_ID is not parked."""
+    from outbox.inbox.parked import NotSent, retry
 
     if everything == bool(message_ids):
         raise click.UsageError("give either --all or one or more MESSAGE_IDs")
     ids = None if everything else list(message_ids)
+    not_sent: list[NotSent] = []
     parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
     try:
         retried = retry(
@@ -127,13 +131,17 @@ def parked_retry(
             connect_timeout=connect_timeout,
             confirm_timeout=publish_timeout,
             max_bytes=batch_max_bytes,
+            not_sent=not_sent,
         )
     finally:
         parked_store.close()
     click.echo(f"{len(retried)} parked messages sent back to their queues")
-    missing = sorted(set(ids or []) - set(retried))
+    for message_id, why in not_sent:
+        click.echo(f"not retried, still parked: {message_id!r}: {why}", err=True)
+    missing = sorted(set(ids or []) - set(retried) - {n.message_id for n in not_sent})
     if missing:
         click.echo("not parked: " + " ".join(missing), err=True)
+    if not_sent or missing:
         sys.exit(int(ExitCode.FAILURE))
 
 

@@ -12,6 +12,7 @@ from psycopg import errors as pgerrors
 
 from outbox.config import Settings
 from outbox.db import privileges
+from outbox.db.operator import operator_hints
 from outbox.db.queries import LISTED, search_terms
 from outbox.db.session import Session
 from outbox.errors import DatabaseRefused, RowsHeld
@@ -19,6 +20,15 @@ from outbox.message import ORDERING_KEY_MAX_BYTES
 
 Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
+
+
+# What an operator is told when ``outbox dead-letters`` (or the console) lost its
+# session: each of its changes is one transaction, committed whole or not at all.
+DEAD_LETTERS_SESSION_LOST = (
+    "each change is one transaction, committed whole or not at all: run the command "
+    "again (it is safe to; a dead letter already retried or purged is no longer listed); "
+    "check the server if this repeats"
+)
 
 
 class DeadLetterStore(Session):
@@ -36,6 +46,13 @@ class DeadLetterStore(Session):
         super().__init__(
             dsn, table, "outbox-dead-letters", connect_timeout, statement_timeout, lock_timeout
         )
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        # An operator's command: the relay's hints ("the relay reconnects by itself")
+        # would name a process that is not involved.
+        with operator_hints(self.conn, DEAD_LETTERS_SESSION_LOST), super()._translated(what):
+            yield
 
     def entries(self, limit: int) -> list[Row]:
         self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")

@@ -39,13 +39,13 @@ from typing import Any
 import amqp
 from amqp import spec
 from amqp import transport as amqp_transport
-from amqp.exceptions import UnexpectedFrame
+from amqp.exceptions import MessageNacked, UnexpectedFrame
 from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
 
-from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, OutboxError
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, NotTaken, OutboxError
 from outbox.events import emit
 from outbox.inbox import properties as wire
 from outbox.inbox.message import (
@@ -678,28 +678,59 @@ class _RawMessage(amqp.Message):  # type: ignore[misc]
 
 class QueuePublisher:
     """Publishes straight to a queue (default exchange): persistent, ``mandatory``,
-    and confirmed one by one, so a return (no such queue) or a nack raises.  Used
-    by ``outbox parked retry``.  Each publish, its write and its confirm, takes at
-    most ``confirm_timeout`` seconds (``ConfirmTimedOut``; the connection is then
-    of no more use)."""
+    and confirmed one by one, so a return (no such queue) or a nack raises
+    ``NotTaken``.  Used by ``outbox parked retry``.  Every wait for the broker is
+    bounded: the connection by ``connect_timeout``, opening the channel and
+    selecting confirms by ``connect_timeout`` too, each publish, its write and its
+    confirm, by ``confirm_timeout`` (``ConfirmTimedOut``; the connection is then of
+    no more use), the closing handshake by ``confirm_timeout``."""
 
     def __init__(
         self, amqp_url: str, *, connect_timeout: float = 10.0, confirm_timeout: float = 30.0
     ) -> None:
+        self.connect_timeout = connect_timeout
         self.confirm_timeout = confirm_timeout
-        self._stalled = False  # a publish timed out: the broker may never answer
+        self._stalled = False  # a wait timed out: the broker may never answer
+        self._returned: list[str] = []  # why the broker returned the last publish
         self.conn = Connection(amqp_url, connect_timeout=connect_timeout)
         try:
             self.conn.ensure_connection(
                 max_retries=max(len(self.conn.alt), 1) - 1, interval_start=0
             )
-            self.channel = self.conn.channel()
+            # py-amqp waits for channel.open-ok and confirm.select-ok with no timeout
+            # of its own (for ever from a broker that stopped answering after the
+            # handshake): both read under the socket's timeout.
+            with self._bounded(self.conn.connection, connect_timeout):
+                self.channel = self.conn.channel()
+                self.channel.confirm_select()
+                self.channel._confirm_selected = True  # basic_publish_confirm's flag
         except Exception as exc:
+            self._stalled = True  # nothing to say goodbye to: the socket just goes
             self.close()
+            if isinstance(exc, TimeoutError):
+                raise BrokerUnavailable(
+                    f"RabbitMQ stopped answering while opening a channel (nothing within "
+                    f"{connect_timeout:g} s)",
+                    "nothing was sent: every message stays parked; check the broker "
+                    "(alarms, a stalled node or proxy), then retry again, or raise "
+                    "--connect-timeout",
+                ) from exc
             raise BrokerUnavailable(
                 f"cannot connect to RabbitMQ: {exc!r}",
                 "check --amqp-url / OUTBOX_AMQP_URL and that the broker is running",
             ) from exc
+        self.channel.events["basic_return"].add(self._on_return)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _bounded(connection: Any, seconds: float) -> Iterator[None]:
+        """Each read and write of py-amqp's ``connection`` in the block waits at most
+        ``seconds`` (those given a timeout of their own keep theirs)."""
+        with connection.transport.having_timeout(seconds):
+            yield
+
+    def _on_return(self, exc: Any, exchange: Any, routing_key: Any, message: Any) -> None:
+        self._returned.append(str(exc))
 
     def publish(
         self,
@@ -730,7 +761,10 @@ class QueuePublisher:
                 application_headers=headers,
                 **kept,
             )
+        self._returned.clear()
         try:
+            # The return of an unroutable message comes before its confirm (an ack):
+            # ``_on_return`` notes it, and the ack ends the wait.
             self.channel.basic_publish_confirm(
                 message,
                 exchange="",
@@ -739,6 +773,11 @@ class QueuePublisher:
                 timeout=self.confirm_timeout,  # the write
                 confirm_timeout=self.confirm_timeout,
             )
+        except MessageNacked as exc:
+            raise NotTaken(
+                f"RabbitMQ refused it (nack) for queue {queue!r}",
+                "look at the broker's log and the queue's limits (x-overflow reject-publish)",
+            ) from exc
         except (TimeoutError, amqp.RecoverableConnectionError) as exc:
             # py-amqp: a write that timed out is RecoverableConnectionError("... timed out").
             if not isinstance(exc, TimeoutError) and "timed out" not in str(exc):
@@ -751,6 +790,11 @@ class QueuePublisher:
                 "(alarms, a stalled connection), then retry again (the inbox skips a copy "
                 "whose message was applied), or raise --publish-timeout",
             ) from exc
+        if self._returned:
+            raise NotTaken(
+                f"RabbitMQ returned it as unroutable ({self._returned[0]}): no queue {queue!r}",
+                "declare the queue again (or purge the message), then retry it",
+            )
 
     def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:
         """``for_retry``'s property list if it fits in one frame (the broker closes
@@ -766,10 +810,15 @@ class QueuePublisher:
         return raw_properties
 
     def close(self) -> None:
+        if not self._stalled:
+            try:
+                # connection.close waits for close-ok: at most confirm_timeout.
+                with self._bounded(self.channel.connection, self.confirm_timeout):
+                    self.conn.release()
+                return
+            except Exception:
+                self._stalled = True
         with contextlib.suppress(Exception):
-            if self._stalled:
-                # No closing handshake (connection.close waits for close-ok, forever
-                # from a broker that stopped answering): the socket just goes.
-                self.conn.collect(socket_timeout=self.confirm_timeout)
-            else:
-                self.conn.release()
+            # No closing handshake (connection.close waits for close-ok, for ever
+            # from a broker that stopped answering): the socket just goes.
+            self.conn.collect(socket_timeout=self.confirm_timeout)

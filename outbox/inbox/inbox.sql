@@ -323,9 +323,14 @@ ORDER BY id
 
 -- retry_sizes --
 -- Retry, the next page: the parked rows after %(after)s up to %(last)s (each row at
--- most once per run) and their body sizes, from which the caller takes as many as fit
--- its memory budget.  Messages without an id cannot be consumed: purge them.
-SELECT id, octet_length(body) AS body_bytes
+-- most once per run) and their sizes, from which the caller takes as many as fit its
+-- memory budget.  A row's size counts every column release_parked loads: the body,
+-- the headers and properties (JSON, as text), the raw property list and the keys.
+-- Messages without an id cannot be consumed: purge them.
+SELECT id, octet_length(body) + octet_length(headers::text)
+           + octet_length(properties::text) + coalesce(octet_length(raw_properties), 0)
+           + octet_length(consumer) + octet_length(message_id) + octet_length(queue)
+           + octet_length(exchange) + octet_length(routing_key) AS row_bytes
 FROM {parked}
 WHERE message_id IS NOT NULL AND (%(all)s OR message_id = ANY(%(ids)s::text[]))
   AND id > %(after)s AND id <= %(last)s

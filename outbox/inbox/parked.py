@@ -13,14 +13,16 @@ headers from which the consumer restores the original exchange and routing key.
 Each parked message is sent at most once per call: the rows parked when the call
 starts, in order; those parked again meanwhile wait for the next call.
 
-Pages of rows are taken in order, as many as fit ``max_bytes`` of bodies (a larger
-one alone), so memory stays bounded whatever is parked; each page in three steps,
+Pages of rows are taken in order, as many as fit ``max_bytes`` of what they load
+(body, headers, properties, raw property list, keys; a larger one alone), so memory
+stays bounded whatever is parked; each page in three steps,
 none of which holds a transaction open across a wait for the broker:
 
 1. one short transaction: read the rows with their bodies, and remove their inbox
    ids and attempt counters (so the copies sent next are applied, not skipped);
 2. publish each message, persistent and ``mandatory``, and wait for its confirm
-   (at most ``confirm_timeout`` seconds: ``ConfirmTimedOut``);
+   (at most ``confirm_timeout`` seconds: ``ConfirmTimedOut``); one the broker does
+   not take (its queue is gone, a nack) stays parked, reported, and the next is sent;
 3. one short transaction: delete the parked rows whose copies were confirmed
    (not those parked again meanwhile: their copy failed again).
 
@@ -37,9 +39,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from outbox.errors import BrokerUnavailable, ConfirmTimedOut, OutboxError
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, NotTaken, OutboxError
 from outbox.inbox.broker import QueuePublisher
 from outbox.inbox.message import (
     ORIGINAL_EXCHANGE_HEADER,
@@ -102,10 +104,16 @@ def retry(
     connect_timeout: float = 10.0,
     confirm_timeout: float = 30.0,
     max_bytes: int = RETRY_MAX_BYTES,
+    not_sent: list[NotSent] | None = None,
 ) -> list[str]:
     """Send parked messages (``ids`` None: all) back to their queues, each at most
     once: the rows parked when the call starts, in order (a message parked again
-    while this runs waits for the next call).  Returns the ids of those sent."""
+    while this runs waits for the next call).  Returns the ids of those sent.
+
+    A message the broker does not take and says why (its queue is gone: returned
+    unroutable; nacked), or that cannot be sent at all, stays parked and is added
+    to ``not_sent`` (message id and why); the others are sent.  A broker that
+    cannot be reached or does not answer in time ends the call."""
     retried: list[str] = []
     last = store.last_parked()
     after = 0
@@ -125,7 +133,13 @@ def retry(
             try:
                 while rows:
                     row = rows.pop()  # its body is freed once it is sent
-                    _send(publisher, row, len(retried) + len(sent))
+                    try:
+                        _send(publisher, row, len(retried) + len(sent))
+                    except NotTaken as exc:
+                        # It stays parked (not in ``sent``); the next one is sent.
+                        if not_sent is not None:
+                            not_sent.append(NotSent(row["message_id"], str(exc)))
+                        continue
                     del row["body"]
                     sent.append(row)
             except BaseException:
@@ -140,9 +154,16 @@ def retry(
     return retried
 
 
+class NotSent(NamedTuple):
+    """A parked message ``retry`` left parked, and why."""
+
+    message_id: str
+    why: str
+
+
 def fitting(sizes: Sequence[tuple[int, int]], max_bytes: int) -> list[int]:
-    """The row numbers of the first ``sizes`` whose bodies fit in ``max_bytes``
-    together; the first one alone if it is larger (pure)."""
+    """The row numbers of the first ``sizes`` (row number, bytes it loads) that fit
+    in ``max_bytes`` together; the first one alone if it is larger (pure)."""
     taken: list[int] = []
     total = 0
     for parked_id, size in sizes:
@@ -155,8 +176,8 @@ def fitting(sizes: Sequence[tuple[int, int]], max_bytes: int) -> list[int]:
 
 def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> None:
     headers = {
-        ORIGINAL_EXCHANGE_HEADER: _text(row["exchange"]),
-        ORIGINAL_ROUTING_KEY_HEADER: _text(row["routing_key"]),
+        ORIGINAL_EXCHANGE_HEADER: original_key(row["exchange"]),
+        ORIGINAL_ROUTING_KEY_HEADER: original_key(row["routing_key"]),
     }
     raw = row["raw_properties"]
     try:
@@ -168,6 +189,8 @@ def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> N
             headers=headers if raw is not None else {**(row["headers"] or {}), **headers},
             properties=row["properties"] or {},
         )
+    except NotTaken:
+        raise  # this one stays parked, the next one is sent
     except ConfirmTimedOut as exc:
         raise ConfirmTimedOut(
             f"{exc.message} (parked message {row['message_id']}; {sent_before} were "
@@ -183,6 +206,14 @@ def _send(publisher: QueuePublisher, row: dict[str, Any], sent_before: int) -> N
         ) from exc
 
 
-def _text(key: str) -> str:
-    """An exchange or routing key back from its inbox key, as AMQP text."""
-    return key_bytes(key).decode("utf-8", "surrogatepass")
+def original_key(key: str) -> bytes:
+    """An exchange or routing key as it arrived (its bytes, sent as a header value),
+    back from its inbox key (pure).  The consumer read one that was not UTF-8 with
+    each such byte as a lone surrogate (``surrogateescape``), and the inbox key
+    holds those as UTF-8 with surrogates, escaped (``inbox_key``); a key recorded
+    as the escape of the bytes themselves is those bytes."""
+    raw = key_bytes(key)
+    try:
+        return raw.decode("utf-8", "surrogatepass").encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return raw

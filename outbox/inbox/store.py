@@ -51,6 +51,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
+from outbox.db.operator import operator_hints
 from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import connect, first_line, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
@@ -619,6 +620,15 @@ def session_state(conn: Any) -> SessionState:
     )
 
 
+# What an operator is told when ``outbox parked`` (or the console) lost its session.
+PARKED_SESSION_LOST = (
+    "nothing is lost: a parked message stays listed until the broker has confirmed its "
+    "copy, and what was not committed did not happen; run the command again (it is safe "
+    "to: the inbox skips a copy whose message was applied); check the server if this "
+    "repeats"
+)
+
+
 class ParkedStore(InboxStore):
     """What ``outbox parked`` reads and changes (any consumer's rows in the table)."""
 
@@ -650,6 +660,13 @@ class ParkedStore(InboxStore):
                 "check --dsn and --inbox-table; `outbox consume` creates it at start-up "
                 "(or apply `outbox consume --print-sql`)",
             )
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        # An operator's command: the consumer's hints ("the consumer reconnects by
+        # itself") would name a process that is not involved.
+        with operator_hints(self.conn, PARKED_SESSION_LOST), super()._translated(what):
+            yield
 
     def entries(self, limit: int) -> list[dict[str, Any]]:
         with self._reading("listing parked messages") as conn:
@@ -732,7 +749,8 @@ class ParkedStore(InboxStore):
         self, ids: Sequence[str] | None, *, after: int, last: int, limit: int
     ) -> list[tuple[int, int]]:
         """The next parked rows to retry (``ids`` None: any) numbered after ``after``
-        up to ``last``: (row number, body bytes), at most ``limit``, in order."""
+        up to ``last``: (row number, bytes of every column ``release`` loads: body,
+        headers, properties, raw property list, keys), at most ``limit``, in order."""
         with self._reading("selecting parked messages to retry") as conn:
             rows = conn.execute(
                 self.queries["retry_sizes"],

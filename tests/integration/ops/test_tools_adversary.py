@@ -261,12 +261,6 @@ def test_parked_list__a_stopped_backend_does_not_hang_it(inbox_dsn: str) -> None
 
 
 # -- a RabbitMQ that stops answering --------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="QueuePublisher opens its channel (and selects confirms) with no timeout: "
-    "kombu's Connection.channel() waits for ever for channel.open-ok "
-    "(outbox/inbox/broker.py QueuePublisher.__init__)",
-)
 def test_parked_retry__a_broker_that_stops_answering_after_the_handshake_ends_it(
     inbox_dsn: str, topology: Topology
 ) -> None:
@@ -516,12 +510,6 @@ def test_list__memory_is_bounded_by_bytes_not_by_how_much_the_rows_hold(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parked retry's memory budget counts bodies only: a page takes up to 500 "
-    "rows whatever their headers and property lists hold (outbox/inbox/parked.py "
-    "retry/fitting, inbox.sql retry_sizes)",
-)
 def test_parked_retry__headers_count_in_the_memory_budget(
     inbox_dsn: str, topology: Topology
 ) -> None:
@@ -547,12 +535,6 @@ def test_parked_retry__headers_count_in_the_memory_budget(
 
 
 # -- bad messages and good ones -----------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="parked retry stops at the first message the broker does not take (its queue "
-    "was deleted: NO_ROUTE): every message parked after it is never retried by "
-    "`--all`, run after run (outbox/inbox/parked.py retry, _send raises)",
-)
 def test_parked_retry__a_message_whose_queue_is_gone_does_not_block_the_others(
     inbox_dsn: str, topology: Topology
 ) -> None:
@@ -696,13 +678,6 @@ def test_parked_retry__killed_or_interrupted_at_random_moments_loses_nothing(
     assert inbox_ids(inbox_dsn) == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parked retry decodes the original routing key (and exchange) from its inbox "
-    "key as UTF-8 for its x-outbox-original-* header: a key that is not UTF-8 raises "
-    "UnicodeDecodeError outside _send's error handling, a traceback (exit 1), and the "
-    "messages after it are not retried (outbox/inbox/parked.py _text)",
-)
 def test_parked_retry__a_routing_key_that_is_not_utf8_is_no_traceback(
     inbox_dsn: str, topology: Topology
 ) -> None:
@@ -736,13 +711,6 @@ def pg_cutter(dsn: str) -> Iterator[TcpProxy]:
     proxy.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ParkedStore's errors carry the consumer's hint ('the consumer reconnects by "
-    "itself'): an operator whose `parked retry` lost its session is told something "
-    "untrue and not that running it again finishes the job (outbox/inbox/store.py "
-    "InboxStore's translated(who='consumer'), used by ParkedStore)",
-)
 def test_parked_retry__a_session_lost_after_the_publishes_says_to_run_it_again(
     inbox_dsn: str, topology: Topology, pg_cutter: TcpProxy
 ) -> None:
@@ -777,3 +745,73 @@ def test_parked_retry__a_session_lost_after_the_publishes_says_to_run_it_again(
     assert "Traceback" not in first.stderr
     assert "consumer reconnects" not in first.stderr, first.stderr
     assert "again" in first.stderr, first.stderr
+
+
+def test_parked_retry__a_routing_key_that_is_not_utf8_goes_back_as_its_bytes(
+    inbox_dsn: str, topology: Topology
+) -> None:
+    """Shape: a parked message whose original routing key was the bytes 0xff 00 fe,
+    recorded as the inbox's escape of those bytes (``\\xff00fe``) or, as the consumer
+    records a key it read with those bytes as lone surrogates, as the escape of their
+    UTF-8 with surrogates.  Held: both are sent back, exit 0, and the header from which
+    the consumer restores the routing key holds the original bytes."""
+    insert_parked(inbox_dsn, topology.queue, 2, message_id="'bin' || i")
+    with psycopg.connect(inbox_dsn) as conn:
+        conn.execute(
+            f"UPDATE {INBOX}_parked SET routing_key = CASE message_id WHEN 'bin1' THEN %s"
+            " ELSE %s END",
+            ["\\xff00fe", "\\x" + "\udcff\x00\udcfe".encode("utf-8", "surrogatepass").hex()],
+        )
+    done = subprocess.run(
+        [*outbox_command(), "parked", "retry", "--all"],
+        env=cli_env(inbox_dsn, topology.amqp_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    keys = {
+        str(props.message_id): props.headers["x-outbox-original-routing-key"]
+        for _method, props, _body in topology.messages()
+    }
+    assert keys == {"bin1": b"\xff\x00\xfe", "bin2": b"\xff\x00\xfe"}, keys
+    assert count(inbox_dsn, f"SELECT count(*) FROM {INBOX}_parked") == 0
+
+
+def test_dead_letters_retry__a_session_lost_says_to_run_it_again(
+    inbox_dsn: str, pg_cutter: TcpProxy
+) -> None:
+    """Shape: ``dead-letters retry --all`` whose PostgreSQL connection is cut at its
+    one statement (the move back into the outbox), then run again.  Held: exit 3, no
+    traceback, a hint that names no daemon ("the relay reconnects by itself": nothing
+    reconnects an operator's command) and says to run it again; the second run moves
+    every dead letter back."""
+    with psycopg.connect(inbox_dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox_dead_letters (id, message_id, exchange, routing_key, payload,"
+            " created_at, reason) SELECT i, gen_random_uuid(), 'ex', 'rk', 'p', now(),"
+            " 'refused' FROM generate_series(1, 3) AS i"
+        )
+    pg_cutter.arm(b"WITH moved AS")
+    first = subprocess.run(
+        [*outbox_command(), "dead-letters", "retry", "--all"],
+        env=cli_env(proxied_dsn(inbox_dsn, pg_cutter)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert pg_cutter.triggered.is_set()
+    assert first.returncode == 3, first.stderr
+    assert "Traceback" not in first.stderr
+    assert "reconnects by itself" not in first.stderr, first.stderr
+    assert "again" in first.stderr, first.stderr
+    second = subprocess.run(
+        [*outbox_command(), "dead-letters", "retry", "--all"],
+        env=cli_env(inbox_dsn),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 0, second.stderr
+    assert count(inbox_dsn, "SELECT count(*) FROM outbox_dead_letters") == 0
+    assert count(inbox_dsn, "SELECT count(*) FROM outbox") == 3

@@ -220,3 +220,18 @@ def test_parked_retry_pages__fill_the_byte_budget_and_take_a_larger_body_alone()
     assert fitting([(7, 100), (8, 1)], 25) == [7]  # alone: never an empty page
     assert fitting([(1, 30), (2, 1)], 25) == [1]
     assert fitting([(1, 1), (2, 30)], 25) == [1]
+
+
+def test_parked_retry__original_keys_are_the_bytes_that_arrived() -> None:
+    from outbox.inbox.message import inbox_key
+    from outbox.inbox.parked import original_key
+
+    assert original_key("orders.created") == b"orders.created"
+    assert original_key("é") == "é".encode()
+    # The escape of the bytes themselves (bytes that are not UTF-8: not decodable).
+    assert original_key("\\xff00fe") == b"\xff\x00\xfe"
+    # As the consumer records a key it read with surrogateescape.
+    read = b"a\xff\x00\xfe".decode("utf-8", "surrogateescape")
+    assert original_key(inbox_key(read)) == b"a\xff\x00\xfe"
+    # A lone surrogate no byte became: its UTF-8 with surrogates, as recorded.
+    assert original_key(inbox_key("\ud800")) == "\ud800".encode("utf-8", "surrogatepass")
