@@ -8,6 +8,8 @@ crashes, and at least once when something does.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,7 +39,21 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """The API is imported on first use: ``import outbox`` (which every ``outbox.*``
     import runs first) loads no driver, so the ``outbox`` command's entry point
-    (``outbox.entry``) is running before anything slow is imported."""
+    (``outbox.entry``) runs before anything slow is imported."""
     if name in __all__:
         return getattr(importlib.import_module("outbox.enqueue"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """``outbox.enqueue`` is the function, as it always was, though a submodule has
+    the same name: once the submodule is loaded, the import system sets it as the
+    package's attribute ``enqueue``; the function is set instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "enqueue" and isinstance(value, types.ModuleType):
+            value = value.enqueue
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

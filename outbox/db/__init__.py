@@ -4,8 +4,9 @@ and the integrations, on the application's connection).  The consumer's inbox
 statements live in ``outbox.inbox.store``.
 
 Owns the one session mechanism (``session``: connect, loss detection, error
-translation), the relay's batch store (``batches``), where its claims start
-(``front``: the low-water mark and the late rows), how claimed rows load
+translation, and ``operator``: the hints of an operator's commands), the relay's
+batch store (``batches``), where its claims start (``front``: the low-water mark
+and the late rows), how claimed rows load
 (``rows``), the dead letters (``deadletters``), the relay registry and wake-ups
 (``relays``), the SQL
 (``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and

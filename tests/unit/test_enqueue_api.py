@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -85,3 +87,38 @@ def test_enqueue__integrations_take_what_outbox_enqueue_takes(integration: str) 
         assert inspect.signature(theirs).return_annotation == (
             inspect.signature(ours).return_annotation
         )
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import outbox",
+        "import outbox.enqueue",
+        "from outbox.enqueue import enqueue",
+        "import outbox.cli",
+        "from outbox import enqueue_many",
+    ],
+)
+def test_outbox_enqueue__is_the_function_whatever_was_imported_first(first: str) -> None:
+    """``import outbox`` loads the API on first use (the command's entry point runs
+    before the drivers load); ``outbox.enqueue`` stays the function though its
+    submodule, loaded later, has the same name.  In a fresh interpreter: the order of
+    imports decides."""
+    code = (
+        f"{first}\nimport sys, outbox\n"
+        "assert callable(outbox.enqueue), outbox.enqueue\n"
+        "from outbox import enqueue, OutgoingMessage\n"
+        "assert enqueue is outbox.enqueue and enqueue.__module__ == 'outbox.enqueue'\n"
+        "assert callable(outbox.enqueue)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_import_outbox__loads_no_driver() -> None:
+    code = (
+        "import sys, outbox\n"
+        "print(sorted(m for m in ('psycopg', 'click', 'pika', 'kombu') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
