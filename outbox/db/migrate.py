@@ -406,7 +406,9 @@ class _Online:
             settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL
         saved = {name: self._set(name, value) for name, value in settings.items()}
         try:
-            return self._locked(target)
+            # Without statement_timeout, a silent server may be building an index.
+            with session.without_deadline(self.conn):
+                return self._locked(target)
         finally:
             if not self.conn.closed and not self.conn.broken:
                 for name, value in saved.items():
@@ -664,6 +666,7 @@ class _YieldToRelays:
                 self.conninfo,
                 application_name="outbox-init-watch",
                 statement_timeout=WATCH_STATEMENT_TIMEOUT,
+                client_deadline=True,  # __exit__ joins this thread
             )
             watch.row_factory = tuple_row
             with watch:
