@@ -68,7 +68,7 @@ def run_pass(
     try:
         # Privileges first: reading the schema version needs one of them.
         store.check_privileges(privileges.RESOLVE, "outbox resolve")
-        migrate.refuse_newer(store.schema_version(), settings.table)
+        migrate.refuse_newer(migrate.version_of(store), settings.table)
         return resolve(store, settings, dry_run=dry_run)
     finally:
         store.close()

@@ -284,6 +284,18 @@ def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
     return int(version[0]) if version and version[0] is not None else None
 
 
+def version_of(store: session.Session) -> int | None:
+    """``current_version`` on a store's session, driver errors translated (a lost or
+    silent session is ``DatabaseUnavailable``, not a traceback)."""
+    with session.translated(
+        store.conn,
+        "reading the schema version",
+        statement_timeout=store.statement_timeout,
+        lock_timeout=store.lock_timeout,
+    ):
+        return current_version(store.conn, store.table)
+
+
 def require_current(version: int | None, table: str) -> None:
     """Raise unless ``version`` is the one this code was written for."""
     if version is None:

@@ -509,14 +509,6 @@ class Session:
                 "as the tables' owner, run: " + " ".join(privileges.grants(missing, role)),
             )
 
-    def schema_version(self) -> int | None:
-        """The applied schema version (``migrate.current_version``), None if never
-        initialised; a lost session is ``DatabaseUnavailable``, not a driver error."""
-        from outbox.db import migrate  # migrate imports this module
-
-        with self._translated("reading the schema version"):
-            return migrate.current_version(self.conn, self.table)
-
     def _missing(self, needs: privileges.Needs, who: str) -> MissingPrivileges | None:
         try:
             self.check_privileges(needs, who)

@@ -60,7 +60,7 @@ def read(settings: Settings) -> Observation:
     store = open_reader(settings)
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
-        version = store.schema_version()
+        version = migrate.version_of(store)
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint
         migrate.refuse_newer(version, settings.table)
