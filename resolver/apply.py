@@ -63,11 +63,12 @@ def run_pass(
         connect_timeout=settings.connect_timeout,
         statement_timeout=settings.statement_timeout,
         lock_timeout=settings.lock_timeout,
+        client_deadline=True,
     )
     try:
         # Privileges first: reading the schema version needs one of them.
         store.check_privileges(privileges.RESOLVE, "outbox resolve")
-        migrate.refuse_newer(migrate.current_version(store.conn, settings.table), settings.table)
+        migrate.refuse_newer(migrate.version_of(store), settings.table)
         return resolve(store, settings, dry_run=dry_run)
     finally:
         store.close()

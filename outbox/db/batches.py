@@ -184,12 +184,21 @@ class BatchStore(Session):
         statement_timeout: float | None = None,
         lock_timeout: float | None = None,
         note_backend: bool = False,
+        client_deadline: bool = False,
     ) -> None:
         """``note_backend``: look up and keep this session's backend (``backend``), for
         ending it should the connection be lost (the relay's work session); one round
-        trip, which ``outbox resolve``, ``status`` and the console do not need."""
+        trip, which ``outbox resolve``, ``status`` and the console do not need.
+        ``client_deadline``: see ``outbox.db.session.connect`` (``resolve``, ``status``
+        and the console; not the relay)."""
         super().__init__(
-            dsn, table, application_name, connect_timeout, statement_timeout, lock_timeout
+            dsn,
+            table,
+            application_name,
+            connect_timeout,
+            statement_timeout,
+            lock_timeout,
+            client_deadline=client_deadline,
         )
         self._claim: tuple[psycopg.Cursor[tuple[Any, ...]], psycopg.Cursor[Any], bytes] | None = (
             None

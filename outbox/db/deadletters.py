@@ -43,8 +43,15 @@ class DeadLetterStore(Session):
         statement_timeout: float = Settings.statement_timeout,
         lock_timeout: float = Settings.lock_timeout,
     ) -> None:
+        # Only operators (the CLI, the console) use it: bounded on the client too.
         super().__init__(
-            dsn, table, "outbox-dead-letters", connect_timeout, statement_timeout, lock_timeout
+            dsn,
+            table,
+            "outbox-dead-letters",
+            connect_timeout,
+            statement_timeout,
+            lock_timeout,
+            client_deadline=True,
         )
 
     @contextlib.contextmanager

@@ -284,6 +284,18 @@ def current_version(conn: psycopg.Connection[object], table: str) -> int | None:
     return int(version[0]) if version and version[0] is not None else None
 
 
+def version_of(store: session.Session) -> int | None:
+    """``current_version`` on a store's session, driver errors translated (a lost or
+    silent session is ``DatabaseUnavailable``, not a traceback)."""
+    with session.translated(
+        store.conn,
+        "reading the schema version",
+        statement_timeout=store.statement_timeout,
+        lock_timeout=store.lock_timeout,
+    ):
+        return current_version(store.conn, store.table)
+
+
 def require_current(version: int | None, table: str) -> None:
     """Raise unless ``version`` is the one this code was written for."""
     if version is None:
@@ -406,7 +418,9 @@ class _Online:
             settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL
         saved = {name: self._set(name, value) for name, value in settings.items()}
         try:
-            return self._locked(target)
+            # Without statement_timeout, a silent server may be building an index.
+            with session.without_deadline(self.conn):
+                return self._locked(target)
         finally:
             if not self.conn.closed and not self.conn.broken:
                 for name, value in saved.items():
@@ -664,6 +678,7 @@ class _YieldToRelays:
                 self.conninfo,
                 application_name="outbox-init-watch",
                 statement_timeout=WATCH_STATEMENT_TIMEOUT,
+                client_deadline=True,  # __exit__ joins this thread
             )
             watch.row_factory = tuple_row
             with watch:

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 
+from outbox.db.session import ServerSilent
 from outbox.errors import DatabaseRefused, DatabaseUnavailable, StatementTimedOut
 from outbox.redaction import redact
 
@@ -37,8 +38,10 @@ def operator_hints(conn: psycopg.Connection[Any], lost: str) -> Iterator[None]:
         yield
     except (DatabaseUnavailable, DatabaseRefused) as exc:
         cause = exc.__cause__
-        if not isinstance(cause, psycopg.Error):
-            raise  # not a driver error: its hint is the command's own
+        if not isinstance(cause, psycopg.Error) or isinstance(cause, ServerSilent):
+            # Not a driver error, or a server that stopped answering (its hint says
+            # what to look for): the hint is already the command's own.
+            raise
         if isinstance(exc, StatementTimedOut):
             if not isinstance(cause, pgerrors.LockNotAvailable):
                 exc.hint = AGAIN_SLOW

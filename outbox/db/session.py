@@ -10,12 +10,14 @@ server's first line otherwise).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import pq
+from psycopg.abc import PQGen
 from psycopg.rows import dict_row
 
 from outbox import gid as gids
@@ -33,6 +35,118 @@ Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
 
 
+# How long past its ``statement_timeout`` a statement of a session with a client
+# deadline (``connect(client_deadline=True)``) may go without a byte from PostgreSQL
+# before the client gives the session up (``DeadlineConnection``): at least
+# ``SILENCE_MARGIN`` seconds, half the timeout for long ones.  The server's own answer
+# (its statement_timeout or lock_timeout error, which names what held the statement)
+# must win whenever the server still answers, so the margin covers what may delay that
+# answer: the round trip, and a loaded server or client scheduled seconds late.
+SILENCE_MARGIN = 2.0
+
+
+def silence_limit(statement_timeout: float) -> float:
+    """How long a statement's wait may hear nothing before the session is given up."""
+    return statement_timeout + max(SILENCE_MARGIN, statement_timeout / 2)
+
+
+class ServerSilent(psycopg.OperationalError):
+    """PostgreSQL sent nothing for ``silence_limit`` seconds during a statement; the
+    client closed the connection (the statement's outcome is unknown)."""
+
+
+def hint_for(exc: BaseException) -> str:
+    """The hint of a ``DatabaseUnavailable`` raised for ``exc``, if it has its own."""
+    if isinstance(exc, ServerSilent):
+        return (
+            "look for a stopped server or backend, or a network path that drops traffic "
+            "(a firewall, a load balancer); then try again"
+        )
+    return ""
+
+
+class _Silence(Exception):
+    """Raised inside a wait by ``DeadlineConnection._heard`` (never leaves the wait)."""
+
+
+RV = TypeVar("RV")
+# How often a wait wakes up with nothing to read (psycopg's own interval): how late
+# at most a silence is noticed.
+WAIT_INTERVAL = 0.1
+
+
+class DeadlineConnection(psycopg.Connection[Row]):
+    """A connection that does not wait for ever for a server that stopped answering.
+
+    ``statement_timeout`` and ``lock_timeout`` are enforced by the server, whose
+    answer never comes from a stopped backend, a frozen host or a network path that
+    drops traffic while something still acknowledges it (a stateful firewall, a load
+    balancer: TCP keepalives and ``tcp_user_timeout`` then see nothing wrong).  So
+    each wait for a statement's answer (the session ``ACTIVE``) fails once nothing
+    has come from the server for ``silence`` seconds: the connection is closed
+    (``pgconn.finish``) and ``ServerSilent`` raised, which ``translated`` reports as
+    ``DatabaseUnavailable``.  Data arriving restarts the count, so a long result
+    keeps going; waits psycopg bounds itself (``notifies(timeout=…)``, an idle
+    session's ``notifies()``) and pipeline mode (one wait for several statements,
+    each with its own ``statement_timeout``) are not bounded here.
+    """
+
+    silence: float | None = None
+
+    def wait(
+        self, gen: PQGen[RV], interval: float = WAIT_INTERVAL, timeout: float | None = None
+    ) -> RV:
+        silence = self.silence
+        if (
+            silence is None
+            or timeout is not None
+            or self.pgconn.pipeline_status != pq.PipelineStatus.OFF
+        ):
+            return super().wait(gen, interval, timeout)
+        try:
+            return super().wait(self._heard(gen, silence), interval, None)
+        except _Silence:
+            self.pgconn.finish()
+            raise ServerSilent(
+                f"nothing came from PostgreSQL for {silence:g} s during a statement; "
+                "the connection was closed"
+            ) from None
+
+    def _heard(self, gen: PQGen[RV], silence: float) -> PQGen[RV]:
+        """``gen``, failing with ``_Silence`` once a statement in flight has heard
+        nothing for ``silence`` seconds (the wait wakes up every ``interval``)."""
+        pgconn = self.pgconn
+        heard = time.monotonic()
+        try:
+            waiting = next(gen)
+            while True:
+                ready = yield waiting
+                now = time.monotonic()
+                if ready or pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+                    heard = now
+                elif now - heard >= silence:
+                    gen.close()
+                    raise _Silence
+                waiting = gen.send(ready)
+        except StopIteration as done:
+            result: RV = done.value
+            return result
+
+
+@contextlib.contextmanager
+def without_deadline(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """No client deadline on ``conn`` meanwhile (e.g. while its ``statement_timeout``
+    is 0: an online migration's index builds may take long, silent, on a live server)."""
+    if not isinstance(conn, DeadlineConnection):
+        yield
+        return
+    saved, conn.silence = conn.silence, None
+    try:
+        yield
+    finally:
+        conn.silence = saved
+
+
 def connect(
     dsn: str,
     *,
@@ -40,6 +154,7 @@ def connect(
     connect_timeout: float = 10.0,
     statement_timeout: float | None = None,
     lock_timeout: float | None = None,
+    client_deadline: bool = False,
 ) -> Conn:
     """An autocommit connection, or ``DatabaseUnavailable`` saying what to check.
 
@@ -50,11 +165,24 @@ def connect(
     (``client_connection_check_interval``, PostgreSQL ≥ 14): a relay killed during
     a claim no longer leaves its backend running the claim, holding rows and CPU.
     ``lock_timeout`` alone bounds only the waits for locks.
+
+    ``client_deadline`` (with ``statement_timeout``): the client too gives up a
+    statement the server has not answered within ``silence_limit(statement_timeout)``
+    (``DeadlineConnection``): the operator tools and the console, which a person
+    waits for.  The relay and the consumer have their own liveness checks, pipeline
+    several statements in one wait and may wait for a synchronous standby on COMMIT
+    PREPARED, which ``statement_timeout`` does not bound.
     """
+    deadline = client_deadline and statement_timeout is not None
+    options = connect_options(application_name=application_name, timeout=connect_timeout)
     try:
-        conn = psycopg.connect(
-            dsn, **connect_options(application_name=application_name, timeout=connect_timeout)
-        )
+        if deadline:
+            assert statement_timeout is not None
+            bounded = DeadlineConnection.connect(dsn, **options)
+            bounded.silence = silence_limit(statement_timeout)
+            conn: Conn = bounded
+        else:
+            conn = psycopg.connect(dsn, **options)
     except psycopg.OperationalError as exc:
         raise cannot_connect(exc) from exc
     if statement_timeout is not None or lock_timeout is not None:
@@ -63,7 +191,7 @@ def connect(
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(
-                f"cannot configure the PostgreSQL session: {first_line(exc)}"
+                f"cannot configure the PostgreSQL session: {first_line(exc)}", hint_for(exc)
             ) from exc
     return conn
 
@@ -279,6 +407,10 @@ def translated(
     except OutboxError:
         raise
     except psycopg.Error as exc:
+        if isinstance(exc, ServerSilent):
+            raise DatabaseUnavailable(
+                f"PostgreSQL did not answer while {what}: {first_line(exc)}", hint_for(exc)
+            ) from exc
         if session_lost(conn, exc):
             raise DatabaseUnavailable(
                 f"lost the PostgreSQL connection while {what}: {first_line(exc)}",
@@ -329,6 +461,7 @@ class Session:
         connect_timeout: float,
         statement_timeout: float | None = None,
         lock_timeout: float | None = None,
+        client_deadline: bool = False,
     ):
         self.table = table
         self.queries = Queries(table)
@@ -340,6 +473,7 @@ class Session:
             connect_timeout=connect_timeout,
             statement_timeout=statement_timeout,
             lock_timeout=lock_timeout,
+            client_deadline=client_deadline,
         )
 
     @contextlib.contextmanager

@@ -53,7 +53,7 @@ from psycopg.types.json import Jsonb
 from outbox.config import Settings
 from outbox.db.operator import operator_hints
 from outbox.db.queries import LISTED, load_blocks, search_terms
-from outbox.db.session import connect, first_line, translated
+from outbox.db.session import connect, first_line, hint_for, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
 
@@ -231,6 +231,10 @@ def _held() -> Iterator[None]:
 
 
 class InboxStore:
+    # Whether sessions get a client deadline (``outbox.db.session.connect``): not the
+    # consumer's (its handlers' statements have no statement_timeout).
+    client_deadline = False
+
     def __init__(
         self,
         dsn: str,
@@ -268,6 +272,7 @@ class InboxStore:
             connect_timeout=self._connect_timeout,
             statement_timeout=self.statement_timeout,
             lock_timeout=self.lock_timeout,
+            client_deadline=self.client_deadline,
         )
         # outbox.db.session gives dict rows; handlers get psycopg's default tuples.
         conn.row_factory = tuple_row
@@ -286,7 +291,8 @@ class InboxStore:
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(
-                f"cannot configure the consumer's PostgreSQL session: {first_line(exc)}"
+                f"cannot configure the consumer's PostgreSQL session: {first_line(exc)}",
+                hint_for(exc),
             ) from exc
         return conn
 
@@ -631,6 +637,8 @@ PARKED_SESSION_LOST = (
 
 class ParkedStore(InboxStore):
     """What ``outbox parked`` reads and changes (any consumer's rows in the table)."""
+
+    client_deadline = True  # an operator's: bounded on the client too
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ def open_reader(settings: Settings, application_name: str = "outbox-status") -> 
         connect_timeout=settings.connect_timeout,
         statement_timeout=settings.statement_timeout,
         lock_timeout=settings.lock_timeout,
+        client_deadline=True,
     )
 
 
@@ -60,7 +61,7 @@ def read(settings: Settings) -> Observation:
     store = open_reader(settings)
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
-        version = migrate.current_version(store.conn, settings.table)
+        version = migrate.version_of(store)
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint
         migrate.refuse_newer(version, settings.table)

@@ -47,6 +47,7 @@ class Upgrade:
             # statement_timeout: an index build may take long); these bound the rest.
             statement_timeout=self.settings.statement_timeout,
             lock_timeout=self.settings.lock_timeout,
+            client_deadline=True,
         )
         try:
             return migrate.migrate(

@@ -14,19 +14,21 @@ logged with who asked, what and how many (``web.*`` events).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import pathlib
 import re
+import threading
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import jinja2
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
@@ -49,6 +51,65 @@ from outbox.web.sampler import Sampler
 log = logging.getLogger("outbox.web")
 
 HERE = pathlib.Path(__file__).parent
+# The most database and broker calls the console runs at once (``Calls``); a request
+# beyond waits, without a thread, for one to end.
+CALLS_AT_ONCE = 16
+T = TypeVar("T")
+
+
+class Calls:
+    """Runs the console's blocking calls (database, broker), each on a thread of its
+    own that ends with it, at most ``most`` at once.
+
+    Every call is bounded (the sessions' client deadline, ``outbox.db.session``; the
+    broker's timeouts), so a request is answered, if only with an error page, within
+    a bounded time, and a slot frees within that time too.  Unlike a thread pool, no
+    idle thread is left behind, and a slot is freed when its thread ends, not when a
+    request that gave up stops waiting for it: there are never more than ``most``
+    call threads, nor more sessions on PostgreSQL.
+    """
+
+    def __init__(self, most: int = CALLS_AT_ONCE) -> None:
+        self.most = most
+        self._slots: asyncio.Semaphore | None = None  # made in the server's loop
+
+    async def __call__(self, call: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.most)
+        slots = self._slots
+        await slots.acquire()
+        answer: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            slots.release()
+            if answer.cancelled():
+                return
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(result)  # type: ignore[arg-type]
+
+        def run(context: contextvars.Context) -> None:
+            result: T | None = None
+            error: BaseException | None = None
+            try:
+                result = context.run(call, *args)
+            except BaseException as exc:  # handed to the request, as the pool would
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the server's loop is closed
+                loop.call_soon_threadsafe(settle, result, error)
+
+        try:
+            threading.Thread(
+                target=run, args=(contextvars.copy_context(),), name="outbox-web-call", daemon=True
+            ).start()
+        except BaseException:
+            slots.release()
+            raise
+        return await answer
+
+
 # The longest form a POST may send: a page of ids (1,000 parked message ids of up to
 # 255 bytes, percent-encoded) fits; a longer body is refused before it is read.
 MAX_FORM_BYTES = 1024 * 1024
@@ -294,6 +355,7 @@ def create_app(
     )
     pages = Pages(config)
     cfg = config.console
+    calls = Calls()
     sampler = Sampler(cfg)
     # Two downloads at a time: each may hold DOWNLOAD_MOST bytes.
     downloads = anyio.Semaphore(2)
@@ -389,12 +451,12 @@ def create_app(
     # -- overview ----------------------------------------------------------------
     async def overview(request: Request) -> Response:
         sampler.start()
-        data = await run_in_threadpool(sampler.overview)
+        data = await calls(sampler.overview)
         return pages.render(request, "overview.html", **data, charts=sampler.charts())
 
     async def overview_panel(request: Request) -> Response:
         sampler.start()
-        data = await run_in_threadpool(sampler.overview)
+        data = await calls(sampler.overview)
         return pages.render(request, "_overview_panel.html", **data, charts=sampler.charts())
 
     # -- dead letters --------------------------------------------------------------
@@ -402,9 +464,7 @@ def create_app(
         settings = outbox_of(request)
         query = search_text(request)
         offset = page_offset(request)
-        listing = await run_in_threadpool(
-            console.dead_letter_listing, settings, query, offset, cfg.list_limit
-        )
+        listing = await calls(console.dead_letter_listing, settings, query, offset, cfg.list_limit)
         template = "_dead_letter_listing.html" if request.headers.get("hx-request") else None
         return pages.render(
             request,
@@ -419,7 +479,7 @@ def create_app(
     async def dead_letter(request: Request) -> Response:
         settings = outbox_of(request)
         row_id = one_row_number(request.path_params["row_id"], "a dead letter")
-        found = await run_in_threadpool(console.dead_letter, settings, row_id)
+        found = await calls(console.dead_letter, settings, row_id)
         if found is None:
             raise HTTPException(404, f"no dead letter with row id {row_id} in {settings.table}")
         return pages.render(request, "dead_letter.html", table=settings.table, **found)
@@ -431,7 +491,7 @@ def create_app(
         if what not in ("payload", "headers"):
             raise HTTPException(404, "a dead letter's downloads are its payload and headers")
         async with downloads:
-            found = await run_in_threadpool(console.dead_letter_value, settings, row_id, what)
+            found = await calls(console.dead_letter_value, settings, row_id, what)
         return download(found, f"dead-letter-{row_id}-{what}", settings.table)
 
     async def dead_letters_confirm(request: Request) -> Response:
@@ -450,7 +510,7 @@ def create_app(
             raise HTTPException(400, str(exc)) from None
         if len(reason_of) > 1:
             raise HTTPException(400, "reason_of names one row (a group at a time)")
-        selection = await run_in_threadpool(
+        selection = await calls(
             lambda: console.select_dead_letters(
                 settings,
                 ids,
@@ -459,11 +519,7 @@ def create_app(
                 limit=cfg.list_limit,
             )
         )
-        rows = (
-            await run_in_threadpool(console.plan_dead_letters, settings, selection)
-            if selection
-            else []
-        )
+        rows = await calls(console.plan_dead_letters, settings, selection) if selection else []
         # Posted back by number: the rows, and for each key a few of its rows.
         keyed: dict[str, list[int]] = {}
         for row in rows:
@@ -494,11 +550,11 @@ def create_app(
             raise HTTPException(400, str(exc)) from None
         if not (ids or key_of):
             raise HTTPException(400, "nothing selected")
-        selection = await run_in_threadpool(
+        selection = await calls(
             lambda: console.select_dead_letters(settings, ids, key_of=key_of, limit=0)
         )
         act = console.retry_dead_letters if action == "retry" else console.purge_dead_letters
-        done = await run_in_threadpool(act, settings, selection)
+        done = await calls(act, settings, selection)
         audit(
             "web.dead_letters_retried" if action == "retry" else "web.dead_letters_purged",
             who=request.state.who,
@@ -526,9 +582,7 @@ def create_app(
         target = inbox_of(request)
         query = search_text(request)
         offset = page_offset(request)
-        listing = await run_in_threadpool(
-            console.parked_listing, target, query, offset, cfg.list_limit
-        )
+        listing = await calls(console.parked_listing, target, query, offset, cfg.list_limit)
         template = "_parked_listing.html" if request.headers.get("hx-request") else None
         return pages.render(
             request,
@@ -544,7 +598,7 @@ def create_app(
     async def parked_message(request: Request) -> Response:
         target = inbox_of(request)
         parked_id = one_row_number(request.path_params["parked_id"], "a parked message")
-        found = await run_in_threadpool(console.parked_message, target, parked_id)
+        found = await calls(console.parked_message, target, parked_id)
         if found is None:
             raise HTTPException(404, f"no parked message {parked_id} in {target.table}_parked")
         return pages.render(request, "parked_message.html", inbox=target.table, **found)
@@ -556,7 +610,7 @@ def create_app(
         if what not in ("body", "headers", "properties"):
             raise HTTPException(404, "a parked message's downloads are body, headers, properties")
         async with downloads:
-            found = await run_in_threadpool(console.parked_value, target, parked_id, what)
+            found = await calls(console.parked_value, target, parked_id, what)
         return download(found, f"parked-{parked_id}-{what}", target.table)
 
     async def parked_confirm(request: Request) -> Response:
@@ -571,7 +625,7 @@ def create_app(
             raise HTTPException(400, str(exc)) from None
         if len(group_of) > 1:
             raise HTTPException(400, "group_of names one row (a group at a time)")
-        ids = await run_in_threadpool(
+        ids = await calls(
             lambda: console.select_parked(
                 target,
                 numbers,
@@ -579,7 +633,7 @@ def create_app(
                 limit=cfg.list_limit,
             )
         )
-        rows = await run_in_threadpool(console.plan_parked, target, ids) if ids else []
+        rows = await calls(console.plan_parked, target, ids) if ids else []
         return pages.render(
             request,
             "confirm_parked.html",
@@ -601,14 +655,12 @@ def create_app(
             raise HTTPException(400, str(exc)) from None
         if not numbers:
             raise HTTPException(400, "nothing selected")
-        ids = await run_in_threadpool(
-            lambda: console.select_parked(target, numbers, limit=cfg.list_limit)
-        )
+        ids = await calls(lambda: console.select_parked(target, numbers, limit=cfg.list_limit))
         if action == "retry":
-            retried = await run_in_threadpool(console.retry_parked, target, config.amqp_url, ids)
+            retried = await calls(console.retry_parked, target, config.amqp_url, ids)
             count, rows = len(retried), [{"message_id": m} for m in retried]
         else:
-            count = await run_in_threadpool(console.purge_parked, target, ids) if ids else 0
+            count = await calls(console.purge_parked, target, ids) if ids else 0
             rows = []
         audit(
             "web.parked_retried" if action == "retry" else "web.parked_purged",
@@ -637,7 +689,7 @@ def create_app(
         # probe record to the ledger stream (to know where it ends), and a GET must
         # not write (an <img> on any web page can send one).  The dry run is a POST.
         settings = outbox_of(request)
-        report = await run_in_threadpool(console.status_report, settings, cfg)
+        report = await calls(console.status_report, settings, cfg)
         return pages.render(
             request,
             "in_doubt.html",
@@ -650,7 +702,7 @@ def create_app(
     async def dry_run(request: Request) -> Response:
         form = await checked_form(request, "resolve_dry_run")
         settings = outbox_of(request, form)
-        results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=True))
+        results = await calls(lambda: console.resolve_pass(settings, dry_run=True))
         return pages.render(
             request, "in_doubt.html", table=settings.table, results=results, applied=False
         )
@@ -658,7 +710,7 @@ def create_app(
     async def resolve(request: Request) -> Response:
         form = await checked_form(request, "resolve")
         settings = outbox_of(request, form)
-        results = await run_in_threadpool(lambda: console.resolve_pass(settings, dry_run=False))
+        results = await calls(lambda: console.resolve_pass(settings, dry_run=False))
         finished = [r for r in results if r.finished]
         audit(
             "web.resolved",
@@ -734,7 +786,7 @@ def create_app(
         try:
             yield
         finally:
-            await run_in_threadpool(sampler.stop)
+            await calls(sampler.stop)
 
     return Starlette(
         lifespan=lifespan,

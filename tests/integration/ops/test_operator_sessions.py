@@ -1,11 +1,14 @@
 """Issue 30, item 1 and issue 31, item 3: every database session of every command an
-operator runs has a ``statement_timeout`` and a ``lock_timeout``.
+operator runs has a ``statement_timeout`` and a ``lock_timeout``, and a client
+deadline (``outbox.db.session.DeadlineConnection``): a PostgreSQL that stops answering
+cannot hang the command where the server's timeouts never answer.
 
 The commands are walked from the click group itself, so a command added later is
 covered (or must be named among the exclusions, with why).  Each one runs in this
-process against a real database; every connection it opens (``psycopg.connect``,
-which ``outbox.db.session.connect`` wraps) is asked for its settings just before
-it is closed (or at the end, if never closed).
+process against a real database; every connection it opens (``psycopg.connect`` or
+a ``psycopg.Connection`` subclass's ``connect``, which ``outbox.db.session.connect``
+wraps) is asked for its settings just before it is closed (or at the end, if never
+closed).
 """
 
 from __future__ import annotations
@@ -64,10 +67,14 @@ class Sessions:
     def __init__(self) -> None:
         self.opened: list[psycopg.Connection[Any]] = []
         self.bounds: dict[int, tuple[str, str]] = {}
+        # Each session's client deadline (``DeadlineConnection.silence``), read with
+        # its bounds: None for a session without one.
+        self.deadlines: dict[int, float | None] = {}
 
     def read(self, conn: psycopg.Connection[Any]) -> None:
         if id(conn) in self.bounds or conn.closed or conn.broken:
             return
+        self.deadlines[id(conn)] = getattr(conn, "silence", None)
         try:
             cur = conn.cursor(row_factory=psycopg.rows.tuple_row)
             row = cur.execute(
@@ -83,14 +90,27 @@ class Sessions:
             self.read(conn)
         return [b for b in self.bounds.values() if "0" in b or b[0].startswith("unreadable")]
 
+    def without_deadline(self) -> list[str]:
+        """The sessions (their bounds) with no client deadline."""
+        for conn in self.opened:
+            self.read(conn)
+        return [str(self.bounds[k]) for k, silence in self.deadlines.items() if silence is None]
+
 
 @contextlib.contextmanager
 def watching(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sessions]:
     sessions = Sessions()
     connect, close = psycopg.connect, psycopg.Connection.close
+    # Connection.connect as a function: also what subclasses (DeadlineConnection) call.
+    class_connect = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
 
     def connecting(*args: Any, **kwargs: Any) -> Any:
         conn = connect(*args, **kwargs)
+        sessions.opened.append(conn)
+        return conn
+
+    def class_connecting(cls: type[psycopg.Connection[Any]], *args: Any, **kwargs: Any) -> Any:
+        conn = class_connect(cls, *args, **kwargs)
         sessions.opened.append(conn)
         return conn
 
@@ -101,6 +121,7 @@ def watching(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sessions]:
 
     with monkeypatch.context() as patched:
         patched.setattr(psycopg, "connect", connecting)
+        patched.setattr(psycopg.Connection, "connect", classmethod(class_connecting))
         patched.setattr(psycopg.Connection, "close", closing)
         yield sessions
 
@@ -118,7 +139,7 @@ def exercise_console(config: Any, port: int) -> None:
 
 
 @pytest.mark.parametrize("command", sorted(OPERATOR_COMMANDS), ids=" ".join)
-def test_operator_command__every_session_has_statement_and_lock_timeouts(
+def test_operator_command__every_session_has_statement_and_lock_timeouts_and_a_deadline(
     command: tuple[str, ...],
     dsn: str,
     topology: Topology,
@@ -139,3 +160,4 @@ def test_operator_command__every_session_has_statement_and_lock_timeouts(
     assert exited.value.code in (0, 1), exited.value.code  # 1: status' "attention"
     assert sessions.opened, "the command opened no session: its arguments do no work"
     assert sessions.unbounded() == []
+    assert sessions.without_deadline() == []

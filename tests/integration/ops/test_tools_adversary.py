@@ -180,13 +180,6 @@ def inbox_dsn(dsn: str) -> str:
 
 
 # -- a PostgreSQL that stops answering ------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="no client-side bound on a statement: statement_timeout and lock_timeout are "
-    "enforced by the server, whose answer never arrives; keepalives are acknowledged, "
-    "so every operator command waits for ever (outbox/db/session.py connect_options: no "
-    "tcp_user_timeout, no client deadline)",
-)
 def test_operator_commands__a_postgresql_that_stops_answering_mid_statement_ends_them(
     inbox_dsn: str,
 ) -> None:
@@ -226,11 +219,6 @@ def backend_waiting_for_a_lock(dsn: str, application_name: str) -> int | None:
     return int(row[0]) if row else None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no client-side bound on a statement: a stopped backend can neither time out "
-    "nor answer, and the command waits for ever (outbox/db/session.py)",
-)
 def test_parked_list__a_stopped_backend_does_not_hang_it(inbox_dsn: str) -> None:
     """Shape: ``parked list`` waits for a lock another session holds (ACCESS EXCLUSIVE on
     the parked table) and its backend is then stopped (SIGSTOP, as a backend stuck in
@@ -305,13 +293,6 @@ def get(url: str, timeout: float) -> int | str:
         return f"no answer: {exc!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the console's requests run unbounded database calls on the threadpool: a "
-    "PostgreSQL that stops answering holds each request's thread and session for ever, "
-    "and once the threadpool's 40 threads are taken nothing that needs one answers "
-    "(outbox/web/app.py run_in_threadpool; outbox/db/session.py)",
-)
 def test_web__fifty_requests_to_a_postgresql_that_stops_answering_are_each_answered(
     inbox_dsn: str, settings: Settings
 ) -> None:
