@@ -292,17 +292,17 @@ def test_parked_list__a_postgresql_answer_that_trickles_does_not_hang_it(
     path to PostgreSQL, from its first statement on, hands the server's answer over
     one byte a second (a degraded link, a proxy dribbling; the answer of that
     statement is about 80 bytes).  The server answered within its statement timeout;
-    the command must still end within a generous 12 s (exit 3).  What happened: still
-    running after 12 s (it would take over a minute): ``DeadlineConnection._heard``
+    the command must still end within a generous 9 s (exit 3).  What happened: still
+    running after 9 s (it would take over a minute): ``DeadlineConnection._heard``
     restarts its count on every readable byte, even one that completes no message, so
     a statement's wait has no bound while anything trickles in."""
     host, port = pg_host_port(inbox_dsn)
     with trickling_proxy(host, port, b"to_regclass", gap=1.0) as proxy:
         env = cli_env(proxied_dsn(inbox_dsn, proxy))
         with started({"it": ["parked", "list"]}, env) as procs:
-            hung = still_running_after(procs, 12)
+            hung = still_running_after(procs, 9)
         assert proxy.trickling, "the proxy never saw the statement"
-    assert hung == [], "parked list still runs 12 s into a trickling answer"
+    assert hung == [], "parked list still runs 9 s into a trickling answer"
     it = procs["it"]
     assert it.returncode == 3, it.stderr
 
@@ -335,9 +335,10 @@ def test_web__connect_timeout_bounds_the_inbox_sessions_too(inbox_dsn: str) -> N
     sends its startup packet) never completes a connection.  --connect-timeout is
     "Seconds to wait when connecting to either server": the Parked page must be
     answered (an error page) within a generous 6 s.  What happened: about 10 s, each
-    time: ``console.parked_store`` builds ``ParkedStore`` without ``connect_timeout``
-    (``InboxTarget`` carries none), so the inbox's sessions wait ``ParkedStore``'s
-    default of 10 s whatever the option says; the charts sampler's inbox sessions too."""
+    time (no answer within the test's 7 s): ``console.parked_store`` builds
+    ``ParkedStore`` without ``connect_timeout`` (``InboxTarget`` carries none), so
+    the inbox's sessions wait ``ParkedStore``'s default of 10 s whatever the option
+    says; the charts sampler's inbox sessions too."""
     host, port = pg_host_port(inbox_dsn)
     web_port = _free_port()
     with stalling_proxy(host, port, b"user\x00") as proxy:
@@ -359,7 +360,46 @@ def test_web__connect_timeout_bounds_the_inbox_sessions_too(inbox_dsn: str) -> N
                 lambda: isinstance(_timed_get(base + "/static/console.css", 1)[1], int),
                 what="the console to start",
             )
-            took, answer = _timed_get(base + "/parked", 20)
+            took, answer = _timed_get(base + "/parked", 7)
         assert proxy.stalled, "the inbox session never connected through the proxy"
-    assert isinstance(answer, int) and answer >= 500, answer
-    assert took < 6, f"the Parked page took {took:.1f} s"
+    assert isinstance(answer, int) and took < 6, f"the Parked page: {answer} after {took:.1f} s"
+    assert answer >= 500, answer
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a message whose header frame the broker refuses (FRAME_ERROR) ends the whole retry",
+)
+def test_parked_retry__headers_larger_than_a_frame_do_not_block_the_others(
+    inbox_dsn: str, topology: Topology
+) -> None:
+    """Shape: the oldest parked message has a 300 kB header table (larger than the
+    128 kB frame pika negotiates: a consumer whose broker connection allowed larger
+    frames delivered and parked it; or a row written by hand), two more are plain.
+    ``parked retry --all`` must send the two back and keep the big one parked, saying
+    why (exit 1), as for a message the broker returns or nacks.  What happened: exit 3,
+    "RabbitMQ did not take parked message huge1 …: FrameError(501, 'FRAME_ERROR …
+    frame_too_large …')" with the hint "check that the queue exists", nothing sent, on
+    every run: the broker closes the connection on the oversized content header, and
+    ``parked retry`` (``QueuePublisher``) treats that as the end of the run instead of a
+    bad message (its budget counts the headers, but nothing checks them against the
+    connection's frame_max before publishing)."""
+    insert_parked(inbox_dsn, topology.queue, 1, message_id="'huge' || i")
+    with psycopg.connect(inbox_dsn) as conn:
+        conn.execute(
+            f"UPDATE {INBOX}_parked SET headers = jsonb_build_object('h', repeat('h', 300000))"
+        )
+    insert_parked(inbox_dsn, topology.queue, 2, message_id="'good' || i")
+    done = subprocess.run(
+        [*outbox_command(), "parked", "retry", "--all"],
+        env=cli_env(inbox_dsn, topology.amqp_url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    arrived = sorted(props.message_id for _method, props, _body in topology.messages())
+    assert arrived == ["good1", "good2"], (arrived, done.stderr)
+    assert count(inbox_dsn, f"SELECT count(*) FROM {INBOX}_parked") == 1
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "queue exists" not in done.stderr, done.stderr
