@@ -374,16 +374,17 @@ def test_parked_retry__headers_larger_than_a_frame_do_not_block_the_others(
     inbox_dsn: str, topology: Topology
 ) -> None:
     """Shape: the oldest parked message has a 300 kB header table (larger than the
-    128 kB frame pika negotiates: a consumer whose broker connection allowed larger
-    frames delivered and parked it; or a row written by hand), two more are plain.
+    128 kB frame the retry's connection negotiates) and no raw properties (a row
+    parked before they were kept, as ``QueuePublisher.publish`` still takes; or a
+    consumer whose broker connection allowed larger frames); two more are plain.
     ``parked retry --all`` must send the two back and keep the big one parked, saying
     why (exit 1), as for a message the broker returns or nacks.  What happened: exit 3,
     "RabbitMQ did not take parked message huge1 …: FrameError(501, 'FRAME_ERROR …
     frame_too_large …')" with the hint "check that the queue exists", nothing sent, on
-    every run: the broker closes the connection on the oversized content header, and
-    ``parked retry`` (``QueuePublisher``) treats that as the end of the run instead of a
-    bad message (its budget counts the headers, but nothing checks them against the
-    connection's frame_max before publishing)."""
+    every run: the broker closes the connection on the oversized content header,
+    which ends the run.  ``QueuePublisher._fitting`` checks the frame only for rows
+    with raw properties, and even there falls back to the raw list as it arrived
+    when nothing fits; the ``amqp.Message`` path (no raw properties) checks nothing."""
     insert_parked(inbox_dsn, topology.queue, 1, message_id="'huge' || i")
     with psycopg.connect(inbox_dsn) as conn:
         conn.execute(
