@@ -8,7 +8,9 @@ Each test states the shape it tries and, for an ``xfail``, what went wrong.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import signal
 import socket
@@ -24,11 +26,15 @@ import pika
 import psycopg
 import pytest
 
+from outbox.config import Settings
 from outbox.db import migrate
 from outbox.db.devcluster import PostgresCluster
+from outbox.web.app import WebConfig
+from outbox.web.console import ConsoleConfig, InboxTarget
+from outbox.web.security import Credentials
 from tests.fixtures.faults import TcpProxy, proxied_dsn, wait_for
 from tests.fixtures.servers import Topology
-from tests.fixtures.web import create_inbox
+from tests.fixtures.web import create_inbox, start_console
 from tests.integration.ops.test_tools_adversary import (
     INBOX,
     cli_env,
@@ -404,3 +410,40 @@ def test_parked_retry__headers_larger_than_a_frame_do_not_block_the_others(
     assert count(inbox_dsn, f"SELECT count(*) FROM {INBOX}_parked") == 1
     assert done.returncode == 1, (done.returncode, done.stderr)
     assert "queue exists" not in done.stderr, done.stderr
+
+
+def test_web__static_files_and_shutdown_while_every_call_slot_is_stalled(
+    inbox_dsn: str, settings: Settings
+) -> None:
+    """Shape: the console (statement timeout 1 s: a 3 s client deadline) whose
+    PostgreSQL stops answering once a query is sent; 24 requests for the Parked and
+    Dead letters pages at once take all 16 of ``Calls``' slots and queue behind them.
+    Meanwhile a request that needs no database (a static file) must be answered
+    within 1 s, and the server asked to stop must have stopped within 12 s."""
+    host, port = pg_host_port(inbox_dsn)
+    with stalling_proxy(host, port, b"FROM") as proxy:
+        proxied = proxied_dsn(inbox_dsn, proxy)
+        outbox_settings = dataclasses.replace(
+            settings, dsn=proxied, statement_timeout=1.0, lock_timeout=1.0, connect_timeout=2.0
+        )
+        inbox = InboxTarget(proxied, INBOX, statement_timeout=1.0, lock_timeout=1.0)
+        config = ConsoleConfig((outbox_settings,), (inbox,), sample_seconds=3600)
+        console = start_console(WebConfig(config, settings.amqp_url, Credentials()))
+        pool = concurrent.futures.ThreadPoolExecutor(24)
+        try:
+            pages = [console.url + p for p in ["/parked", "/dead-letters"] * 12]
+            pending = [pool.submit(_timed_get, url, 15) for url in pages]
+            wait_for(lambda: proxy.stalled >= 8, 10, "the calls to stall")
+            took, answer = _timed_get(console.url + "/static/console.css", 5)
+            assert answer == 200 and took < 1, (answer, took)
+            began = time.monotonic()
+            console.stop()
+            stopped_after = time.monotonic() - began
+            assert not console.thread.is_alive(), "the console still runs"
+            assert stopped_after < 12, stopped_after
+        finally:
+            proxy.cut_all()
+            console.stop()
+            for future in pending:
+                future.result()
+            pool.shutdown()
