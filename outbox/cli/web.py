@@ -132,6 +132,7 @@ def web(
                 InboxTarget(
                     inbox_dsn,
                     t,
+                    connect_timeout=settings.connect_timeout,
                     statement_timeout=settings.statement_timeout,
                     lock_timeout=settings.lock_timeout,
                     publish_timeout=settings.publish_timeout,

@@ -761,6 +761,16 @@ class QueuePublisher:
                 application_headers=headers,
                 **kept,
             )
+        size, limit = len(message._serialize_properties()), self._properties_limit()
+        if size > limit:
+            # The broker would close the connection on it (FRAME_ERROR), ending the run.
+            raise NotTaken(
+                f"its properties and headers take {size:,} bytes, more than one frame "
+                f"holds ({limit:,} bytes under the broker's frame_max): it cannot be sent "
+                "as it is",
+                "purge it (`outbox parked purge ID`), or retry it against a broker that "
+                "negotiates a larger frame_max",
+            )
         self._returned.clear()
         try:
             # The return of an unroutable message comes before its confirm (an ack):
@@ -796,13 +806,18 @@ class QueuePublisher:
                 "declare the queue again (or purge the message), then retry it",
             )
 
+    def _properties_limit(self) -> int:
+        """The longest property list one content header frame holds: a frame's
+        payload is frame_max - 8 bytes, a content header's 12 + its properties."""
+        return int(self.conn.connection.frame_max) - 8 - 12
+
     def _fitting(self, raw_properties: bytes, headers: dict[str, Any]) -> bytes:
         """``for_retry``'s property list if it fits in one frame (the broker closes
         the connection on a larger one, so the message could never be retried);
         else without ``headers`` (the handler then sees the default exchange and
-        the queue as routing key), else exactly as it arrived."""
-        # A frame's payload is frame_max - 8; a content header's is 12 + properties.
-        limit = int(self.conn.connection.frame_max) - 8 - 12
+        the queue as routing key), else exactly as it arrived (which ``publish``
+        then refuses: ``NotTaken``)."""
+        limit = self._properties_limit()
         for extra in (headers, {}):
             properties = wire.for_retry(raw_properties, extra)
             if len(properties) <= limit:

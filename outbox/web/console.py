@@ -69,6 +69,7 @@ class InboxTarget:
 
     dsn: str
     table: str
+    connect_timeout: float = Settings.connect_timeout  # its sessions' and the broker's
     statement_timeout: float = Settings.statement_timeout
     lock_timeout: float = Settings.lock_timeout
     publish_timeout: float = Settings.publish_timeout
@@ -287,6 +288,7 @@ def parked_store(target: InboxTarget) -> ParkedStore:
     return ParkedStore(
         target.dsn,
         target.table,
+        connect_timeout=target.connect_timeout,
         statement_timeout=target.statement_timeout,
         lock_timeout=target.lock_timeout,
     )
@@ -546,7 +548,11 @@ def retry_parked(target: InboxTarget, amqp_url: str, message_ids: Sequence[str])
     store = parked_store(target)
     try:
         return parked_ops.retry(
-            store, amqp_url, list(message_ids), confirm_timeout=target.publish_timeout
+            store,
+            amqp_url,
+            list(message_ids),
+            connect_timeout=target.connect_timeout,
+            confirm_timeout=target.publish_timeout,
         )
     finally:
         store.close()

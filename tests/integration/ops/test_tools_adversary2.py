@@ -121,10 +121,6 @@ def test_ctrl_c_while_postgresql_is_silent_is_one_line_and_exit_130(
         assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="outbox.entry's SIGINT handler writes a plain line whatever OUTBOX_LOG_FORMAT says",
-)
 def test_ctrl_c_while_the_cli_loads_is_one_json_object_with_json_logs(inbox_dsn: str) -> None:
     """Shape: ``outbox parked list`` with ``OUTBOX_LOG_FORMAT=json`` sent SIGINT while
     the command line still loads (just after ``outbox.entry`` is imported, told by
@@ -331,10 +327,6 @@ def _timed_get(url: str, timeout: float) -> tuple[float, int | str]:
     return time.monotonic() - began, answer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the console's inbox sessions connect with ParkedStore's 10 s default",
-)
 def test_web__connect_timeout_bounds_the_inbox_sessions_too(inbox_dsn: str) -> None:
     """Shape: ``outbox web --connect-timeout 2 --inbox-dsn …`` whose inbox database
     (a path to it that accepts TCP connections, then forwards nothing once the client
@@ -372,10 +364,6 @@ def test_web__connect_timeout_bounds_the_inbox_sessions_too(inbox_dsn: str) -> N
     assert answer >= 500, answer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a message whose header frame the broker refuses (FRAME_ERROR) ends the whole retry",
-)
 def test_parked_retry__headers_larger_than_a_frame_do_not_block_the_others(
     inbox_dsn: str, topology: Topology
 ) -> None:
