@@ -26,7 +26,8 @@ class ExitCode(enum.IntEnum):
     # or a privilege missing
     SCHEMA_TOO_NEW = 5  # the schema was migrated by a newer outbox-relay than this one
     TIMED_OUT = 6  # a statement or lock wait outlived --statement-timeout/--lock-timeout
-    # (the error names what held it), or a publish its --publish-timeout
+    # (the error names what held it), a publish its --publish-timeout, or an operator's
+    # commit the synchronous standby it waits for
     INTERRUPTED = 130  # Ctrl-C (SIGINT) before the command finished: 128 + SIGINT
 
 
@@ -141,6 +142,14 @@ class GidHeld(OutcomeUnknown):
 class StatementTimedOut(DatabaseUnavailable):
     """PostgreSQL cancelled a statement (``statement_timeout``/``lock_timeout``): the
     relay and the consumer retry it; an operator's command exits 6, naming what held it."""
+
+    exit_code = ExitCode.TIMED_OUT
+
+
+class CommitAwaitsStandby(DatabaseUnavailable):
+    """An operator's statement took effect on the primary, whose commit then waited
+    for a synchronous standby (``synchronous_standby_names``) past the client deadline:
+    the session was given up, the change stays committed on the primary.  Exit 6."""
 
     exit_code = ExitCode.TIMED_OUT
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pgerrors
-from psycopg import pq
+from psycopg import pq, waiting
 from psycopg.abc import PQGen
 from psycopg.rows import dict_row
 
@@ -24,6 +24,7 @@ from outbox import gid as gids
 from outbox.db import privileges
 from outbox.db.queries import Queries
 from outbox.errors import (
+    CommitAwaitsStandby,
     DatabaseRefused,
     DatabaseUnavailable,
     MissingPrivileges,
@@ -55,8 +56,36 @@ class ServerSilent(psycopg.OperationalError):
     client closed the connection (the statement's outcome is unknown)."""
 
 
+class ServerTooSlow(ServerSilent):
+    """PostgreSQL's answer to a statement kept coming, too slowly to be complete within
+    ``ANSWER_FACTOR`` times ``silence_limit`` seconds; the client closed the connection."""
+
+
+class StandbyWait(ServerSilent):
+    """Nothing came during a statement because its commit waits for a synchronous
+    standby (the backend's ``wait_event`` is ``SyncRep``): the change is committed on
+    the primary (in its WAL), seen by other sessions once a standby confirms it or
+    ``synchronous_standby_names`` no longer asks for one; the backend keeps waiting
+    after the client closed the connection (that wait ends only so)."""
+
+    def __init__(self, message: str, standbys: str) -> None:
+        super().__init__(message)
+        self.standbys = standbys
+
+
 def hint_for(exc: BaseException) -> str:
     """The hint of a ``DatabaseUnavailable`` raised for ``exc``, if it has its own."""
+    if isinstance(exc, StandbyWait):
+        return (
+            "the change takes effect for other sessions once a synchronous standby "
+            "confirms it: bring the standby back, or change synchronous_standby_names "
+            "to standbys that run; running the command again is safe"
+        )
+    if isinstance(exc, ServerTooSlow):
+        return (
+            "look for a network path that throttles or drops traffic (a proxy, a load "
+            "balancer) or an overloaded server; then try again"
+        )
     if isinstance(exc, ServerSilent):
         return (
             "look for a stopped server or backend, or a network path that drops traffic "
@@ -69,10 +98,36 @@ class _Silence(Exception):
     """Raised inside a wait by ``DeadlineConnection._heard`` (never leaves the wait)."""
 
 
+class _Overdue(Exception):
+    """Raised inside a wait by ``DeadlineConnection._heard`` (never leaves the wait)."""
+
+
 RV = TypeVar("RV")
 # How often a wait wakes up with nothing to read (psycopg's own interval): how late
 # at most a silence is noticed.
 WAIT_INTERVAL = 0.1
+# The bound on one statement's whole wait (its answer included), as a multiple of its
+# silence limit, however the answer keeps coming: a live server's statement, the
+# output it sends included, ends within its statement_timeout (the server cancels it
+# then), so its complete answer is in within statement_timeout and a round trip.
+# Twice the silence limit (e.g. 6 s for a 1 s statement_timeout) leaves as much again
+# for a loaded server or a slow link; an answer still incomplete then is a path (or a
+# server) that dribbles, which would otherwise hold the command for as long as it
+# dribbles, since each byte restarts the silence count.  A session that lifts its
+# statement_timeout must lift the deadline too (``without_deadline``).
+ANSWER_FACTOR = 2.0
+# After Ctrl-C during a statement: how long the client tries to have the server cancel
+# it (the cancel request, then the server's answer to it) before closing the session.
+INTERRUPT_GRACE = 2.0
+# The second session that asks, once a statement's silence limit has passed, what its
+# backend waits for: its connect timeout (libpq's smallest useful one) and its own
+# silence limit.
+PROBE_CONNECT_TIMEOUT = 2
+PROBE_SILENCE = 1.0
+_WAITS_ON = """
+SELECT wait_event, current_setting('synchronous_standby_names') AS standbys
+FROM pg_stat_activity WHERE pid = %s
+"""
 
 
 class DeadlineConnection(psycopg.Connection[Row]):
@@ -86,12 +141,25 @@ class DeadlineConnection(psycopg.Connection[Row]):
     has come from the server for ``silence`` seconds: the connection is closed
     (``pgconn.finish``) and ``ServerSilent`` raised, which ``translated`` reports as
     ``DatabaseUnavailable``.  Data arriving restarts the count, so a long result
-    keeps going; waits psycopg bounds itself (``notifies(timeout=…)``, an idle
-    session's ``notifies()``) and pipeline mode (one wait for several statements,
-    each with its own ``statement_timeout``) are not bounded here.
+    keeps going, up to ``ANSWER_FACTOR`` times ``silence`` for the whole wait
+    (``ServerTooSlow``: an answer that trickles in).  Before giving a silent session
+    up, a short second session (``probe_dsn``) asks what its backend waits for: a
+    commit waiting for a synchronous standby, which ``statement_timeout`` does not
+    bound, raises ``StandbyWait`` instead.  Waits psycopg bounds itself
+    (``notifies(timeout=…)``, an idle session's ``notifies()``) and pipeline mode
+    (one wait for several statements, each with its own ``statement_timeout``) are
+    not bounded here.
+
+    Ctrl-C (or ``SystemExit``) during a statement is handled here rather than by
+    psycopg, which logs through the ``psycopg`` logger (a line operator commands
+    would print as is) and waits again, up to 5 s, on the same deadline: the server
+    is asked to cancel the statement and its answer awaited for ``INTERRUPT_GRACE``
+    at most, quietly; the connection is closed unless that answer came.
     """
 
     silence: float | None = None
+    # The DSN (password included) the connection was opened with, for the probe.
+    probe_dsn: str | None = None
 
     def wait(
         self, gen: PQGen[RV], interval: float = WAIT_INTERVAL, timeout: float | None = None
@@ -103,34 +171,119 @@ class DeadlineConnection(psycopg.Connection[Row]):
             or self.pgconn.pipeline_status != pq.PipelineStatus.OFF
         ):
             return super().wait(gen, interval, timeout)
+        heard = self._heard(gen, silence)
         try:
-            return super().wait(self._heard(gen, silence), interval, None)
+            return waiting.wait(heard, self.pgconn.socket, interval=interval)
         except _Silence:
+            raise self._silent(silence) from None
+        except _Overdue:
             self.pgconn.finish()
-            raise ServerSilent(
-                f"nothing came from PostgreSQL for {silence:g} s during a statement; "
-                "the connection was closed"
+            raise ServerTooSlow(
+                "the answer to a statement kept coming from PostgreSQL too slowly: still "
+                f"incomplete after {ANSWER_FACTOR * silence:g} s; the connection was closed"
             ) from None
+        except (KeyboardInterrupt, SystemExit):
+            self._interrupted(heard, interval)
+            raise
 
     def _heard(self, gen: PQGen[RV], silence: float) -> PQGen[RV]:
         """``gen``, failing with ``_Silence`` once a statement in flight has heard
-        nothing for ``silence`` seconds (the wait wakes up every ``interval``)."""
+        nothing for ``silence`` seconds (the wait wakes up every ``interval``), and with
+        ``_Overdue`` once it has been in flight for ``ANSWER_FACTOR`` times ``silence``."""
         pgconn = self.pgconn
-        heard = time.monotonic()
+        limit = ANSWER_FACTOR * silence
+        heard = began = time.monotonic()
         try:
-            waiting = next(gen)
+            wanted = next(gen)
             while True:
-                ready = yield waiting
+                ready = yield wanted
                 now = time.monotonic()
-                if ready or pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+                active = pgconn.transaction_status == pq.TransactionStatus.ACTIVE
+                if not active:
+                    heard = began = now
+                elif ready:
                     heard = now
                 elif now - heard >= silence:
                     gen.close()
                     raise _Silence
-                waiting = gen.send(ready)
+                # What arrived first: it may complete the answer (StopIteration).
+                wanted = gen.send(ready)
+                if active and now - began >= limit:
+                    gen.close()
+                    raise _Overdue
         except StopIteration as done:
             result: RV = done.value
             return result
+
+    def _silent(self, silence: float) -> ServerSilent:
+        """The error for a statement silent for ``silence`` seconds, the connection
+        closed: ``StandbyWait`` if its backend waits for a synchronous standby."""
+        try:
+            standbys = self._standbys_awaited(self.pgconn.backend_pid)
+        finally:
+            self.pgconn.finish()
+        if standbys is not None:
+            return StandbyWait(
+                "the change is committed on the primary, but its commit waits for a "
+                f"synchronous standby (synchronous_standby_names = {standbys!r}); "
+                f"nothing came for {silence:g} s, the connection was closed",
+                standbys,
+            )
+        return ServerSilent(
+            f"nothing came from PostgreSQL for {silence:g} s during a statement; "
+            "the connection was closed"
+        )
+
+    def _standbys_awaited(self, pid: int) -> str | None:
+        """``synchronous_standby_names`` if backend ``pid`` waits for a synchronous
+        standby (``wait_event`` ``SyncRep``), as a short second session sees it; None
+        if it waits for something else or that cannot be told."""
+        if self.probe_dsn is None:
+            return None
+        try:
+            probe = DeadlineConnection.connect(
+                self.probe_dsn,
+                autocommit=True,
+                row_factory=dict_row,
+                application_name="outbox-probe",
+                connect_timeout=PROBE_CONNECT_TIMEOUT,
+            )
+        except psycopg.Error:
+            return None
+        try:
+            probe.silence = PROBE_SILENCE  # its own deadline, without a probe
+            row = probe.execute(_WAITS_ON, [pid]).fetchone()
+        except psycopg.Error:
+            return None
+        finally:
+            probe.close()
+        if row is None or row["wait_event"] != "SyncRep":
+            return None
+        return str(row["standbys"])
+
+    def _interrupted(self, gen: PQGen[Any], interval: float) -> None:
+        """After Ctrl-C during a statement (``gen`` its wait): have the server cancel
+        it, so that it does not run on once the command has ended, within
+        ``INTERRUPT_GRACE``, quietly; close the connection unless the server answered."""
+        pgconn = self.pgconn
+        if pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+            return
+        ends = time.monotonic() + INTERRUPT_GRACE
+        try:
+            self.cancel_safe(timeout=INTERRUPT_GRACE)
+            # The server's answer (57014), which comes once it has cancelled; a
+            # second Ctrl-C meanwhile ends the wait, as it should.
+            waiting.wait(
+                gen, pgconn.socket, interval=interval, timeout=max(0.0, ends - time.monotonic())
+            )
+        except Exception:  # the interrupt is what gets reported, not this
+            pass
+        finally:
+            if pgconn.transaction_status in (
+                pq.TransactionStatus.ACTIVE,
+                pq.TransactionStatus.UNKNOWN,
+            ):
+                pgconn.finish()
 
 
 @contextlib.contextmanager
@@ -180,6 +333,7 @@ def connect(
             assert statement_timeout is not None
             bounded = DeadlineConnection.connect(dsn, **options)
             bounded.silence = silence_limit(statement_timeout)
+            bounded.probe_dsn = dsn
             conn: Conn = bounded
         else:
             conn = psycopg.connect(dsn, **options)
@@ -407,6 +561,10 @@ def translated(
     except OutboxError:
         raise
     except psycopg.Error as exc:
+        if isinstance(exc, StandbyWait):
+            raise CommitAwaitsStandby(
+                f"gave up waiting while {what}: {first_line(exc)}", hint_for(exc)
+            ) from exc
         if isinstance(exc, ServerSilent):
             raise DatabaseUnavailable(
                 f"PostgreSQL did not answer while {what}: {first_line(exc)}", hint_for(exc)
