@@ -656,8 +656,9 @@ def create_app(
         if not numbers:
             raise HTTPException(400, "nothing selected")
         ids = await calls(lambda: console.select_parked(target, numbers, limit=cfg.list_limit))
+        not_sent: list[Any] = []
         if action == "retry":
-            retried = await calls(console.retry_parked, target, config.amqp_url, ids)
+            retried, not_sent = await calls(console.retry_parked, target, config.amqp_url, ids)
             count, rows = len(retried), [{"message_id": m} for m in retried]
         else:
             count = await calls(console.purge_parked, target, ids) if ids else 0
@@ -670,6 +671,7 @@ def create_app(
             messages=count,
             confirmed=expected,
             message_ids=list(ids),
+            not_taken=len(not_sent),
         )
         verb = "sent back to their queues" if action == "retry" else "purged"
         return pages.render(
@@ -680,6 +682,7 @@ def create_app(
             count=count,
             expected=expected,
             rows=console.shown(rows),
+            not_taken=console.shown([{"message_id": m, "why": why} for m, why in not_sent]),
             back=f"/parked?inbox={target.table}",
         )
 

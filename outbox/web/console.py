@@ -543,19 +543,25 @@ def plan_parked(target: InboxTarget, message_ids: Sequence[str]) -> list[dict[st
         store.close()
 
 
-def retry_parked(target: InboxTarget, amqp_url: str, message_ids: Sequence[str]) -> list[str]:
-    """``outbox parked retry ID…``: the message ids sent back to their queues."""
+def retry_parked(
+    target: InboxTarget, amqp_url: str, message_ids: Sequence[str]
+) -> tuple[list[str], list[parked_ops.NotSent]]:
+    """``outbox parked retry ID…``: the message ids sent back to their queues, and
+    those the broker did not take (still parked), with why."""
     store = parked_store(target)
+    not_sent: list[parked_ops.NotSent] = []
     try:
-        return parked_ops.retry(
+        retried = parked_ops.retry(
             store,
             amqp_url,
             list(message_ids),
             connect_timeout=target.connect_timeout,
             confirm_timeout=target.publish_timeout,
+            not_sent=not_sent,
         )
     finally:
         store.close()
+    return retried, not_sent
 
 
 def purge_parked(target: InboxTarget, message_ids: Sequence[str]) -> int:

@@ -298,6 +298,25 @@ def test_web__retry_on_a_parked_message_sends_it_back_to_its_queue(
     assert props.headers["x-outbox-original-exchange"] == "orders"
 
 
+def test_web__a_parked_message_the_broker_does_not_take_stays_parked_and_is_named(
+    settings: Settings, topology: Topology, console: Console, page: Page
+) -> None:
+    """Its queue was deleted: RabbitMQ returns the copy unroutable.  The page says so,
+    with why, and the message stays parked (before, the console counted 0 sent and
+    said nothing of it)."""
+    message_id = add_parked(settings.dsn)
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(f"UPDATE {INBOX}_parked SET queue = %s", [f"{topology.queue}.gone"])
+    page.goto(f"{console.url}/parked")
+    page.locator(f"tr.parked-message[data-message-id='{message_id}'] a.retry").click()
+    page.locator("#confirm").click()
+    assert page.locator("#done").inner_text().startswith("0 parked messages sent back")
+    assert page.locator("#not-taken").inner_text().startswith("1 not taken by RabbitMQ")
+    why = page.locator("ul.not-taken li").inner_text()
+    assert why.startswith(message_id) and "unroutable" in why, why
+    assert parked_ids(settings.dsn) == [message_id]
+
+
 class StallingProxy(TcpProxy):
     """After the armed pattern, forwards nothing either way and cuts nothing: the relay
     waits for confirms that never come, with its batch prepared and itself alive."""
