@@ -4,7 +4,7 @@ and the integrations, on the application's connection).  The consumer's inbox
 statements live in ``outbox.inbox.store``.
 
 Owns the one session mechanism (``session``: connect, loss detection, error
-translation, and ``operator``: the hints of an operator's commands), the relay's
+translation, with a daemon's or an operator's hints), the relay's
 batch store (``batches``), where its claims start (``front``: the low-water mark
 and the late rows), how claimed rows load
 (``rows``), the dead letters (``deadletters``), the relay registry and wake-ups

@@ -12,9 +12,8 @@ from psycopg import errors as pgerrors
 
 from outbox.config import Settings
 from outbox.db import privileges
-from outbox.db.operator import operator_hints
 from outbox.db.queries import LISTED, search_terms
-from outbox.db.session import Session
+from outbox.db.session import Hints, Session
 from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
 
@@ -33,6 +32,10 @@ DEAD_LETTERS_SESSION_LOST = (
 
 class DeadLetterStore(Session):
     """What ``outbox dead-letters`` reads and changes; each call is one transaction."""
+
+    # An operator's command: the relay's hints ("the relay reconnects by itself")
+    # would name a process that is not involved.
+    hints = Hints.operator(DEAD_LETTERS_SESSION_LOST)
 
     def __init__(
         self,
@@ -53,13 +56,6 @@ class DeadLetterStore(Session):
             lock_timeout,
             client_deadline=True,
         )
-
-    @contextlib.contextmanager
-    def _translated(self, what: str) -> Iterator[None]:
-        # An operator's command: the relay's hints ("the relay reconnects by itself")
-        # would name a process that is not involved.
-        with operator_hints(self.conn, DEAD_LETTERS_SESSION_LOST), super()._translated(what):
-            yield
 
     def entries(self, limit: int) -> list[Row]:
         self.check_privileges(privileges.DEAD_LETTERS_LIST, "outbox dead-letters list")

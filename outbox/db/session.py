@@ -10,6 +10,7 @@ server's first line otherwise).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -472,6 +473,42 @@ def _holder(row: Row) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Hints:
+    """How the hints of ``translated``'s errors say to go on, by who runs the
+    statement: a daemon (the relay, the consumer) reconnects and retries by itself;
+    an operator's command (``dead-letters``, ``parked``, the console's actions on
+    them) is neither, and is run again."""
+
+    lost: str  # the session is gone: the statement's outcome is unknown
+    failed: str  # the server failed on a live session
+    retries: str  # what follows a statement the server cancelled
+    refused: str  # a constraint, a trigger, a value the server cannot store
+
+    @classmethod
+    def daemon(cls, who: str) -> Hints:
+        return cls(
+            lost=f"the {who} reconnects by itself; check the server if this repeats",
+            failed=f"the {who} retries with backoff; check the server if this repeats",
+            retries=f"the {who} retries with backoff",
+            refused="look for a constraint or trigger added to the outbox tables; "
+            f"the {who} retries with backoff",
+        )
+
+    @classmethod
+    def operator(cls, lost: str) -> Hints:
+        """``lost``: what the command's work came to when its session went."""
+        return cls(
+            lost=lost,
+            failed="run the command again; check the server if this repeats",
+            retries="run the command again",
+            refused="look for a constraint or trigger added to the outbox tables",
+        )
+
+
+RELAY_HINTS = Hints.daemon("relay")
+
+
 def timed_out(
     conn: Conn,
     exc: psycopg.Error,
@@ -480,7 +517,7 @@ def timed_out(
     *,
     statement_timeout: float | None,
     lock_timeout: float | None,
-    who: str | None = None,
+    retries: str = "try again",
 ) -> StatementTimedOut:
     """``StatementTimedOut`` for a statement PostgreSQL cancelled (``lock_timeout``,
     55P03, or ``statement_timeout``, 57014), naming what held it (``holders``).  The
@@ -491,9 +528,8 @@ def timed_out(
         return StatementTimedOut(
             f"PostgreSQL cancelled the statement {what} after {statement_timeout or 0:g} s "
             f"({first_line(exc)})",
-            f"{f'the {who} retries with backoff' if who else 'try again'}; if this "
-            "repeats, look for what slows the server (pg_stat_activity) or raise "
-            "--statement-timeout",
+            f"{retries}; if this repeats, look for what slows the server "
+            "(pg_stat_activity) or raise --statement-timeout",
         )
     seconds = lock_timeout if lock_timeout is not None else statement_timeout or 0.0
     found = holders(conn, tables, seconds) if tables else []
@@ -541,7 +577,7 @@ def translated(
     conn: psycopg.Connection[Any],
     what: str,
     *,
-    who: str = "relay",
+    hints: Hints = RELAY_HINTS,
     statement_timeout: float | None = None,
     lock_timeout: float | None = None,
     tables: Sequence[str] = (),
@@ -554,7 +590,7 @@ def translated(
     ``DatabaseUnavailable`` when the session is gone or the server failed on it
     (``StatementTimedOut`` for a cancelled statement); a statement the server
     refused becomes ``refused(what, exc)`` if given, else ``MissingPrivileges`` or
-    ``DatabaseRefused``.  ``who`` (relay, consumer) is the process the hints name.
+    ``DatabaseRefused``.  ``hints`` say how to go on: a daemon's or an operator's.
     """
     try:
         yield
@@ -572,7 +608,7 @@ def translated(
         if session_lost(conn, exc):
             raise DatabaseUnavailable(
                 f"lost the PostgreSQL connection while {what}: {first_line(exc)}",
-                f"the {who} reconnects by itself; check the server if this repeats",
+                hints.lost,
             ) from exc
         if conn.info.transaction_status != pq.TransactionStatus.IDLE:
             # The session lives: end any open transaction so the retry starts clean.
@@ -586,13 +622,13 @@ def translated(
                 tables,
                 statement_timeout=statement_timeout,
                 lock_timeout=lock_timeout,
-                who=who,
+                retries=hints.retries,
             ) from exc
         if isinstance(exc, psycopg.OperationalError):
             # Transient trouble on a live session (resources, a lock timeout).
             raise DatabaseUnavailable(
                 f"PostgreSQL failed while {what}: {first_line(exc)}",
-                f"the {who} retries with backoff; check the server if this repeats",
+                hints.failed,
             ) from exc
         if refused is not None:
             raise refused(what, exc) from exc
@@ -604,13 +640,13 @@ def translated(
         # A constraint, a trigger, a value the server cannot store: a known
         # condition too, never a traceback (and the relay retries it).
         raise DatabaseRefused(
-            f"PostgreSQL refused {what}: {first_line(exc)}",
-            "look for a constraint or trigger added to the outbox tables; "
-            "the relay retries with backoff",
+            f"PostgreSQL refused {what}: {first_line(exc)}", hints.refused
         ) from exc
 
 
 class Session:
+    hints = RELAY_HINTS  # how its errors' hints say to go on
+
     def __init__(
         self,
         dsn: str,
@@ -639,6 +675,7 @@ class Session:
         with translated(
             self.conn,
             what,
+            hints=self.hints,
             statement_timeout=self.statement_timeout,
             lock_timeout=self.lock_timeout,
             tables=[self.table, f"{self.table}_dead_letters", f"{self.table}_relays"],

@@ -51,9 +51,8 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
-from outbox.db.operator import operator_hints
 from outbox.db.queries import LISTED, load_blocks, search_terms
-from outbox.db.session import connect, first_line, hint_for, translated
+from outbox.db.session import Hints, connect, first_line, hint_for, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
 
@@ -234,6 +233,7 @@ class InboxStore:
     # Whether sessions get a client deadline (``outbox.db.session.connect``): not the
     # consumer's (its handlers' statements have no statement_timeout).
     client_deadline = False
+    hints = Hints.daemon("consumer")  # how its errors' hints say to go on
 
     def __init__(
         self,
@@ -323,7 +323,7 @@ class InboxStore:
         with translated(
             self.conn,
             what,
-            who="consumer",
+            hints=self.hints,
             statement_timeout=self.statement_timeout,
             lock_timeout=self.lock_timeout,
             tables=[self.table, f"{self.table}_attempts", f"{self.table}_parked"],
@@ -639,6 +639,9 @@ class ParkedStore(InboxStore):
     """What ``outbox parked`` reads and changes (any consumer's rows in the table)."""
 
     client_deadline = True  # an operator's: bounded on the client too
+    # The consumer's hints ("the consumer reconnects by itself") would name a process
+    # that is not involved.
+    hints = Hints.operator(PARKED_SESSION_LOST)
 
     def __init__(
         self,
@@ -668,13 +671,6 @@ class ParkedStore(InboxStore):
                 "check --dsn and --inbox-table; `outbox consume` creates it at start-up "
                 "(or apply `outbox consume --print-sql`)",
             )
-
-    @contextlib.contextmanager
-    def _translated(self, what: str) -> Iterator[None]:
-        # An operator's command: the consumer's hints ("the consumer reconnects by
-        # itself") would name a process that is not involved.
-        with operator_hints(self.conn, PARKED_SESSION_LOST), super()._translated(what):
-            yield
 
     def entries(self, limit: int) -> list[dict[str, Any]]:
         with self._reading("listing parked messages") as conn:

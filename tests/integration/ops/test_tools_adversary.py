@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pika
@@ -40,7 +40,7 @@ from outbox.web.app import WebConfig
 from outbox.web.console import ConsoleConfig, InboxTarget
 from outbox.web.security import Credentials
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, proxied_dsn, wait_for
-from tests.fixtures.servers import Topology
+from tests.fixtures.servers import Topology, outbox_command, run_cli
 from tests.fixtures.web import create_inbox, start_console
 
 INBOX = "inbox"
@@ -86,11 +86,6 @@ def stalling_proxy(host: str, port: int, pattern: bytes) -> Iterator[StallingPro
 def pg_host_port(dsn: str) -> tuple[str, int]:
     info = psycopg.conninfo.conninfo_to_dict(dsn)
     return str(info.get("host", "127.0.0.1")), int(str(info.get("port", 5432)))
-
-
-def outbox_command() -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "outbox")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "outbox"]
 
 
 def cli_env(dsn: str, amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F") -> dict[str, str]:
@@ -357,13 +352,7 @@ def test_parked_list__escape_sequences_and_newlines_in_a_message_reach_no_termin
         message_id=r"E'id-\x1b]0;owned\x07-\x1b[2J'",
         error=r"E'ValueError: bad \x1b]0;owned\x07\x1b[2J\nerror: fake line'",
     )
-    done = subprocess.run(
-        [*outbox_command(), "parked", "list"],
-        env=cli_env(inbox_dsn),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli("parked", "list", env=cli_env(inbox_dsn), timeout=60)
     assert done.returncode == 0, done.stderr
     assert ESC not in done.stdout and "\x07" not in done.stdout, repr(done.stdout)
     assert not any(line.startswith("error:") for line in done.stdout.splitlines()), done.stdout
@@ -377,13 +366,7 @@ def test_parked_list__a_limit_beyond_what_postgresql_counts_is_a_usage_error(
     ``dead-letters list --limit`` does, which stops at 2**31-1).  What happened: exit 1
     (documented as "a bug") with "PostgreSQL refused listing parked messages: bigint
     out of range" and a hint to check the inbox tables and the role's rights."""
-    done = subprocess.run(
-        [*outbox_command(), "parked", "list", "--limit", str(2**63)],
-        env=cli_env(inbox_dsn),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli("parked", "list", "--limit", str(2**63), env=cli_env(inbox_dsn), timeout=60)
     assert "Traceback" not in done.stderr
     assert done.returncode == 2, (done.returncode, done.stderr)
 
@@ -413,13 +396,7 @@ def test_operator_commands__absurd_values_are_one_line_usage_errors(
     """Shape: absurd option values and ids (zero, negative, beyond bigint, not a number,
     not finite, a superscript digit that ``str.isdigit`` takes for a digit).  Held: one line,
     exit 2, no traceback."""
-    done = subprocess.run(
-        [*outbox_command(), *args],
-        env=cli_env(inbox_dsn),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli(*args, env=cli_env(inbox_dsn), timeout=60)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("error: "), done.stderr
@@ -532,13 +509,7 @@ def test_parked_retry__a_message_whose_queue_is_gone_does_not_block_the_others(
     insert_parked(inbox_dsn, topology.queue, 2, message_id="'good' || i")
     env = cli_env(inbox_dsn, topology.amqp_url)
     for _ in range(2):
-        done = subprocess.run(
-            [*outbox_command(), "parked", "retry", "--all"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_cli("parked", "retry", "--all", env=env, timeout=60)
         assert "Traceback" not in done.stderr
         assert done.returncode != 0
     arrived = sorted(props.message_id for _method, props, _body in topology.messages())
@@ -547,15 +518,15 @@ def test_parked_retry__a_message_whose_queue_is_gone_does_not_block_the_others(
 
 
 # -- Ctrl-C and kill -9 -------------------------------------------------------------------
-def test_cli__ctrl_c_at_start_up_prints_no_traceback(inbox_dsn: str) -> None:
-    """Shape: ``outbox parked list`` sent SIGINT (an operator's Ctrl-C) while it is
-    still starting: just after its first module of ``outbox`` is imported (told by
-    PYTHONPROFILEIMPORTTIME's lines on stderr).  No moment may print a traceback.
-    What happened: Python's KeyboardInterrupt traceback, ending in an import line."""
-    env = {**cli_env(inbox_dsn), "PYTHONPROFILEIMPORTTIME": "1"}
+def interrupted_while_loading(
+    env: dict[str, str], at: Callable[[str], bool]
+) -> tuple[int, list[str]]:
+    """``outbox parked list`` sent SIGINT as soon as a module ``at`` accepts has been
+    imported (PYTHONPROFILEIMPORTTIME's lines on stderr): its exit code and the other
+    lines of its stderr."""
     proc = subprocess.Popen(
         [*outbox_command(), "parked", "list"],
-        env=env,
+        env={**env, "PYTHONPROFILEIMPORTTIME": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -563,7 +534,7 @@ def test_cli__ctrl_c_at_start_up_prints_no_traceback(inbox_dsn: str) -> None:
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
-            if line.rsplit("|", 1)[-1].strip().startswith("outbox."):
+            if at(line.rsplit("|", 1)[-1].strip()):
                 proc.send_signal(signal.SIGINT)
                 break
         _out, err = proc.communicate(timeout=30)
@@ -571,11 +542,22 @@ def test_cli__ctrl_c_at_start_up_prints_no_traceback(inbox_dsn: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=30)
-    shown = "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+    return proc.returncode, [ln for ln in err.splitlines() if not ln.startswith("import time:")]
+
+
+def test_cli__ctrl_c_at_start_up_prints_no_traceback(inbox_dsn: str) -> None:
+    """Shape: ``outbox parked list`` sent SIGINT (an operator's Ctrl-C) while it is
+    still starting: just after its first module of ``outbox`` is imported (told by
+    PYTHONPROFILEIMPORTTIME's lines on stderr).  No moment may print a traceback.
+    What happened: Python's KeyboardInterrupt traceback, ending in an import line."""
+    code, err = interrupted_while_loading(
+        cli_env(inbox_dsn), lambda module: module.startswith("outbox.")
+    )
+    shown = "\n".join(err)
     assert "Traceback" not in shown, shown[-800:]
     # Ended by the interrupt (or done before it came), saying so in one line.
-    assert proc.returncode in (0, 130), (proc.returncode, shown[-800:])
-    assert proc.returncode == 0 or "error: interrupted" in shown, shown[-800:]
+    assert code in (0, 130), (code, shown[-800:])
+    assert code == 0 or "error: interrupted" in shown, shown[-800:]
 
 
 def test_cli__ctrl_c_while_it_works_is_one_line_and_exit_130(inbox_dsn: str) -> None:
@@ -676,12 +658,8 @@ def test_parked_retry__a_routing_key_that_is_not_utf8_is_no_traceback(
     with psycopg.connect(inbox_dsn) as conn:
         conn.execute(f"UPDATE {INBOX}_parked SET routing_key = %s", ["\\xff00fe"])
     insert_parked(inbox_dsn, topology.queue, 1, message_id="'good'")
-    done = subprocess.run(
-        [*outbox_command(), "parked", "retry", "--all"],
-        env=cli_env(inbox_dsn, topology.amqp_url),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_cli(
+        "parked", "retry", "--all", env=cli_env(inbox_dsn, topology.amqp_url), timeout=60
     )
     assert "Traceback" not in done.stderr, done.stderr[-600:]
     arrived = {str(props.message_id) for _method, props, _body in topology.messages()}
@@ -707,20 +685,16 @@ def test_parked_retry__a_session_lost_after_the_publishes_says_to_run_it_again(
     operator is not told to run the retry again."""
     insert_parked(inbox_dsn, topology.queue, 3)
     pg_cutter.arm(b"unnest(")
-    first = subprocess.run(
-        [*outbox_command(), "parked", "retry", "--all"],
+    first = run_cli(
+        "parked",
+        "retry",
+        "--all",
         env=cli_env(proxied_dsn(inbox_dsn, pg_cutter), topology.amqp_url),
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert pg_cutter.triggered.is_set()
-    second = subprocess.run(
-        [*outbox_command(), "parked", "retry", "--all"],
-        env=cli_env(inbox_dsn, topology.amqp_url),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    second = run_cli(
+        "parked", "retry", "--all", env=cli_env(inbox_dsn, topology.amqp_url), timeout=60
     )
     assert second.returncode == 0, second.stderr
     arrived = {str(props.message_id) for _method, props, _body in topology.messages()}
@@ -747,12 +721,8 @@ def test_parked_retry__a_routing_key_that_is_not_utf8_goes_back_as_its_bytes(
             " ELSE %s END",
             ["\\xff00fe", "\\x" + "\udcff\x00\udcfe".encode("utf-8", "surrogatepass").hex()],
         )
-    done = subprocess.run(
-        [*outbox_command(), "parked", "retry", "--all"],
-        env=cli_env(inbox_dsn, topology.amqp_url),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_cli(
+        "parked", "retry", "--all", env=cli_env(inbox_dsn, topology.amqp_url), timeout=60
     )
     assert done.returncode == 0, done.stderr
     keys = {
@@ -778,25 +748,15 @@ def test_dead_letters_retry__a_session_lost_says_to_run_it_again(
             " 'refused' FROM generate_series(1, 3) AS i"
         )
     pg_cutter.arm(b"WITH moved AS")
-    first = subprocess.run(
-        [*outbox_command(), "dead-letters", "retry", "--all"],
-        env=cli_env(proxied_dsn(inbox_dsn, pg_cutter)),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    first = run_cli(
+        "dead-letters", "retry", "--all", env=cli_env(proxied_dsn(inbox_dsn, pg_cutter)), timeout=60
     )
     assert pg_cutter.triggered.is_set()
     assert first.returncode == 3, first.stderr
     assert "Traceback" not in first.stderr
     assert "reconnects by itself" not in first.stderr, first.stderr
     assert "again" in first.stderr, first.stderr
-    second = subprocess.run(
-        [*outbox_command(), "dead-letters", "retry", "--all"],
-        env=cli_env(inbox_dsn),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    second = run_cli("dead-letters", "retry", "--all", env=cli_env(inbox_dsn), timeout=60)
     assert second.returncode == 0, second.stderr
     assert count(inbox_dsn, "SELECT count(*) FROM outbox_dead_letters") == 0
     assert count(inbox_dsn, "SELECT count(*) FROM outbox") == 3

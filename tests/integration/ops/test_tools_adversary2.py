@@ -34,7 +34,7 @@ from outbox.web.app import WebConfig
 from outbox.web.console import ConsoleConfig, InboxTarget
 from outbox.web.security import Credentials
 from tests.fixtures.faults import TcpProxy, proxied_dsn, wait_for
-from tests.fixtures.servers import Topology
+from tests.fixtures.servers import Topology, outbox_command, run_cli
 from tests.fixtures.web import create_inbox, start_console
 from tests.integration.ops.test_tools_adversary import (
     INBOX,
@@ -42,7 +42,7 @@ from tests.integration.ops.test_tools_adversary import (
     count,
     inbox_dsn,
     insert_parked,
-    outbox_command,
+    interrupted_while_loading,
     pg_host_port,
     stalling_proxy,
     started,
@@ -126,27 +126,11 @@ def test_ctrl_c_while_the_cli_loads_is_one_json_object_with_json_logs(inbox_dsn:
     with the plain line ``error: interrupted (Ctrl-C) before the command started``:
     ``outbox.entry._while_loading`` writes text without looking at the log format
     (``cli.common.wants_json``: the argument or the environment variable)."""
-    env = {**cli_env(inbox_dsn), "PYTHONPROFILEIMPORTTIME": "1", "OUTBOX_LOG_FORMAT": "json"}
-    proc = subprocess.Popen(
-        [*outbox_command(), "parked", "list"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code, err = interrupted_while_loading(
+        {**cli_env(inbox_dsn), "OUTBOX_LOG_FORMAT": "json"}, lambda module: module == "outbox.entry"
     )
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if line.rsplit("|", 1)[-1].strip() == "outbox.entry":
-                proc.send_signal(signal.SIGINT)
-                break
-        _out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("import time:")]
-    assert proc.returncode == 130, (proc.returncode, lines)
+    lines = [ln for ln in err if ln.strip()]
+    assert code == 130, (code, lines)
     assert len(lines) == 1, lines
     assert lines[0].startswith("{"), lines
     assert json.loads(lines[0])["exit_code"] == 130, lines
@@ -175,13 +159,7 @@ def test_parked_purge__a_commit_waiting_for_a_synchronous_standby_is_named() -> 
             conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'absent_standby'")
             conn.execute("SELECT pg_reload_conf()")
         time.sleep(0.5)
-        done = subprocess.run(
-            [*outbox_command(), "parked", "purge", "--all"],
-            env=cli_env(cluster.dsn),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_cli("parked", "purge", "--all", env=cli_env(cluster.dsn), timeout=60)
         with psycopg.connect(cluster.dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
             conn.execute("SELECT pg_reload_conf()")
@@ -211,12 +189,8 @@ def test_parked_retry__nacked_returned_and_confirmed_in_one_page(
         insert_parked(inbox_dsn, full, 3, message_id="'full' || i")
         insert_parked(inbox_dsn, f"gone.{uuid.uuid4().hex[:8]}", 1, message_id="'gone' || i")
         insert_parked(inbox_dsn, topology.queue, 2, message_id="'good' || i")
-        done = subprocess.run(
-            [*outbox_command(), "parked", "retry", "--all"],
-            env=cli_env(inbox_dsn, topology.amqp_url),
-            capture_output=True,
-            text=True,
-            timeout=60,
+        done = run_cli(
+            "parked", "retry", "--all", env=cli_env(inbox_dsn, topology.amqp_url), timeout=60
         )
         in_full = channel.queue_declare(full, passive=True).method.message_count
         channel.queue_delete(full)
@@ -375,12 +349,8 @@ def test_parked_retry__headers_larger_than_a_frame_do_not_block_the_others(
             f"UPDATE {INBOX}_parked SET headers = jsonb_build_object('h', repeat('h', 300000))"
         )
     insert_parked(inbox_dsn, topology.queue, 2, message_id="'good' || i")
-    done = subprocess.run(
-        [*outbox_command(), "parked", "retry", "--all"],
-        env=cli_env(inbox_dsn, topology.amqp_url),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_cli(
+        "parked", "retry", "--all", env=cli_env(inbox_dsn, topology.amqp_url), timeout=60
     )
     assert "Traceback" not in done.stderr, done.stderr
     arrived = sorted(props.message_id for _method, props, _body in topology.messages())

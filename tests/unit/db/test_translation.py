@@ -10,7 +10,7 @@ import pytest
 from psycopg import errors as pgerrors
 from psycopg import pq
 
-from outbox.db.session import translated
+from outbox.db.session import Hints, translated
 from outbox.errors import (
     DatabaseRefused,
     DatabaseUnavailable,
@@ -70,12 +70,33 @@ def test_translated__a_refusal_becomes_what_the_store_says() -> None:
         return StatementRefused(f"refused {what}")
 
     for error in (pgerrors.InsufficientPrivilege("no"), pgerrors.UniqueViolation("no")):
-        translated_error, _ = raised(error, who="consumer", refused=refused)
+        translated_error, _ = raised(error, hints=Hints.daemon("consumer"), refused=refused)
         assert type(translated_error) is StatementRefused
     # Timeouts and failures of the server stay the mechanism's own.
-    translated_error, _ = raised(pgerrors.QueryCanceled("x"), who="consumer", refused=refused)
+    translated_error, _ = raised(
+        pgerrors.QueryCanceled("x"), hints=Hints.daemon("consumer"), refused=refused
+    )
     assert type(translated_error) is StatementTimedOut
     assert "the consumer retries" in translated_error.hint
+
+
+def test_translated__an_operators_hints_say_to_run_the_command_again() -> None:
+    """``outbox parked`` and ``dead-letters`` (``Hints.operator``): no daemon named, the
+    command's own word on a lost session; a lock wait still names what held it."""
+    hints = Hints.operator("nothing is lost: run the command again")
+    for error in (
+        pgerrors.QueryCanceled("x"),
+        pgerrors.DiskFull("no space"),
+        pgerrors.UniqueViolation("x"),
+    ):
+        translated_error, _ = raised(error, hints=hints)
+        assert "retries with backoff" not in translated_error.hint, translated_error.hint
+    slow, _ = raised(pgerrors.QueryCanceled("x"), hints=hints)
+    assert slow.hint.startswith("run the command again;"), slow.hint
+    failed, _ = raised(pgerrors.DiskFull("no space"), hints=hints)
+    assert failed.hint.startswith("run the command again;"), failed.hint
+    lock, _ = raised(pgerrors.LockNotAvailable("lock timeout"), hints=hints)
+    assert lock.hint.startswith("try again"), lock.hint
 
 
 def test_inbox_store__translates_through_the_one_mechanism() -> None:
