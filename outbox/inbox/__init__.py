@@ -9,7 +9,8 @@ delays), the handler a command names (``handlers``), the consumer's counters
 AMQP property list read as it arrived (``properties``), the inbox and parked tables
 (``store``: statements only, ``inbox.sql``), what a handler sees of a delivery and
 what is kept of a parked one (``message``), what the queue's own policy (type,
-delivery limit, TTL) means for a message in hand (``policy``), the consumer's
+delivery limit, TTL) means for a message in hand (``policy``), which messages
+the consumer stores before the broker can drop them and how (``custody``), the consumer's
 metrics and health endpoints (``metrics``) and ``outbox parked`` (``parked``).
 
 May import: ``outbox.db`` (connections and the shared SQL loader) and the plain

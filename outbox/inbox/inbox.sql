@@ -44,6 +44,27 @@ CREATE TABLE IF NOT EXISTS {parked} (
     parked_at   timestamptz NOT NULL DEFAULT now(),
     UNIQUE (consumer, message_id)
 );
+-- Messages the consumer took off the queue before it could apply them, because the
+-- broker might drop them otherwise (custody): a quorum queue with a delivery limit
+-- drops a message returned once too often, and every consumer crash returns all it
+-- holds.  A message the broker has returned before is stored here and acked in one
+-- transaction as soon as it arrives (take_custody), then applied from here, alone,
+-- its attempts counted first (next_in_custody); the transaction that applies it
+-- deletes its row (record_messages).  Rows of an ordering key go in id order.
+CREATE TABLE IF NOT EXISTS {custody} (
+    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer       text        NOT NULL,
+    message_id     text        NOT NULL,
+    ordering_key   text,
+    queue          text        NOT NULL,
+    exchange       text        NOT NULL,
+    routing_key    text        NOT NULL,
+    body           bytea       NOT NULL,
+    raw_properties bytea       NOT NULL,
+    taken_at       timestamptz NOT NULL DEFAULT now(),
+    not_before     timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (consumer, message_id)
+);
 -- Upgrades in place, idempotent: run at every start (under the schema lock), and
 -- skipped when already done, so a role that does not own the tables can still start.
 --  * {parked}.raw_properties: the AMQP property list exactly as it arrived (headers
@@ -108,6 +129,11 @@ WITH new AS (
     -- of it while this one counted its attempt (start_attempt sees no uncommitted id).
     DELETE FROM {attempts} a
     WHERE a.consumer = %(consumer)s AND a.message_id = ANY(%(redelivered)s::text[])
+), released AS (
+    -- A message applied from custody (it is applied as a redelivered one) leaves it
+    -- in the transaction of its effect.
+    DELETE FROM {custody} c
+    WHERE c.consumer = %(consumer)s AND c.message_id = ANY(%(redelivered)s::text[])
 )
 SELECT now() AS started,
        set_config('outbox.inbox_guard', 'armed', true) AS guard,
@@ -385,3 +411,63 @@ SELECT (SELECT count(*) FROM {parked}) AS parked_now,
                  WHERE relid = to_regclass(%(inbox)s)), 0) AS applied,
        coalesce((SELECT n_tup_ins + n_tup_upd FROM pg_stat_user_tables
                  WHERE relid = to_regclass(%(parked)s)), 0) AS parked
+
+-- take_custody --
+-- Messages the broker returned before, stored as they arrived (the property list
+-- exactly, the body, where they came from), in one transaction, before they are
+-- acked.  An id already in the inbox is not stored (a copy of an applied message:
+-- acked as a duplicate); one already in custody is stored once.
+INSERT INTO {custody} AS c
+    (consumer, message_id, ordering_key, queue, exchange, routing_key, body, raw_properties)
+SELECT %(consumer)s, m.message_id, m.ordering_key, %(queue)s, m.exchange, m.routing_key,
+       m.body, m.raw_properties
+FROM unnest(%(ids)s::text[], %(keys)s::text[], %(exchanges)s::text[],
+            %(routing_keys)s::text[], %(bodies)s::bytea[], %(raws)s::bytea[])
+     WITH ORDINALITY AS m(message_id, ordering_key, exchange, routing_key, body,
+                          raw_properties, n)
+WHERE NOT EXISTS (SELECT 1 FROM {inbox} i
+                  WHERE i.consumer = %(consumer)s AND i.message_id = m.message_id)
+ORDER BY m.n
+ON CONFLICT (consumer, message_id) DO NOTHING
+
+-- next_in_custody --
+-- The messages in custody to apply next, oldest first: the first of each ordering
+-- key (a later one waits while an earlier one of its key is here) and those without
+-- one, if due (a failed one waits for its retry delay, and its key with it).  Also
+-- how many are here in all and when the next one that is not due yet will be
+-- (seconds from now).
+WITH heads AS (
+    SELECT DISTINCT ON (ordering_key IS NULL, coalesce(ordering_key, ''),
+                        CASE WHEN ordering_key IS NULL THEN id END)
+           id, message_id, queue, exchange, routing_key, body, raw_properties, not_before
+    FROM {custody}
+    WHERE consumer = %(consumer)s
+    ORDER BY ordering_key IS NULL, coalesce(ordering_key, ''),
+             CASE WHEN ordering_key IS NULL THEN id END, id
+)
+SELECT id, message_id, queue, exchange, routing_key, body, raw_properties,
+       (SELECT count(*) FROM {custody} WHERE consumer = %(consumer)s) AS held,
+       (SELECT extract(epoch FROM min(not_before) - now()) FROM heads
+        WHERE not_before > now()) AS next_in
+FROM heads
+WHERE not_before <= now()
+UNION ALL
+-- one row with the figures when none is due
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT count(*) FROM {custody} WHERE consumer = %(consumer)s),
+       (SELECT extract(epoch FROM min(not_before) - now()) FROM heads
+        WHERE not_before > now())
+ORDER BY id NULLS LAST
+LIMIT %(limit)s + 1
+
+-- delay_custody --
+-- A message in custody whose attempt failed waits %(delay)s seconds for the next.
+UPDATE {custody} SET not_before = now() + make_interval(secs => %(delay)s::float8)
+WHERE consumer = %(consumer)s AND message_id = %(message_id)s
+
+-- release_custody --
+-- A message in custody that was parked, or found applied already (a copy).
+DELETE FROM {custody} WHERE consumer = %(consumer)s AND message_id = %(message_id)s
+
+-- custody_count --
+SELECT count(*) AS held FROM {custody} WHERE consumer = %(consumer)s

@@ -108,6 +108,12 @@ class ConsumerCollector(Collector):
                 "Handler calls that raised (rolled back; retried or parked).",
             ),
             ("reconnects", stats.reconnects, "Retries after a database or broker failure."),
+            (
+                "custody_taken",
+                stats.custody_taken,
+                "Messages stored in <inbox>_custody and acked as they arrived: the broker "
+                "had returned them once, and a queue with a delivery limit may drop them.",
+            ),
             ("inbox_pruned", stats.pruned, "Inbox ids deleted by retention."),
         ):
             yield CounterMetricFamily(f"outbox_consumer_{name}", doc, value=value)
@@ -126,6 +132,12 @@ class ConsumerCollector(Collector):
             "outbox_consumer_handler_duration_seconds",
             "Handler calls, successful or not (the transaction's commit not included).",
             stats.handler_seconds,
+        )
+        yield GaugeMetricFamily(
+            "outbox_consumer_custody_messages",
+            "Messages of this consumer in <inbox>_custody, waiting to be applied (as the "
+            "consume loop last saw them).",
+            value=stats.custody_held,
         )
         yield GaugeMetricFamily(
             "outbox_consumer_broker_up",

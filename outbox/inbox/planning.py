@@ -1,6 +1,6 @@
 """The consumer's pure decisions: how a message is applied (``plan``), what became
-of it (``Disposition``), why it is parked (``last_delivery_reason``,
-``unfinished_reason``, ``outcome_reason``, ``unusable``), how long a failed one
+of it (``Disposition``), why it is parked (``unfinished_reason``,
+``outcome_reason``, ``unusable``), how long a failed one
 waits in hand for its next attempt (``retry_delay``) and how long it may be held
 at most (``Held``, ``MAX_HOLD``), and when the consumer subscribes again
 (``room_to_subscribe``).  No I/O: ``steps`` and ``process`` act on them."""
@@ -14,7 +14,6 @@ from typing import Any
 
 from outbox import backoff
 from outbox.inbox.message import InboxMessage
-from outbox.inbox.policy import QueuePolicy
 from outbox.inbox.settings import ConsumerSettings
 
 
@@ -32,30 +31,15 @@ class Plan(enum.Enum):
     PARK = "park"  # redelivered, its earlier attempts reached --max-attempts: parked unseen
 
 
-def plan(
-    redelivered: bool, attempts: int, max_attempts: int, *, last_delivery: bool = False
-) -> Plan:
+def plan(redelivered: bool, attempts: int, max_attempts: int) -> Plan:
     """How a message is applied (pure).  ``attempts``: the committed count of its
-    earlier attempts, failed or unfinished (read only for a redelivered message:
-    a first delivery never costs a read).  ``last_delivery``: the queue drops the
-    message if it comes back once more (``policy.last_delivery``), so one that
-    failed or did not finish before is parked rather than risked: if its handler
-    kills the process, the broker would drop it."""
+    earlier attempts, failed or unfinished (read only for a redelivered message,
+    or one from custody: a first delivery never costs a read)."""
     if not redelivered:
         return Plan.BATCH
-    if attempts >= max_attempts or (last_delivery and attempts >= 1):
+    if attempts >= max_attempts:
         return Plan.PARK
     return Plan.ALONE
-
-
-def last_delivery_reason(attempts: int, policy: QueuePolicy, last_error: str) -> str:
-    """Why a message at the queue's last delivery is parked (``plan``)."""
-    why = (
-        f"its last delivery under the queue's delivery limit ({policy.delivery_limit}): "
-        f"{attempts} earlier attempt(s) failed or did not finish, and if this one killed "
-        "the consumer the broker would drop the message"
-    )
-    return f"{why}; the last error recorded: {last_error}" if last_error else why
 
 
 def unfinished_reason(attempts: int, last_error: str) -> str:

@@ -9,7 +9,7 @@ RabbitMQ can drop a message the consumer has not settled: a quorum queue drops
 queue, and a stream (``x-queue-type: stream``) refuses requeues and starts a new
 consumer at its end.  The consumer keeps a failed message in its hands until its
 next attempt (nothing is returned, so no delivery is counted and no TTL runs),
-applies a message at its last delivery before anything else, and refuses a
+takes a returned message into custody as it arrives (``custody``), and refuses a
 stream.
 
 Reading the queue's arguments: ``queue.declare`` (passive) returns none of them,
@@ -161,15 +161,6 @@ def delivery_count(headers: Mapping[Any, Any]) -> int:
     """How often the broker has taken this message back (quorum queues say so)."""
     value = headers.get(DELIVERY_COUNT_HEADER)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def last_delivery(headers: Mapping[Any, Any], policy: QueuePolicy) -> bool:
-    """The broker drops (or dead-letters) this message if it comes back once more:
-    RabbitMQ counts each return in ``x-delivery-count`` and drops a message whose
-    count goes past the limit (measured on 3.10: limit 2, dropped on its third
-    return; 3 deliveries)."""
-    limit = policy.delivery_limit
-    return limit is not None and delivery_count(headers) >= limit
 
 
 def from_stream(headers: Mapping[Any, Any]) -> bool:

@@ -11,7 +11,8 @@ This module is the process around them, as ``outbox/relay/process.py`` is the re
   reads the queue's policy (a missing queue fails fast, a stream is refused);
 - ``Inbox.run`` goes round: reconnect what is broken, prune the inbox now and then
   (``inbox_retention``), drain the deliveries that arrived, apply them through the
-  ``Processor`` (a message at the queue's last delivery first, alone, acked at once),
+  ``Processor`` (on a queue that may drop a returned message, what the broker
+  returned is taken into custody first and applied from there: ``_apply_custody``),
   settle them (ack what committed, was skipped or parked; hold a failed one in hand,
   unacked, for its retry delay, the later messages of its ordering key behind it),
   apply again the held ones that are due (parked once they would be held past
@@ -40,10 +41,11 @@ from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.inbox import planning
 from outbox.inbox.broker import Broker, QueueRefused, refuse
+from outbox.inbox.custody import may_drop_returned, restored, stored, to_take
 from outbox.inbox.handlers import Handler
 from outbox.inbox.metrics import ConsumerEndpoints
 from outbox.inbox.planning import Disposition, Dispositions, Held, outcome_reason
-from outbox.inbox.policy import from_stream, last_delivery, may_subscribe_again
+from outbox.inbox.policy import from_stream, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
@@ -56,6 +58,13 @@ log = logging.getLogger("outbox.inbox")
 # At most this many times ``--prefetch`` messages in hand, held for a retry or
 # behind their key (``Inbox._make_room``).
 HAND_MOST = 4
+# Custody (``Inbox._apply_custody``): rows read at once, seconds of applying them
+# before the socket is read again, how often custody is looked at when it seemed
+# empty, and the shortest wait of a message in custody whose attempt did not finish.
+CUSTODY_READ = 50
+CUSTODY_PASS = 0.2
+CUSTODY_CHECK = 5.0
+CUSTODY_MIN_DELAY = 0.5
 
 
 class Inbox:
@@ -84,6 +93,9 @@ class Inbox:
         # per ordering key of one of them, the later messages of that key.
         self._held: list[Held] = []
         self._behind: dict[str, list[Any]] = {}
+        # When to read custody next (``_apply_custody``; at once at start-up: a
+        # consumer may have died with messages in it).
+        self._next_custody = 0.0
 
     # -- control --------------------------------------------------------------
     def stop(self) -> None:
@@ -141,6 +153,7 @@ class Inbox:
                 if deliveries:
                     self._handle(deliveries)
                 self._retry_due()
+                self._apply_custody()
                 self._make_room()
                 self.stats.last_progress = time.monotonic()
                 self.stats.last_error = None
@@ -230,9 +243,9 @@ class Inbox:
     def _handle(self, deliveries: Sequence[Any]) -> None:
         """Apply, then settle: ack what committed (or was skipped or parked); keep
         failed ones in hand for their next attempt (``_hold``).  A message of an
-        ordering key whose earlier message waits for a retry waits behind it.  A
-        message at the queue's last delivery is applied first, alone, and acked at
-        once: a later handler that kills the process would make the broker drop it."""
+        ordering key whose earlier message waits for a retry waits behind it.  On a
+        queue that may drop a returned message, those the broker returned are taken
+        into custody first (``_take_custody``)."""
         processor = self.processor
         if processor is None:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
@@ -240,22 +253,21 @@ class Inbox:
         if not policy.queue_type and any(from_stream(d.message.headers) for d in deliveries):
             # A stream that the start-up check could not see (no configure permission).
             raise refuse(self.settings.queue, "its deliveries come from a stream")
-        if not self._behind and policy.delivery_limit is None:  # the hot path
+        if not self._behind and not may_drop_returned(policy):  # the hot path
             with self.broker.busy():
                 outcomes = processor.process_batch([d.message for d in deliveries])
             self._settle(deliveries, outcomes)
             self.stats.last_progress = time.monotonic()
             return
+        if may_drop_returned(policy):
+            deliveries = self._take_custody(deliveries)
+            if not deliveries:
+                return
         ready: list[Any] = []
         for delivery in deliveries:
             key = delivery.message.ordering_key
             if key is not None and key in self._behind:
                 self._behind[key].append(delivery)
-            elif last_delivery(delivery.message.headers, policy):
-                with self.broker.busy():
-                    outcome = processor.process(delivery.message, last_delivery=True)
-                # Acked alone: a multiple ack would also ack the earlier ones not applied yet.
-                self._settle([delivery], [outcome], multiple=False)
             else:
                 ready.append(delivery)
         if ready:
@@ -263,6 +275,71 @@ class Inbox:
                 outcomes = processor.process_batch([d.message for d in ready])
             self._settle(ready, outcomes)
         self.stats.last_progress = time.monotonic()
+
+    def _take_custody(self, deliveries: Sequence[Any]) -> list[Any]:
+        """Store the deliveries that need custody (``custody.to_take``) in
+        ``<inbox>_custody``, in one transaction, and ack each once it committed;
+        the others are returned, to be applied as usual.  Before any handler runs:
+        from here on a crash costs them nothing."""
+        policy = self.broker.policy
+        store = self.store
+        if store is None:
+            raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
+        chosen = to_take([d.message for d in deliveries], policy, held=self.stats.custody_held > 0)
+        if not any(chosen):
+            return list(deliveries)
+        taken = [d for d, take in zip(deliveries, chosen, strict=True) if take]
+        store.take_custody(self.settings.queue, [stored(d.message) for d in taken])
+        faults.reached("consume_after_custody")
+        for delivery in taken:
+            # One by one: a multiple ack would also ack earlier deliveries in hand.
+            self.broker.settle(delivery, ack=True)
+        self.stats.custody_taken += len(taken)
+        self.stats.custody_held += len(taken)
+        self._next_custody = 0.0  # apply them at once
+        emit(log, "consumer.custody_taken", logging.DEBUG, messages=len(taken))
+        return [d for d, take in zip(deliveries, chosen, strict=True) if not take]
+
+    def _apply_custody(self) -> None:
+        """Apply messages in custody (``outbox.inbox.custody``), oldest first, each
+        alone with its attempt counted first, for at most ``CUSTODY_PASS`` seconds:
+        then the loop reads the socket again, so that what arrives meanwhile is
+        taken into custody without waiting for the whole table.  A failed one waits
+        in the table for its retry delay (its key with it); one parked, or found
+        applied already (a copy), leaves it.  Custody is read again at once while it
+        holds messages, and every ``CUSTODY_CHECK`` seconds when it seemed empty
+        (another consumer of the same name may have died with messages in it)."""
+        store, processor = self.store, self.processor
+        now = time.monotonic()
+        if store is None or processor is None or now < self._next_custody:
+            return
+        found = store.next_in_custody(CUSTODY_READ)
+        self.stats.custody_held = found.held
+        started = time.monotonic()
+        for applied, row in enumerate(found.due):
+            if applied and time.monotonic() - started >= CUSTODY_PASS:
+                break
+            _id, message_id, queue, exchange, routing_key, body, raw = row
+            message = restored(
+                queue=queue,
+                exchange=exchange,
+                routing_key=routing_key,
+                body=body,
+                raw_properties=raw,
+            )
+            with self.broker.busy():
+                outcome, delay = processor.process(message)
+            if outcome is Disposition.RETRY:
+                store.delay_custody(message_id, max(delay, CUSTODY_MIN_DELAY))
+            elif outcome is not Disposition.HANDLED:  # parked, or a copy applied already
+                store.release_custody(message_id)
+        if found.due:
+            self._next_custody = 0.0
+        elif found.held:
+            wait = found.next_in if found.next_in is not None else CUSTODY_CHECK
+            self._next_custody = now + min(max(wait, 0.0), CUSTODY_CHECK)
+        else:
+            self._next_custody = now + CUSTODY_CHECK
 
     def _settle(
         self, deliveries: Sequence[Any], outcomes: Dispositions, *, multiple: bool = True
@@ -319,10 +396,13 @@ class Inbox:
             self._handle(waiting)
 
     def _drain_timeout(self) -> float:
-        if not self._held:
+        now = time.monotonic()
+        due = [h.due for h in self._held]
+        if self.stats.custody_held:
+            due.append(self._next_custody)
+        if not due:
             return 1.0
-        due = min(h.due for h in self._held)
-        return min(1.0, max(0.0, due - time.monotonic()))
+        return min(1.0, max(0.0, min(due) - now))
 
     def _make_room(self) -> None:
         """Messages held for a retry, or waiting behind one of their key, take

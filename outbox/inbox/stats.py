@@ -26,6 +26,10 @@ class ConsumerStats:
         default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
     )
     reconnects: int = 0
+    # Messages taken into custody (``outbox.inbox.custody``), and how many custody
+    # held when the loop last looked.
+    custody_taken: int = 0
+    custody_held: int = 0
     pruned: int = 0
     handler_seconds: Durations = dataclasses.field(default_factory=Durations)
     last_progress: float = dataclasses.field(default_factory=time.monotonic)

@@ -144,10 +144,18 @@ be read) cannot be deduplicated: it is parked at once and the handler never sees
 
 The queue's own policy (``policy``, read at start-up): a stream is refused; on a
 quorum queue with a delivery limit, a crash of the consumer returns every message
-in hand and counts a delivery against each, so a message at its last delivery
-(``x-delivery-count`` at the limit) is applied before the others, alone, and acked
-at once, and one whose earlier attempt failed or did not finish is parked unseen
-(``plan``): the broker would drop it if this attempt killed the process too.
+in hand and counts a delivery against each, so a message the broker returned is
+taken into custody as it arrives (``custody``: stored and acked in one transaction
+per drain, before any handler runs) and applied from ``<inbox>_custody`` through
+``alone``; the transaction of its effect deletes its row (``record_messages``).
+
+| crash point (custody) | state left | what happens next |
+|---|---|---|
+| arrived, before take_custody commits | unacked | returned again (counted) |
+| after take_custody, before the acks | stored, unacked | the copy: skipped |
+| after the acks | stored; the broker has none | applied from custody |
+| in its handler (from custody) | stored, attempt counted | alone again (2) |
+| after its effect's COMMIT | effect, id, row gone | done |
 
 Roles: ``Processor`` (this module) is one transaction of messages (the steps
 above; the database only, through ``StorePort``); ``Inbox`` (``process``) is the
@@ -169,6 +177,7 @@ from typing import Any, Protocol
 
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
+from outbox.inbox.custody import Stored
 from outbox.inbox.handlers import Handler
 from outbox.inbox.message import (
     InboxMessage,
@@ -180,7 +189,6 @@ from outbox.inbox.planning import (
     Disposition,
     Dispositions,
     Plan,
-    last_delivery_reason,
     plan,
     retry_delay,
     unfinished_reason,
@@ -193,6 +201,7 @@ from outbox.inbox.store import (
     SETTINGS,
     Failure,
     InboxRowHeld,
+    InCustody,
     SessionState,
     Started,
     StatementRefused,
@@ -277,6 +286,16 @@ class StorePort(Protocol):
     def end_attempt(self, message_id: str) -> None: ...
 
     def park(self, parking: Parking) -> None: ...
+
+    # Custody (``outbox.inbox.custody``): messages stored before they are acked,
+    # applied from the table (``Inbox._apply_custody``).
+    def take_custody(self, queue: str, messages: Sequence[Stored]) -> None: ...
+
+    def next_in_custody(self, limit: int) -> InCustody: ...
+
+    def delay_custody(self, message_id: str, delay: float) -> None: ...
+
+    def release_custody(self, message_id: str) -> None: ...
 
     # for the process (``Inbox``)
     def ensure_schema(self) -> None: ...
@@ -468,24 +487,20 @@ class Processor:
             outcomes.append(outcome)
         return outcomes
 
-    def process(
-        self, message: InboxMessage, *, last_delivery: bool = False
-    ) -> tuple[Disposition, float]:
-        """Apply one message in its own transaction (a redelivered one: ``alone``;
-        ``last_delivery``: see ``plan``)."""
+    def process(self, message: InboxMessage) -> tuple[Disposition, float]:
+        """Apply one message in its own transaction (a redelivered one, or one from
+        custody: ``alone``)."""
         self.settle_owed()
         if unusable(message):
             return self._park_unusable(message)
         if message.redelivered:
-            return self.alone(message, last_delivery=last_delivery)
+            return self.alone(message)
         done = self.transaction([message])
         if isinstance(done, Broken):
             return self._failed(message, done.reason)
         return done[0]
 
-    def alone(
-        self, message: InboxMessage, *, last_delivery: bool = False
-    ) -> tuple[Disposition, float]:
+    def alone(self, message: InboxMessage) -> tuple[Disposition, float]:
         """A redelivered message: it may be the one that killed the consumer that
         held it (a segfault, the OOM killer, ``os._exit`` in its handler), which no
         ``except`` can count.  So its attempt is committed before the handler is
@@ -503,8 +518,8 @@ class Processor:
         if started.duplicate:  # lock released already
             return self._duplicate(message)
         try:
-            if plan(True, started.earlier, max_attempts, last_delivery=last_delivery) is Plan.PARK:
-                outcome = self._park_unfinished(message, started, last_delivery=last_delivery)
+            if plan(True, started.earlier, max_attempts) is Plan.PARK:
+                outcome = self._park_unfinished(message, started)
             else:
                 self._counted = message
                 try:
@@ -771,23 +786,16 @@ class Processor:
         return Disposition.PARKED, 0.0
 
     def _park_unfinished(
-        self, message: InboxMessage, started: Started, *, last_delivery: bool = False
+        self, message: InboxMessage, started: Started
     ) -> tuple[Disposition, float]:
         """``Plan.PARK``: the attempts counted reached the limit and the last one
-        never finished (or, ``last_delivery``, the queue would drop the message if
-        it came back once more); parked (id recorded, one transaction) without a
-        call."""
+        never finished; parked (id recorded, one transaction) without a call."""
         message_id = str(message.message_id)
-        if last_delivery and started.earlier < self.settings.max_attempts:
-            reason = last_delivery_reason(started.earlier, self.policy, started.last_error)
-            limit = 1  # park it now, whatever its count
-        else:
-            reason = unfinished_reason(started.earlier, started.last_error)
-            limit = self.settings.max_attempts
+        reason = unfinished_reason(started.earlier, started.last_error)
         failure = self.store.record_failure(
             message_id,
             text_safe(reason),
-            max_attempts=limit,
+            max_attempts=self.settings.max_attempts,
             parking=parking_for(message, reason),
             counted=True,
         )

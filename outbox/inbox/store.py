@@ -41,7 +41,7 @@ import datetime
 import operator
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
@@ -55,6 +55,9 @@ from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import Hints, connect, first_line, hint_for, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
+
+if TYPE_CHECKING:
+    from outbox.inbox.custody import Stored
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 
@@ -90,6 +93,7 @@ def inbox_identifiers(table: str) -> dict[str, sql.Composable]:
         "inbox_by_age": sql.Identifier(f"{table}_by_age"),
         "attempts": sql.Identifier(f"{table}_attempts"),
         "parked": sql.Identifier(f"{table}_parked"),
+        "custody": sql.Identifier(f"{table}_custody"),
         "guard": sql.Identifier(f"{table}_guard"),
         # Names as values, for the upgrade's catalog look-ups.
         "inbox_name": sql.Literal(table),
@@ -189,6 +193,18 @@ class Started:
     duplicate: bool
     earlier: int
     last_error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InCustody:
+    """What ``next_in_custody`` found: the rows to apply now (``id``, ``message_id``,
+    ``queue``, ``exchange``, ``routing_key``, ``body``, ``raw_properties``), how many
+    messages custody holds in all, and in how many seconds the next one that is not
+    due yet will be (None: none waits)."""
+
+    due: list[tuple[Any, ...]]
+    held: int
+    next_in: float | None
 
 
 class SessionState(NamedTuple):
@@ -326,7 +342,12 @@ class InboxStore:
             hints=self.hints,
             statement_timeout=self.statement_timeout,
             lock_timeout=self.lock_timeout,
-            tables=[self.table, f"{self.table}_attempts", f"{self.table}_parked"],
+            tables=[
+                self.table,
+                f"{self.table}_attempts",
+                f"{self.table}_parked",
+                f"{self.table}_custody",
+            ],
             refused=_refused,
         ):
             yield
@@ -584,6 +605,43 @@ class InboxStore:
                 attempts=attempts,
             ),
         )
+
+    # -- custody (``outbox.inbox.custody``) -------------------------------------------
+    def take_custody(self, queue: str, messages: Sequence[Stored]) -> None:
+        """Store ``messages`` in ``<inbox>_custody`` in one transaction (those whose
+        id is in the inbox already are not: copies of applied messages)."""
+        params = self._params(
+            queue=queue,
+            ids=[m.message_id for m in messages],
+            keys=[m.ordering_key for m in messages],
+            exchanges=[m.exchange for m in messages],
+            routing_keys=[m.routing_key for m in messages],
+            bodies=[m.body for m in messages],
+            raws=[m.raw_properties for m in messages],
+        )
+        with self._transaction("taking messages into custody") as conn:
+            conn.execute(self.queries["take_custody"], params)
+
+    def next_in_custody(self, limit: int) -> InCustody:
+        """At most ``limit`` messages in custody to apply now, in order (one read)."""
+        with self._reading("reading the messages in custody") as conn:
+            rows = conn.execute(
+                self.queries["next_in_custody"], self._params(limit=limit)
+            ).fetchall()
+        due = [tuple(row[:7]) for row in rows if row[0] is not None]
+        held = int(rows[0][7]) if rows else 0
+        next_in = float(rows[0][8]) if rows and rows[0][8] is not None else None
+        return InCustody(due=due, held=held, next_in=next_in)
+
+    def delay_custody(self, message_id: str, delay: float) -> None:
+        with self._transaction("delaying a message in custody") as conn:
+            conn.execute(
+                self.queries["delay_custody"], self._params(message_id=message_id, delay=delay)
+            )
+
+    def release_custody(self, message_id: str) -> None:
+        with self._transaction("releasing a message from custody") as conn:
+            conn.execute(self.queries["release_custody"], self._params(message_id=message_id))
 
     # -- retention --------------------------------------------------------------
     def prune(self, retention_seconds: float, *, batch: int = 1000, max_batches: int = 10) -> int:

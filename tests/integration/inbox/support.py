@@ -109,6 +109,11 @@ def act(conn, message):
         conn.execute("SELECT set_config('search_path', 'nowhere', false)")
     elif what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
         record(conn, message)
+    elif what == "die" and os.environ.get("HANDLER_RAISES"):
+        raise RuntimeError("the killer raises this time")
+    elif what == "slow":  # a healthy handler that takes OK_SLOW seconds
+        record(conn, message)
+        time.sleep(float(os.environ.get("OK_SLOW", "0.01")))
     elif what == "die":
         # Kills the process, as a segfault or the OOM killer would: no except runs.
         os._exit(1)
@@ -134,6 +139,10 @@ async def act_async(conn, message):
     if what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
         return
     if what == "ok":
+        return
+    if what == "slow":
+        await conn.execute(insert, [message.message_id, message.body])
+        await asyncio.sleep(float(os.environ.get("OK_SLOW", "0.01")))
         return
     if what == "raise":
         raise RuntimeError("the handler refuses " + repr(message.body[:20]))

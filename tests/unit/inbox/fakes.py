@@ -1,7 +1,7 @@
 """In-memory doubles of the consumer loop's two ports (``steps.StorePort`` and
 ``steps.BrokerPort``), like ``tests/fixtures/fakes.py`` for the relay's batch loop.
 
-``FakeStore`` keeps an inbox, attempts, parked rows and effects, with one open
+``FakeStore`` keeps an inbox, attempts, parked rows, custody and effects, with one open
 transaction at a time; its ``FakeConnection`` is what a handler is handed and can
 misbehave with in every way a psycopg connection allows (commit, roll back,
 close, lose its session, abort the transaction, change settings).  As in
@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
+from outbox.inbox.custody import Stored
 from outbox.inbox.message import InboxMessage, Parking
 from outbox.inbox.policy import QueuePolicy
-from outbox.inbox.store import SETTINGS, Failure, InboxRowHeld, SessionState, Started
+from outbox.inbox.store import (
+    SETTINGS,
+    Failure,
+    InboxRowHeld,
+    InCustody,
+    SessionState,
+    Started,
+)
 
 Journal = list[str]
 
@@ -100,6 +110,10 @@ class FakeStore:
         self.last_error: dict[str, str] = {}
         self.locked: set[str] = set()  # attempt locks held
         self.parked: list[Parking] = []
+        # <inbox>_custody: rows as next_in_custody gives them, plus their ordering key
+        # and the monotonic time they are due (``delay_custody``).
+        self.custody: list[dict[str, Any]] = []
+        self._custody_ids = itertools.count(1)
         self.pending_ids: list[str] = []
         self.pending_effects: list[str] = []
         self.pending_forget: list[str] = []
@@ -127,6 +141,7 @@ class FakeStore:
         self.effects.extend(self.pending_effects)
         for key in self.pending_forget:
             self.attempts.pop(key, None)
+            self.custody = [row for row in self.custody if row["message_id"] != key]
         self._discard()
 
     def _maybe_fail(self, name: str) -> None:
@@ -287,6 +302,54 @@ class FakeStore:
         self.journal.append("park")
         self._maybe_fail("park")
         self.parked.append(parking)
+
+    def take_custody(self, queue: str, messages: Sequence[Stored]) -> None:
+        self.journal.append(f"take_custody {[m.message_id for m in messages]}")
+        self._maybe_fail("take_custody")
+        held = {row["message_id"] for row in self.custody}
+        for m in messages:
+            if m.message_id in self.inbox or m.message_id in held:
+                continue
+            held.add(m.message_id)
+            self.custody.append(
+                {
+                    "id": next(self._custody_ids),
+                    "message_id": m.message_id,
+                    "ordering_key": m.ordering_key,
+                    "queue": queue,
+                    "exchange": m.exchange,
+                    "routing_key": m.routing_key,
+                    "body": m.body,
+                    "raw_properties": m.raw_properties,
+                    "due": 0.0,
+                }
+            )
+
+    def next_in_custody(self, limit: int) -> InCustody:
+        self._maybe_fail("next_in_custody")
+        now = time.monotonic()
+        heads: dict[object, dict[str, Any]] = {}
+        for row in self.custody:  # in id order
+            key = row["ordering_key"] if row["ordering_key"] is not None else ("id", row["id"])
+            heads.setdefault(key, row)
+        due = [r for r in heads.values() if r["due"] <= now]
+        later = [r["due"] - now for r in heads.values() if r["due"] > now]
+        columns = ("id", "message_id", "queue", "exchange", "routing_key", "body", "raw_properties")
+        return InCustody(
+            due=[tuple(r[c] for c in columns) for r in sorted(due, key=lambda r: r["id"])][:limit],
+            held=len(self.custody),
+            next_in=min(later) if later else None,
+        )
+
+    def delay_custody(self, message_id: str, delay: float) -> None:
+        self.journal.append(f"delay_custody {message_id}")
+        for row in self.custody:
+            if row["message_id"] == message_id:
+                row["due"] = time.monotonic() + delay
+
+    def release_custody(self, message_id: str) -> None:
+        self.journal.append(f"release_custody {message_id}")
+        self.custody = [row for row in self.custody if row["message_id"] != message_id]
 
     def ensure_schema(self) -> None:
         self._maybe_fail("ensure_schema")

@@ -370,7 +370,8 @@ def passes(inbox: Inbox, broker: FakeBroker, count: int) -> None:
         if deliveries:
             inbox._handle(deliveries)
         inbox._retry_due()
-        if not deliveries and not inbox._held:
+        inbox._apply_custody()
+        if not deliveries and not inbox._held and not inbox.stats.custody_held:
             return
 
 

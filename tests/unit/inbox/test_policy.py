@@ -10,11 +10,10 @@ import random
 import pytest
 
 from outbox.inbox.message import InboxMessage
-from outbox.inbox.planning import Disposition, Plan, plan
+from outbox.inbox.planning import Disposition
 from outbox.inbox.policy import (
     QueuePolicy,
     inequivalent,
-    last_delivery,
     may_subscribe_again,
     policy_from,
     refusal,
@@ -101,23 +100,6 @@ def test_refusal__a_stream_and_a_delivery_limit_of_0() -> None:
     assert refusal(QueuePolicy("classic", message_ttl=10)) is None
 
 
-@pytest.mark.parametrize(("count", "last"), [(None, False), (0, False), (2, False), (3, True)])
-def test_last_delivery__when_the_count_reaches_the_limit(count: int | None, last: bool) -> None:
-    headers = {} if count is None else {"x-delivery-count": count}
-    assert last_delivery(headers, QueuePolicy("quorum", delivery_limit=3)) is last
-    assert last_delivery(headers, QueuePolicy("quorum")) is False  # no known limit
-
-
-@pytest.mark.parametrize(
-    ("attempts", "last", "expected"),
-    [(0, False, Plan.ALONE), (1, False, Plan.ALONE), (0, True, Plan.ALONE), (1, True, Plan.PARK)],
-)
-def test_plan__a_message_that_failed_before_is_parked_at_its_last_delivery(
-    attempts: int, last: bool, expected: Plan
-) -> None:
-    assert plan(True, attempts, 5, last_delivery=last) is expected
-
-
 # -- the process --------------------------------------------------------------------------------
 def quorum(limit: int) -> FakeBroker:
     broker = FakeBroker([], prefetch=20)
@@ -129,25 +111,79 @@ def redelivered(message_id: str, body: bytes, count: int) -> InboxMessage:
     return message(message_id, body, redelivered=True, headers={"x-delivery-count": count})
 
 
-def test_inbox__a_message_at_its_last_delivery_is_applied_first_and_acked_at_once() -> None:
-    """In a crash loop every message in hand comes back and counts; one at its
-    last delivery is applied (and acked) before any other handler can kill the
-    process, and the killer, whose earlier attempt never finished, is parked."""
+def test_inbox__returned_messages_are_taken_into_custody_before_any_handler_runs() -> None:
+    """In a crash loop every message in hand comes back and counts; those the broker
+    returned are stored and acked in one transaction before any handler can kill
+    the process, then applied from custody: the killer, whose earlier attempts never
+    finished, is parked there, and the healthy ones are applied."""
     store = FakeStore()
-    store.attempts["killer"] = 1  # counted before the call that killed the consumer
+    store.attempts["killer"] = 5  # counted before the calls that killed the consumer
     broker = quorum(3)
     broker.ready = [
         redelivered("a", b"ok", 3),
-        redelivered("killer", b"fatal", 3),
-        redelivered("b", b"ok", 3),
+        redelivered("killer", b"fatal", 1),
+        redelivered("b", b"ok", 2),
     ]
     inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
     inbox.start()
-    passes(inbox, broker, 2)
+    inbox._handle(broker.drain(0))
+    assert store.effects == []  # no handler ran yet
+    assert broker.journal == ["ack a", "ack killer", "ack b"]
+    assert [row["message_id"] for row in store.custody] == ["a", "killer", "b"]
+    passes(inbox, broker, 3)
     assert sorted(store.effects) == ["a", "b"]
     assert [p.message_id for p in store.parked] == ["killer"]
-    assert "last delivery" in store.parked[0].error
-    assert broker.journal == ["ack a", "ack killer", "ack b"]  # each at once
+    assert store.custody == []
+
+
+def test_inbox__a_message_in_custody_that_fails_waits_there_and_holds_its_key() -> None:
+    """A message in custody whose handler raises waits in the table for its retry
+    delay, and the later messages of its ordering key, taken into custody behind
+    it, wait for it; a message of another key goes on."""
+    store = FakeStore()
+    broker = quorum(2)
+    settings = dataclasses.replace(SETTINGS, retry_delay=60.0, retry_delay_max=60.0)
+    keyed = {"x-ordering-key": "K", "x-delivery-count": 1}
+    broker.ready = [
+        message("k1", b"raise", redelivered=True, headers=keyed, ordering_key="K"),
+        message("other", b"ok", redelivered=True, headers={"x-delivery-count": 1}),
+    ]
+    inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 1)
+    assert store.effects == ["other"]
+    # k2 is a first delivery, but k1 of its key is in custody: it goes behind it.
+    broker.ready = [message("k2", b"ok", headers={"x-ordering-key": "K"}, ordering_key="K")]
+    passes(inbox, broker, 2)
+    assert store.effects == ["other"]
+    assert [row["message_id"] for row in store.custody] == ["k1", "k2"]
+    assert broker.unacked == []  # the broker holds none of them
+    assert store.attempts["k1"] == 1
+
+
+def test_inbox__a_copy_of_a_message_applied_before_is_not_taken_into_custody() -> None:
+    store = FakeStore()
+    store.inbox.add("a")
+    broker = quorum(2)
+    broker.ready = [redelivered("a", b"ok", 1)]
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 2)
+    assert store.custody == [] and store.effects == []
+    assert broker.journal == ["ack a"]
+
+
+def test_inbox__no_custody_on_a_queue_that_drops_nothing() -> None:
+    """A classic queue (or a quorum queue without a limit) never drops a returned
+    message: it is applied as before, alone, and nothing is stored."""
+    store = FakeStore()
+    broker = FakeBroker([redelivered("a", b"ok", 1)])
+    broker.policy = QueuePolicy("quorum")
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    passes(inbox, broker, 2)
+    assert store.effects == ["a"]
+    assert not any(line.startswith("take_custody") for line in store.journal)
 
 
 def test_inbox__a_failed_message_is_held_in_hand_while_the_others_go_on() -> None:
@@ -287,25 +323,6 @@ def test_processor__a_lost_session_leaves_pipelining_on() -> None:
     outcomes = processor.process_batch([message("a"), message("b")])
     assert [o for o, _ in outcomes] == [Disposition.HANDLED] * 2
     assert processor.pipelining
-
-
-def test_inbox__a_message_at_its_last_delivery_is_acked_alone() -> None:
-    """Applied before an earlier delivery of the same drain, it is acked by itself:
-    a multiple ack would also ack the earlier one before it is applied."""
-    store = FakeStore()
-    broker = quorum(3)
-    broker.ready = [message("a", b"ok"), redelivered("b", b"ok", 3)]
-    acked_when_called: dict[str, list[str]] = {}
-
-    def handler(conn: FakeConnection, msg: InboxMessage) -> None:
-        acked_when_called[str(msg.message_id)] = list(broker.journal)
-        conn.apply(str(msg.message_id))
-
-    inbox = Inbox(handler, SETTINGS, broker=broker, connect_store=lambda _: store)
-    inbox.start()
-    passes(inbox, broker, 2)
-    assert acked_when_called["a"] == ["ack b"]
-    assert broker.journal == ["ack b", "ack a"]
 
 
 def test_inbox__a_message_still_failing_near_the_consumer_timeout_is_parked(
