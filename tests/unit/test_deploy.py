@@ -41,7 +41,8 @@ HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
 VERSION = __version__
 RELAY_IMAGE = f"outbox-relay:{VERSION}"
 # Official images the files may use, with the oldest major.minor that works.
-THIRD_PARTY_IMAGES = {"postgres": (12, 0), "rabbitmq": (3, 9)}  # streams need 3.9
+# xid8 and gen_random_uuid() need PostgreSQL 13; streams need RabbitMQ 3.9.
+THIRD_PARTY_IMAGES = {"postgres": (13, 0), "rabbitmq": (3, 9)}
 
 
 # -- what the code offers --------------------------------------------------------
