@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -135,3 +136,26 @@ def test_user_pages__internal_words_are_found() -> None:
     )
     found = [m.group(0) for m in INTERNAL_WORDS.finditer(page)]
     assert found == ["Issue 33", "#31", "The issue", "python-svc", "this machine"]
+
+
+TROUBLESHOOTING = ROOT / "docs" / "how-to" / "troubleshooting.md"
+
+
+def alert_runbooks() -> dict[str, str]:
+    """Each alert rule's name and its ``runbook_url`` annotation."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    return {
+        rule["alert"]: rule["annotations"].get("runbook_url", "")
+        for group in rules["groups"]
+        for rule in group["rules"]
+    }
+
+
+def test_troubleshooting__every_alert_has_its_section_and_links_to_it() -> None:
+    page = TROUBLESHOOTING.read_text()
+    by_alert = page.split("\n## By alert\n")[1].split("\n## ")[0]
+    sections = re.findall(r"^### (\w+)$", by_alert, re.M)
+    runbooks = alert_runbooks()
+    assert sections == list(runbooks)
+    for alert, url in runbooks.items():
+        assert url == f"docs/how-to/troubleshooting.md#{alert.lower()}", alert
