@@ -12,6 +12,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from outbox._version import __version__ as __version__
+
 if TYPE_CHECKING:
     from outbox.enqueue import (
         OutgoingMessage,
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
         enqueue_many_async,
     )
 
-__version__ = "0.6.0"  # pyproject.toml's (tests/unit/test_release.py)
 
 __all__ = [
     "OutgoingMessage",

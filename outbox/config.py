@@ -78,7 +78,8 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
 class Settings:
     dsn: str = DEFAULT_DSN
     amqp_url: str = DEFAULT_AMQP_URL
-    # The outbox table; its companions are <table>_relays and <table>_dead_letters.
+    # The outbox table; its companions are <table>_relays, <table>_dead_letters,
+    # <table>_schema_version and <table>_claim_front (outbox/tables.py).
     table: str = "outbox"
     # Stream queue that records every fully accepted batch (the resolver's evidence).
     ledger_queue: str = "outbox.ledger"

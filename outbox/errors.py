@@ -108,6 +108,13 @@ class InvalidSetting(OutboxError):
     exit_code = ExitCode.USAGE
 
 
+class MissingExtra(OutboxError):
+    """A command needs an optional part of the package that is not installed (the hint
+    names the extra to install)."""
+
+    exit_code = ExitCode.USAGE
+
+
 class MissingPrivileges(OutboxError):
     """The database role lacks a privilege the command needs (the hint has the GRANT)."""
 

@@ -1,11 +1,16 @@
 """Deterministic crash points for the fault-injection suite (tests only).
 
-Set ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's environment and the relay
-kills itself with SIGKILL the n-th time (default the first) it reaches that
-point.  The points are the step boundaries of ``batches.py``; when the variable is
-unset, ``reached`` is one dictionary lookup.  Pipelined, the n-th occurrence
-counts across batches: ``after_prepare:2`` is batch 2's PREPARE, with batch 1 still
-in flight.
+The test suite (its pytest plugin ``tests/fixtures/faults.py``) sets
+``OUTBOX_FAULT_INJECTION=kill-this-process-on-purpose`` for every process it starts;
+with that switch, ``OUTBOX_CRASH_AT=<point>[:<n>]`` in a relay's or consumer's
+environment makes it kill itself with SIGKILL the n-th time (default the first) it
+reaches that point.  Without the switch, exactly as written, ``OUTBOX_CRASH_AT`` is
+ignored: an installed relay that inherits it by mistake (a copied environment file,
+a test variable left in a deployment) never crashes on purpose.  The points are the
+step boundaries of ``outbox/relay/batches.py`` and ``outbox/inbox/process.py``; when
+nothing is armed, ``reached`` is one string comparison.  Pipelined, the n-th
+occurrence counts across batches: ``after_prepare:2`` is batch 2's PREPARE, with
+batch 1 still in flight.
 
 A point only observes the relay: armed or not, the relay runs the production
 schedule (no confirm is awaited that production would not await), so what a crash
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 
 POINTS = (
     "after_claim",
@@ -26,15 +32,31 @@ POINTS = (
     "after_publish",
     "after_ledger",
     "before_commit_prepared",
-    # outbox consume (inbox.py): a message's effect committed, its ack not sent yet.
+    # outbox consume (outbox/inbox/process.py): a message's effect committed, its ack
+    # not sent yet.
     "consume_after_commit",
 )
 
-_spec = os.environ.get("OUTBOX_CRASH_AT", "")
-_point, _, _nth = _spec.partition(":")
-_remaining = int(_nth or 1) if _point else 0
-if _point and _point not in POINTS:
-    raise SystemExit(f"OUTBOX_CRASH_AT: unknown point {_point!r}; one of {', '.join(POINTS)}")
+# The test suite's switch.  A variable and a sentence, both exact: an empty or "1"
+# value, or a variable of a similar name, arms nothing.
+SWITCH = "OUTBOX_FAULT_INJECTION"
+SWITCH_ON = "kill-this-process-on-purpose"
+
+
+def armed_from(environ: Mapping[str, str]) -> tuple[str, int]:
+    """The point and occurrence ``environ`` arms: ``("", 0)`` unless the test suite's
+    switch is on and ``OUTBOX_CRASH_AT`` is set; an unknown point is refused only
+    then (a production process does not read the variable at all)."""
+    spec = environ.get("OUTBOX_CRASH_AT", "")
+    if environ.get(SWITCH) != SWITCH_ON or not spec:
+        return "", 0
+    point, _, nth = spec.partition(":")
+    if point not in POINTS:
+        raise SystemExit(f"OUTBOX_CRASH_AT: unknown point {point!r}; one of {', '.join(POINTS)}")
+    return point, int(nth or 1)
+
+
+_point, _remaining = armed_from(os.environ)
 
 
 def _kill() -> None:
@@ -47,7 +69,8 @@ crash = _kill
 
 
 def arm(point: str, nth: int = 1) -> None:
-    """Arm ``point`` for its ``nth`` occurrence (what OUTBOX_CRASH_AT does at import)."""
+    """Arm ``point`` for its ``nth`` occurrence (what OUTBOX_CRASH_AT does at import,
+    with the test suite's switch on); for tests that run the loop in their process."""
     global _point, _remaining
     if point not in POINTS:
         raise ValueError(f"unknown crash point {point!r}")

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import click
 
-from outbox import redaction
+from outbox import __version__, redaction
 from outbox.cli import (
     bench,
     consume,
@@ -46,7 +46,7 @@ from outbox.errors import ExitCode
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="outbox-relay")
+@click.version_option(__version__, package_name="outbox-relay")
 def cli() -> None:
     """Transactional outbox relay: PostgreSQL → RabbitMQ with two-phase commit."""
 

@@ -17,6 +17,7 @@ from outbox.cli.common import (
     tuning_options,
 )
 from outbox.cli.options import DsnType, FiniteFloatRange
+from outbox.errors import MissingExtra
 from outbox.events import configure
 from outbox.web import security
 
@@ -110,9 +111,10 @@ def web(
         from outbox.web.console import ConsoleConfig, InboxTarget
         from outbox.web.server import serve
     except ImportError as exc:
-        raise click.UsageError(
-            f"the console needs the web extra ({exc.name} is missing): "
-            "pip install 'outbox-relay[web]'"
+        raise MissingExtra(
+            f"outbox web needs the console's libraries: "
+            f"{(exc.name or 'one of them').partition('.')[0]} is not installed",
+            "install the web extra: pip install 'outbox-relay[web]'",
         ) from None
     try:
         credentials = security.Credentials.from_env(os.environ)

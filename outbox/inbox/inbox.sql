@@ -6,6 +6,7 @@
 -- in with psycopg.sql.Identifier for the configured table; values are %(name)s.
 
 -- schema --
+-- --8<-- [start:schema] (docs/reference/schema.md shows the block from here)
 -- One row per message whose effect committed (or that was parked), per consumer.
 -- The consumer name (default: the queue) is part of the key, so two services that
 -- both receive a message and share a database each apply it once.
@@ -103,6 +104,7 @@ BEGIN
     END IF;
 END
 $migrate$;
+-- --8<-- [end:schema]
 
 -- record_message --
 -- Records the id of a message being parked (its own transaction, not armed).  A

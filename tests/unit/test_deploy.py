@@ -26,7 +26,7 @@ import tomllib
 import yaml
 from click.testing import CliRunner
 
-from outbox import urls
+from outbox import __version__, urls
 from outbox.cli import cli
 from outbox.config import Settings
 from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
@@ -38,10 +38,11 @@ CLUSTER = DEPLOY / "cluster"
 COMPOSE_FILES = [DEPLOY / "compose.yaml", CLUSTER / "compose.yaml"]
 SYSTEMD = DEPLOY / "systemd"
 HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+VERSION = __version__
 RELAY_IMAGE = f"outbox-relay:{VERSION}"
 # Official images the files may use, with the oldest major.minor that works.
-THIRD_PARTY_IMAGES = {"postgres": (12, 0), "rabbitmq": (3, 9)}  # streams need 3.9
+# xid8 and gen_random_uuid() need PostgreSQL 13; streams need RabbitMQ 3.9.
+THIRD_PARTY_IMAGES = {"postgres": (13, 0), "rabbitmq": (3, 9)}
 
 
 # -- what the code offers --------------------------------------------------------

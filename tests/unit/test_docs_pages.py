@@ -6,6 +6,8 @@ docs/explanation/, docs/how-to/: a passage that says it measured something names
 command that did (or links to docs/benchmarks.md), in it or right next to it.  Only
 what calls itself measured is found: a figure stated without the word is for review.
 docs/reference/schema.md: it includes every migration file, so a new one appears.
+docs/ and README.md: no word that only means something inside the project (an issue
+number, the build machine's name); the changelog keeps the history.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -92,3 +95,67 @@ def test_schema_page__includes_every_migration() -> None:
     included = set(re.findall(r'^--8<-- "outbox/db/schema/([^"]+)"$', page, re.M))
     migrations = {path.name for path in (ROOT / "outbox" / "db" / "schema").glob("*.sql")}
     assert migrations and included == migrations
+
+
+# Words that mean something only inside the project's own tracker and build machine:
+# an issue number ("issue 33", "#31"), "the issue" as a source of figures, the build
+# machine's name or "this machine".  An upstream issue is cited by its repository
+# ("rabbitmq-server#9457"), which the pattern leaves alone.
+INTERNAL_WORDS = re.compile(
+    r"\bissues?\s+#?\d+|(?<![\w/&-])#\d+\b|\b(?:the|this) issue\b|\bpython-svc\b"
+    r"|\bthis (?:build )?machine\b|\bbuild machine\b",
+    re.I,
+)
+# The changelog is the project's history, where such references belong.
+USER_PAGES = sorted(
+    [
+        *(p for p in (ROOT / "docs").rglob("*.md") if p.name != "changelog.md"),
+        ROOT / "README.md",
+    ]
+)
+
+
+def internal_words(markdown: str) -> list[str]:
+    """Each internal word with a few words around it."""
+    return [
+        " ".join(markdown[max(0, m.start() - 30) : m.end() + 30].split())
+        for m in INTERNAL_WORDS.finditer(markdown)
+    ]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_user_pages__no_internal_words(page: Path) -> None:
+    assert internal_words(page.read_text()) == []
+
+
+def test_user_pages__internal_words_are_found() -> None:
+    page = (
+        "Issue 33's target is met. See #31. The issue's own run, on python-svc, "
+        "and on this machine. Upstream: rabbitmq-server#9457, an open RabbitMQ issue, "
+        "&#8594; and `--rows 1000`."
+    )
+    found = [m.group(0) for m in INTERNAL_WORDS.finditer(page)]
+    assert found == ["Issue 33", "#31", "The issue", "python-svc", "this machine"]
+
+
+TROUBLESHOOTING = ROOT / "docs" / "how-to" / "troubleshooting.md"
+
+
+def alert_runbooks() -> dict[str, str]:
+    """Each alert rule's name and its ``runbook_url`` annotation."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text())
+    return {
+        rule["alert"]: rule["annotations"].get("runbook_url", "")
+        for group in rules["groups"]
+        for rule in group["rules"]
+    }
+
+
+def test_troubleshooting__every_alert_has_its_section_and_links_to_it() -> None:
+    page = TROUBLESHOOTING.read_text()
+    by_alert = page.split("\n## By alert\n")[1].split("\n## ")[0]
+    sections = re.findall(r"^### (\w+)$", by_alert, re.M)
+    runbooks = alert_runbooks()
+    assert sections == list(runbooks)
+    for alert, url in runbooks.items():
+        assert url == f"docs/how-to/troubleshooting.md#{alert.lower()}", alert

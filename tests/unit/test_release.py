@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import tomllib
+from click.testing import CliRunner
+
+from outbox.cli import cli
 from outbox.db import migrate
 from tests.fixtures.releases import RELEASES
 
@@ -16,8 +20,10 @@ def version_of(text: str) -> tuple[int, ...]:
 
 
 def package_version() -> str:
-    match = re.search(r'^version = "([0-9.]+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
-    assert match, "pyproject.toml has no version"
+    """The version, read from the one file that writes it (as setuptools reads it)."""
+    text = (ROOT / "outbox" / "_version.py").read_text()
+    match = re.search(r'^__version__ = "([0-9.]+)"$', text, re.M)
+    assert match, "outbox/_version.py has no version"
     return match.group(1)
 
 
@@ -53,3 +59,23 @@ def test_release__the_package_says_its_version() -> None:
     import outbox
 
     assert outbox.__version__ == package_version()
+
+
+def test_release__the_version_is_written_once() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert project["project"]["dynamic"] == ["version"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "outbox._version.__version__"
+    written = [
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "outbox").rglob("*.py")
+        if re.search(r"^__version__ = ", path.read_text(), re.M)
+    ]
+    assert written == ["outbox/_version.py"]
+
+
+def test_release__the_command_says_its_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"], prog_name="outbox")
+    assert result.exit_code == 0
+    assert result.output == f"outbox, version {package_version()}\n"

@@ -23,10 +23,12 @@ from typing import Any
 
 import pytest
 
+from outbox import fault_injection
 from outbox.amqp import ledger
 from outbox.config import Settings
 from outbox.gid import parse
 from tests.fixtures.faults import (
+    RelayProcess,
     arrived,
     both_modes,
     check_delivery,
@@ -181,6 +183,20 @@ def test_crash__next_relay_resolves_at_start_up(
     bound = table.duplicates[-1]
     report = check_delivery(crash_settings.dsn, topology, committed, max_duplicates=bound)
     assert report.duplicates in table.duplicates
+
+
+def test_crash__a_relay_without_the_suites_switch_ignores_outbox_crash_at(
+    crash_settings: Settings, topology: Topology, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A production process: OUTBOX_CRASH_AT inherited by mistake, no test suite."""
+    committed = insert_rows(crash_settings.dsn, topology.exchange, ROWS)
+    monkeypatch.delenv(fault_injection.SWITCH)
+    relay = RelayProcess(crash_settings, crash_at="after_claim", drain=True)
+    try:
+        assert relay.wait() == 0, relay.output()
+    finally:
+        relay.close()
+    check_delivery(crash_settings.dsn, topology, committed, max_duplicates=0)
 
 
 def test_crash__two_batches_in_flight_commits_the_evidenced_one_rolls_back_the_other(
