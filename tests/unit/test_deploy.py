@@ -30,16 +30,20 @@ from outbox import urls
 from outbox.cli import cli
 from outbox.config import Settings
 from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+from tests.fixtures import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+KUBERNETES_BASE = KUBERNETES / "base"
 CLUSTER = DEPLOY / "cluster"
 COMPOSE_FILES = [DEPLOY / "compose.yaml", CLUSTER / "compose.yaml"]
 SYSTEMD = DEPLOY / "systemd"
 HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 RELAY_IMAGE = f"outbox-relay:{VERSION}"
+# deploy/Dockerfile's target consumer-example: the relay image and a handler module.
+CONSUMER_IMAGE = f"outbox-consumer-example:{VERSION}"
 # Official images the files may use, with the oldest major.minor that works.
 THIRD_PARTY_IMAGES = {"postgres": (12, 0), "rabbitmq": (3, 9)}  # streams need 3.9
 
@@ -81,10 +85,13 @@ def compose_services() -> Iterator[dict[str, Any]]:
 
 
 def manifests() -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(KUBERNETES.glob("*.yaml")):
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return docs
+    """The base's resources, as ``kubectl apply -k deploy/kubernetes/base`` sees them."""
+    return kustomize.build(KUBERNETES_BASE)
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    [doc] = [d for d in by_kind(kind) if d["metadata"]["name"] == name]
+    return doc
 
 
 def by_kind(kind: str) -> list[dict[str, Any]]:
@@ -100,9 +107,8 @@ def pod_specs() -> Iterator[dict[str, Any]]:
             yield spec["template"]["spec"]
 
 
-def configmap_data() -> dict[str, str]:
-    [configmap] = by_kind("ConfigMap")
-    return configmap["data"]  # type: ignore[no-any-return]
+def configmap_data(name: str = "outbox-config") -> dict[str, str]:
+    return named("ConfigMap", name)["data"]  # type: ignore[no-any-return]
 
 
 def systemd_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -149,7 +155,10 @@ def every_deploy_file() -> list[Path]:
 
 # -- commands and options ------------------------------------------------------------
 def test_deploy__every_outbox_variable_is_a_real_cli_option() -> None:
-    known = cli_envvars()
+    from outbox.web import security
+
+    # The console's credentials come from the environment only, never an option.
+    known = cli_envvars() | {security.TOKEN_ENV, security.USER_ENV, security.PASSWORD_ENV}
     for path in every_deploy_file():
         used = set(re.findall(r"\bOUTBOX_[A-Z0-9_]+", path.read_text()))
         unknown = used - known
@@ -169,7 +178,9 @@ def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> 
         if "image" in svc and svc["image"] == RELAY_IMAGE
     ]
     for spec in pod_specs():
-        invocations += [c["args"] for c in spec["containers"] if c["image"] == RELAY_IMAGE]
+        invocations += [
+            c["args"] for c in spec["containers"] if c["image"] in (RELAY_IMAGE, CONSUMER_IMAGE)
+        ]
     for unit in SYSTEMD.glob("*.service"):
         for key, value in systemd_unit(unit)["Service"]:
             if key in ("ExecStart", "ExecStartPre"):
@@ -177,8 +188,8 @@ def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> 
                 assert executable == "/opt/outbox/bin/outbox"
                 invocations.append(args)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    invocations.append(yaml.safe_load(re.search(r"^CMD (.*)$", dockerfile, re.M)[1]))  # type: ignore[index]
-    assert len(invocations) >= 11
+    invocations += [yaml.safe_load(cmd) for cmd in re.findall(r"^CMD (.*)$", dockerfile, re.M)]
+    assert len(invocations) >= 15
     for args in invocations:
         assert_real_invocation(args)
 
@@ -238,7 +249,7 @@ def test_deploy__compose_services_files_and_order(path: Path) -> None:
 
 def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
     port = int(configmap_data()["OUTBOX_METRICS_PORT"])
-    [deployment] = by_kind("Deployment")
+    deployment = named("Deployment", "outbox-relay")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     [metrics_port] = container["ports"]
     assert metrics_port["containerPort"] == port
@@ -249,7 +260,7 @@ def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(port)
     assert annotations["prometheus.io/path"] == METRICS_PATH
-    [service] = by_kind("Service")
+    service = named("Service", "outbox-relay-metrics")
     assert service["spec"]["ports"][0]["targetPort"] == metrics_port["name"]
     assert (
         service["spec"]["selector"].items()
@@ -258,23 +269,30 @@ def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
 
 
 def test_deploy__kubernetes_containers_take_settings_from_the_configmap_and_secret() -> None:
-    [configmap] = by_kind("ConfigMap")
-    [secret] = by_kind("Secret")
-    assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL"} <= set(secret["stringData"])
+    configmaps = {d["metadata"]["name"]: d["data"] for d in by_kind("ConfigMap")}
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in by_kind("Secret")}
     for spec in pod_specs():
         for container in spec["containers"]:
-            sources = container["envFrom"]
-            names = {s.get("configMapRef", s.get("secretRef"))["name"] for s in sources}
-            assert names == {configmap["metadata"]["name"], secret["metadata"]["name"]}
+            env: dict[str, str] = {}
+            for source in container["envFrom"]:
+                if "configMapRef" in source:
+                    env |= configmaps[source["configMapRef"]["name"]]
+                else:
+                    env |= secrets[source["secretRef"]["name"]]
+            # Every workload needs both servers; the passwords only from a Secret.
+            assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL"} <= env.keys(), container["name"]
+            for name in configmaps:
+                assert "OUTBOX_DSN" not in configmaps[name] and "TOKEN" not in str(
+                    configmaps[name]
+                )
 
 
-def test_deploy__kubernetes_manifests_are_valid_resources() -> None:
-    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+def test_deploy__kubernetes_base_lists_every_file_and_its_resources_are_valid() -> None:
+    kustomization = yaml.safe_load((KUBERNETES_BASE / "kustomization.yaml").read_text())
     listed = set(kustomization["resources"])
-    assert listed == {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
-    for name in sorted(listed):
-        for doc in yaml.safe_load_all((KUBERNETES / name).read_text()):
-            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    assert listed == {p.name for p in KUBERNETES_BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    for doc in manifests():
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
 
 
 def test_deploy__dockerfile_exposes_the_metrics_port_and_copies_existing_sources() -> None:
@@ -295,9 +313,9 @@ def test_deploy__images_are_the_relay_image_or_pinned_official_ones() -> None:
     images = [s["image"] for s in compose_services()]
     for spec in pod_specs():
         images += [c["image"] for c in spec["containers"]]
-    assert RELAY_IMAGE in images
+    assert RELAY_IMAGE in images and CONSUMER_IMAGE in images
     for image in images:
-        if image == RELAY_IMAGE:
+        if image in (RELAY_IMAGE, CONSUMER_IMAGE):
             continue
         name, _, tag = image.partition(":")
         assert name in THIRD_PARTY_IMAGES, f"unexpected image {image}"
