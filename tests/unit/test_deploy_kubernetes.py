@@ -8,14 +8,13 @@ file, page and hint agrees with.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
+import tomllib
 
 from outbox.db.queries import scaler_statement
 from outbox.web.app import CALLS_AT_ONCE
@@ -206,7 +205,8 @@ def test_kubernetes__the_example_handler_is_what_the_consumer_image_runs() -> No
     module, function = handler.split(":")
     [copied] = re.findall(r"^COPY (\S+) ", stage, re.M)
     assert Path(copied).stem == module and (ROOT / copied).exists()
-    assert re.search(rf"^def {function}\(conn: Any, message: Any\)", (ROOT / copied).read_text(), re.M)
+    module_text = (ROOT / copied).read_text()
+    assert re.search(rf"^def {function}\(conn: Any, message: Any\)", module_text, re.M)
     assert re.search(r'pip install "\.\[web\]"', dockerfile), "`outbox web` needs the web extra"
 
 
@@ -230,7 +230,8 @@ def source(path: str) -> str:
 def test_sizing__the_table_holds_the_codes_figures() -> None:
     table = sizing_table()
     # Batches in flight: the pipeline's depth (outbox/relay/batches.py).
-    assert re.search(r"self\.depth = 2 if settings\.pipeline else 1", source("outbox/relay/batches.py"))
+    depth = r"self\.depth = 2 if settings\.pipeline else 1"
+    assert re.search(depth, source("outbox/relay/batches.py"))
     assert table["relay"]["prepared transactions"] == "2"
     # The relay's sessions: work, wake-up, control (liveness) and the metrics'.
     relay = source("outbox/relay/process.py")
@@ -271,7 +272,7 @@ def test_sizing__manifests_and_server_settings_follow_the_table() -> None:
         key, sep, value = line.split("#", 1)[0].partition("=")
         if sep and value.strip().isdigit():
             server[key.strip()] = int(value)
-    per = {row: {k: int(v) for k, v in cells.items() if v.isdigit()} for row, cells in table.items()}
+    per = {row: {k: int(v) for k, v in c.items() if v.isdigit()} for row, c in table.items()}
     prepared = per["relay"]["prepared transactions"] * most["outbox-relay"]
     sessions = (
         per["relay"]["PostgreSQL sessions"] * most["outbox-relay"]
@@ -289,7 +290,7 @@ def test_sizing__manifests_and_server_settings_follow_the_table() -> None:
 # Phrases that size the server per relay with a figure other than the table's: one
 # prepared transaction per relay ("at least the number of relays", ">= replicas").
 PREPARED_ONCE_PER_RELAY = re.compile(
-    r"prepared[^.;]{0,200}?(?:(?:>=|≥|at least) (?:the number of )?(?:relays|replicas)\b(?! ×)"
+    r"prepared[^.;]{0,200}?(?:(?:>=|≥|at least) (?:the number of )?(?:relays|replicas)\b(?! \u00d7)"
     r"|one prepared-transaction slot)"
 )
 SESSIONS_PER_RELAY = re.compile(

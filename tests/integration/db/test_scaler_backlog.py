@@ -63,9 +63,7 @@ def scaled(role: DbRole) -> tuple[int, dict[str, Any]]:
     with psycopg.connect(role.dsn, autocommit=True) as conn:
         row = conn.execute(query).fetchone()
         assert row is not None
-        [[explained]] = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query
-        ).fetchall()
+        [[explained]] = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query).fetchall()
     plan: dict[str, Any] = (json.loads(explained) if isinstance(explained, str) else explained)[0]
     return int(row[0]), plan
 
