@@ -42,17 +42,32 @@ class Queries:
         # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups;
         # ``{front_rows}``: the rows where the claims look, in backlog;
         # ``{backlog}``: the backlog counted over them, in chart_sample and metrics_snapshot.
+        # ``{front_rows_saved}``: the same rows with the front read in the statement
+        # (its CTE ``front``), in scaler_backlog, which takes no parameter.
         front_rows = sql.SQL(raw["front_rows"]).format(**ids)
+        front_rows_saved = raw["front_rows"]
+        for name in ("low_water", "late", "seen"):
+            front_rows_saved = front_rows_saved.replace(
+                f"%({name})s", f"(SELECT {name} FROM front)"
+            )
         parts = {
             **ids,
+            "outbox_name": sql.Literal(table),
             "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids),
             "front_rows": front_rows,
+            "front_rows_saved": sql.SQL(front_rows_saved).format(**ids),
             "backlog": sql.SQL(raw["backlog"]).format(**ids, front_rows=front_rows),
         }
         self._composed = {name: sql.SQL(body).format(**parts) for name, body in raw.items()}
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._composed[name]
+
+
+def scaler_statement(table: str) -> str:
+    """``scaler_backlog`` for ``table`` as plain text: what an autoscaler's
+    configuration holds (it takes no parameter)."""
+    return Queries(table)["scaler_backlog"].as_string(None)
 
 
 # What a list (a command's, a console page's) shows of each row: text cut at

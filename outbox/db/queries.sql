@@ -435,6 +435,35 @@ SELECT count(*) AS rows,
                 0)::float8 AS oldest_age_seconds
 FROM ({front_rows}) AS backlog
 
+-- scaler_backlog --
+-- The backlog as one statement with no parameter, for an autoscaler that polls it
+-- (KEDA's postgresql scaler: deploy/kubernetes/overlays/keda/scaledobjects.yaml
+-- holds this statement for the table `outbox`; `tests/unit/test_deploy.py` keeps
+-- the two the same).  ``backlog``'s count over the same ``front_rows``, whose
+-- parameters are read here from the front the relays saved, under the checks of
+-- ``front.resumed``: this cluster, timeline and file of the outbox, a snapshot not
+-- ahead of this server's; otherwise from the lowest id, as a relay's first claim.
+-- Only a count: the scaler reads the first column of the first row.  Run it as a
+-- role with the claim's planner settings (``PINNED_CLAIM_PLAN``, set with ALTER
+-- ROLE: a statement cannot set its own): tests/integration/db/test_scaler_backlog.py
+-- pins the plan.
+WITH saved AS MATERIALIZED (
+    SELECT f.low_water, f.late, f.seen
+    FROM {claim_front} AS f
+    CROSS JOIN pg_control_system() AS s
+    CROSS JOIN pg_control_checkpoint() AS c
+    WHERE f.low_water IS NOT NULL AND f.seen IS NOT NULL
+      AND f.system_identifier = s.system_identifier AND f.timeline = c.timeline_id
+      AND f.filenode = pg_relation_filenode(to_regclass({outbox_name}))
+      AND pg_snapshot_xmax(f.seen)::text::bigint
+          <= pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+), front AS MATERIALIZED (
+    SELECT coalesce(saved.low_water, '-9223372036854775808'::bigint) AS low_water,
+           coalesce(saved.late, '{{}}'::bigint[]) AS late, saved.seen
+    FROM (VALUES (1)) AS one (n) LEFT JOIN saved ON true
+)
+SELECT count(*) AS backlog_rows FROM ({front_rows_saved}) AS backlog
+
 -- dead_letter_count --
 -- With ordering keys: how many keys have a dead letter (with
 -- ordering_dead_letters = block, each of them is held back).

@@ -30,16 +30,20 @@ from outbox import __version__, urls
 from outbox.cli import cli
 from outbox.config import Settings
 from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
+from tests.fixtures import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+KUBERNETES_BASE = KUBERNETES / "base"
 CLUSTER = DEPLOY / "cluster"
 COMPOSE_FILES = [DEPLOY / "compose.yaml", CLUSTER / "compose.yaml"]
 SYSTEMD = DEPLOY / "systemd"
 HEALTH_PATHS = {LIVENESS_PATH, READINESS_PATH}
 VERSION = __version__
 RELAY_IMAGE = f"outbox-relay:{VERSION}"
+# deploy/Dockerfile's target consumer-example: the relay image and a handler module.
+CONSUMER_IMAGE = f"outbox-consumer-example:{VERSION}"
 # Official images the files may use, with the oldest major.minor that works.
 # xid8 and gen_random_uuid() need PostgreSQL 13; streams need RabbitMQ 3.9.
 THIRD_PARTY_IMAGES = {"postgres": (13, 0), "rabbitmq": (3, 9)}
@@ -82,10 +86,13 @@ def compose_services() -> Iterator[dict[str, Any]]:
 
 
 def manifests() -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(KUBERNETES.glob("*.yaml")):
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return docs
+    """The base's resources, as ``kubectl apply -k deploy/kubernetes/base`` sees them."""
+    return kustomize.build(KUBERNETES_BASE)
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    [doc] = [d for d in by_kind(kind) if d["metadata"]["name"] == name]
+    return doc
 
 
 def by_kind(kind: str) -> list[dict[str, Any]]:
@@ -101,9 +108,8 @@ def pod_specs() -> Iterator[dict[str, Any]]:
             yield spec["template"]["spec"]
 
 
-def configmap_data() -> dict[str, str]:
-    [configmap] = by_kind("ConfigMap")
-    return configmap["data"]  # type: ignore[no-any-return]
+def configmap_data(name: str = "outbox-config") -> dict[str, str]:
+    return named("ConfigMap", name)["data"]  # type: ignore[no-any-return]
 
 
 def systemd_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -150,7 +156,10 @@ def every_deploy_file() -> list[Path]:
 
 # -- commands and options ------------------------------------------------------------
 def test_deploy__every_outbox_variable_is_a_real_cli_option() -> None:
-    known = cli_envvars()
+    from outbox.web import security
+
+    # The console's credentials come from the environment only, never an option.
+    known = cli_envvars() | {security.TOKEN_ENV, security.USER_ENV, security.PASSWORD_ENV}
     for path in every_deploy_file():
         used = set(re.findall(r"\bOUTBOX_[A-Z0-9_]+", path.read_text()))
         unknown = used - known
@@ -170,7 +179,9 @@ def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> 
         if "image" in svc and svc["image"] == RELAY_IMAGE
     ]
     for spec in pod_specs():
-        invocations += [c["args"] for c in spec["containers"] if c["image"] == RELAY_IMAGE]
+        invocations += [
+            c["args"] for c in spec["containers"] if c["image"] in (RELAY_IMAGE, CONSUMER_IMAGE)
+        ]
     for unit in SYSTEMD.glob("*.service"):
         for key, value in systemd_unit(unit)["Service"]:
             if key in ("ExecStart", "ExecStartPre"):
@@ -178,8 +189,8 @@ def test_deploy__compose_kubernetes_systemd_and_image_run_real_subcommands() -> 
                 assert executable == "/opt/outbox/bin/outbox"
                 invocations.append(args)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    invocations.append(yaml.safe_load(re.search(r"^CMD (.*)$", dockerfile, re.M)[1]))  # type: ignore[index]
-    assert len(invocations) >= 11
+    invocations += [yaml.safe_load(cmd) for cmd in re.findall(r"^CMD (.*)$", dockerfile, re.M)]
+    assert len(invocations) >= 15
     for args in invocations:
         assert_real_invocation(args)
 
@@ -239,7 +250,7 @@ def test_deploy__compose_services_files_and_order(path: Path) -> None:
 
 def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
     port = int(configmap_data()["OUTBOX_METRICS_PORT"])
-    [deployment] = by_kind("Deployment")
+    deployment = named("Deployment", "outbox-relay")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     [metrics_port] = container["ports"]
     assert metrics_port["containerPort"] == port
@@ -250,7 +261,7 @@ def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(port)
     assert annotations["prometheus.io/path"] == METRICS_PATH
-    [service] = by_kind("Service")
+    service = named("Service", "outbox-relay-metrics")
     assert service["spec"]["ports"][0]["targetPort"] == metrics_port["name"]
     assert (
         service["spec"]["selector"].items()
@@ -259,23 +270,28 @@ def test_deploy__kubernetes_probes_and_ports_match_the_relay() -> None:
 
 
 def test_deploy__kubernetes_containers_take_settings_from_the_configmap_and_secret() -> None:
-    [configmap] = by_kind("ConfigMap")
-    [secret] = by_kind("Secret")
-    assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL"} <= set(secret["stringData"])
+    configmaps = {d["metadata"]["name"]: d["data"] for d in by_kind("ConfigMap")}
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in by_kind("Secret")}
     for spec in pod_specs():
         for container in spec["containers"]:
-            sources = container["envFrom"]
-            names = {s.get("configMapRef", s.get("secretRef"))["name"] for s in sources}
-            assert names == {configmap["metadata"]["name"], secret["metadata"]["name"]}
+            env: dict[str, str] = {}
+            for source in container["envFrom"]:
+                if "configMapRef" in source:
+                    env |= configmaps[source["configMapRef"]["name"]]
+                else:
+                    env |= secrets[source["secretRef"]["name"]]
+            # Every workload needs both servers; the passwords only from a Secret.
+            assert {"OUTBOX_DSN", "OUTBOX_AMQP_URL"} <= env.keys(), container["name"]
+            for name in configmaps:
+                assert "OUTBOX_DSN" not in configmaps[name] and "TOKEN" not in str(configmaps[name])
 
 
-def test_deploy__kubernetes_manifests_are_valid_resources() -> None:
-    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+def test_deploy__kubernetes_base_lists_every_file_and_its_resources_are_valid() -> None:
+    kustomization = yaml.safe_load((KUBERNETES_BASE / "kustomization.yaml").read_text())
     listed = set(kustomization["resources"])
-    assert listed == {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
-    for name in sorted(listed):
-        for doc in yaml.safe_load_all((KUBERNETES / name).read_text()):
-            kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    assert listed == {p.name for p in KUBERNETES_BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    for doc in manifests():
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
 
 
 def test_deploy__dockerfile_exposes_the_metrics_port_and_copies_existing_sources() -> None:
@@ -296,9 +312,9 @@ def test_deploy__images_are_the_relay_image_or_pinned_official_ones() -> None:
     images = [s["image"] for s in compose_services()]
     for spec in pod_specs():
         images += [c["image"] for c in spec["containers"]]
-    assert RELAY_IMAGE in images
+    assert RELAY_IMAGE in images and CONSUMER_IMAGE in images
     for image in images:
-        if image == RELAY_IMAGE:
+        if image in (RELAY_IMAGE, CONSUMER_IMAGE):
             continue
         name, _, tag = image.partition(":")
         assert name in THIRD_PARTY_IMAGES, f"unexpected image {image}"
@@ -453,7 +469,34 @@ def exported_metric_names() -> set[str]:
         sample.name
         for family in RelayCollector(relay, database).collect()
         for sample in family.samples
+    } | consumer_metric_names()
+
+
+def consumer_metric_names() -> set[str]:
+    """Sample names ``outbox consume``'s /metrics would show, parked figure included."""
+    from types import SimpleNamespace
+
+    from outbox.inbox.metrics import ConsumerCollector, ParkedFigure
+    from outbox.inbox.settings import ConsumerSettings
+    from outbox.inbox.stats import ConsumerStats
+
+    settings = ConsumerSettings(queue="q")
+    parked = ParkedFigure(settings, ttl=3600)
+    parked._expires = float("inf")  # never query: this is the answer
+    parked.parked = 0
+    inbox = SimpleNamespace(
+        settings=settings, stats=ConsumerStats(), broker=SimpleNamespace(connected=True)
+    )
+    return {
+        sample.name
+        for family in ConsumerCollector(inbox, parked).collect()  # type: ignore[arg-type]
+        for sample in family.samples
     }
+
+
+# RabbitMQ's own metrics (rabbitmq_prometheus, /metrics/per-object) the consumer's lag
+# is read from: outbox consume cannot see what waits in its queue.
+RABBITMQ_METRICS = {"rabbitmq_queue_messages_ready"}
 
 
 def test_deploy__alert_rules_use_only_exported_metrics() -> None:
@@ -467,16 +510,30 @@ def test_deploy__alert_rules_use_only_exported_metrics() -> None:
         "OutboxNoLiveRelay",
         "OutboxHorizonHeld",
     }
+    assert {a["alert"] for a in alerts} >= {
+        "OutboxConsumerParkedMessages",
+        "OutboxConsumerHandlerFailing",
+        "OutboxConsumerSlowEffects",
+        "OutboxConsumerLagging",
+    }
     for alert in alerts:
-        used = set(re.findall(r"\boutbox_[a-z_]+", alert["expr"]))
-        assert used and used <= exported, f"{alert['alert']}: unknown {used - exported}"
+        used = {s.name for s in selectors(f"alert {alert['alert']}", alert["expr"])}
+        assert used and used <= exported | RABBITMQ_METRICS, (
+            f"{alert['alert']}: unknown {used - exported - RABBITMQ_METRICS}"
+        )
 
 
 # -- Grafana dashboard --------------------------------------------------------------------
 DASHBOARD = DEPLOY / "grafana" / "outbox-dashboard.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # What Grafana substitutes before a query reaches Prometheus, with a value of each kind.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "30s", "$job": ".*"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$__range": "1h",
+    "$__interval": "30s",
+    "$job": ".*",
+    "$queue": ".*",
+}
 # The figures the dashboard exists to show (issue 14); every one needs a panel.
 DASHBOARD_FIGURES = {
     "outbox_backlog_rows",
@@ -491,6 +548,11 @@ DASHBOARD_FIGURES = {
     "outbox_live_relays",
     "outbox_dead_rows",
     "outbox_horizon_age_seconds",
+    # The consumer (issue 44): parked, retries, effect latency, and its queue's lag.
+    "outbox_consumer_parked_messages",
+    "outbox_consumer_handler_failures_total",
+    "outbox_consumer_handler_duration_seconds_bucket",
+    "rabbitmq_queue_messages_ready",
 }
 
 
@@ -538,7 +600,8 @@ def test_deploy__dashboard_queries_are_valid_promql_on_exported_metrics_only() -
     for where, expr in dashboard_queries():
         found = selectors(where, expr)
         names = {selector.name for selector in found}
-        assert found and names <= exported, f"{where}: unknown metrics {names - exported}"
+        known = exported | RABBITMQ_METRICS
+        assert found and names <= known, f"{where}: unknown metrics {names - known}"
         used |= names
     assert used >= DASHBOARD_FIGURES, f"no panel shows {DASHBOARD_FIGURES - used}"
 
@@ -549,8 +612,10 @@ def test_deploy__dashboard_panels_filter_by_the_job_variable() -> None:
         if where.startswith("variable"):
             continue
         for selector in selectors(where, expr):
-            jobs = [m for m in selector.matchers.matchers if m.name == "job"]
-            assert [m.value for m in jobs] == [".*"], f"{where}: {expr} ignores $job"
+            # RabbitMQ's metrics have the broker's job: they filter by $queue instead.
+            label = "queue" if selector.name in RABBITMQ_METRICS else "job"
+            jobs = [m for m in selector.matchers.matchers if m.name == label]
+            assert [m.value for m in jobs] == [".*"], f"{where}: {expr} ignores ${label}"
 
 
 def test_deploy__dashboard_loads_as_a_grafana_dashboard() -> None:
