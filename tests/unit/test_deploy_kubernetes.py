@@ -14,7 +14,6 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import tomllib
 
 from outbox.db.queries import scaler_statement
 from outbox.web.app import CALLS_AT_ONCE
@@ -28,7 +27,9 @@ FOLDERS = {
     "example": KUBERNETES / "overlays" / "example",
     "keda": KUBERNETES / "overlays" / "keda",
 }
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+VERSION = re.search(
+    r'^__version__ = "([0-9.]+)"$', (ROOT / "outbox" / "_version.py").read_text(), re.M
+)[1]
 OPERATIONS = ROOT / "docs" / "how-to" / "operations.md"
 # Which Deployment a row of the sizing table sizes.
 WORKLOADS = {"outbox-relay": "relay", "outbox-consumer": "consumer", "outbox-console": "console"}
