@@ -36,7 +36,7 @@ holding its key (``next_in_custody``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from outbox.inbox import properties as wire
 from outbox.inbox.message import InboxMessage, inbox_key, key_bytes, to_inbox_message
@@ -53,15 +53,29 @@ def needs_custody(message: InboxMessage, policy: QueuePolicy) -> bool:
     return message.redelivered or delivery_count(message.headers) > 0
 
 
-def to_take(messages: Sequence[InboxMessage], policy: QueuePolicy, *, held: bool) -> list[bool]:
+def to_take(
+    messages: Sequence[InboxMessage],
+    policy: QueuePolicy,
+    *,
+    held: bool,
+    waiting_keys: Collection[str] = (),
+) -> list[bool]:
     """Which of ``messages`` (one drain, in order) go into custody (pure): those
     that need it, and, while custody holds messages (``held``, or some of these
     go in), every message with an ordering key, so that none overtakes an earlier
-    message of its key that waits in custody."""
+    message of its key that waits in custody; except a first delivery of a key in
+    ``waiting_keys``, whose earlier message waits in the consumer's hands for its
+    retry: it waits behind that one, in hand."""
     taken = [needs_custody(m, policy) for m in messages]
     if held or any(taken):
         taken = [
-            t or (m.ordering_key is not None and storable(m) and may_drop_returned(policy))
+            t
+            or (
+                m.ordering_key is not None
+                and m.ordering_key not in waiting_keys
+                and storable(m)
+                and may_drop_returned(policy)
+            )
             for t, m in zip(taken, messages, strict=True)
         ]
     return taken

@@ -285,7 +285,12 @@ class Inbox:
         store = self.store
         if store is None:
             raise DatabaseUnavailable("not connected to the consumer's PostgreSQL")
-        chosen = to_take([d.message for d in deliveries], policy, held=self.stats.custody_held > 0)
+        chosen = to_take(
+            [d.message for d in deliveries],
+            policy,
+            held=self.stats.custody_held > 0,
+            waiting_keys=self._behind.keys(),
+        )
         if not any(chosen):
             return list(deliveries)
         taken = [d for d, take in zip(deliveries, chosen, strict=True) if take]

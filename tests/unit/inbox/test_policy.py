@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from outbox.inbox.custody import to_take
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.policy import (
@@ -159,6 +160,23 @@ def test_inbox__a_message_in_custody_that_fails_waits_there_and_holds_its_key() 
     assert [row["message_id"] for row in store.custody] == ["k1", "k2"]
     assert broker.unacked == []  # the broker holds none of them
     assert store.attempts["k1"] == 1
+
+
+def test_custody__to_take_keeps_a_key_behind_its_message_held_in_hand() -> None:
+    """While custody holds messages, keyed first deliveries go into it too, except
+    those of a key whose earlier message waits in hand for its retry: they wait
+    behind it there.  A returned message always goes in."""
+    policy = QueuePolicy("quorum", delivery_limit=2)
+    k = message("k", headers={"x-ordering-key": "K"}, ordering_key="K")
+    j = message("j", headers={"x-ordering-key": "J"}, ordering_key="J")
+    plain = message("p")
+    back = redelivered("r", b"ok", 1)
+    assert to_take([k, j, plain], policy, held=False) == [False, False, False]
+    assert to_take([k, j, plain], policy, held=True) == [True, True, False]
+    assert to_take([k, j, plain, back], policy, held=False) == [True, True, False, True]
+    assert to_take([k, j], policy, held=True, waiting_keys={"K"}) == [False, True]
+    assert to_take([back], QueuePolicy("classic"), held=True) == [False]
+    assert to_take([message(None, redelivered=True)], policy, held=True) == [False]
 
 
 def test_inbox__a_copy_of_a_message_applied_before_is_not_taken_into_custody() -> None:
