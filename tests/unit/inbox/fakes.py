@@ -351,6 +351,8 @@ class FakeBroker:
         older = sum(1 for d in got if not self.subscribed(d))
         most = len(got) if self.per_drain is None else older + self.per_drain
         got, self._on_the_way = got[:most], got[most:]
+        if not got:
+            self.release_acks()  # as ``Broker.drain``: the window may never fill
         return got
 
     def settle(self, delivery: FakeDelivery, *, ack: bool, multiple: bool = False) -> None:
