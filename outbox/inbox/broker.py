@@ -24,6 +24,7 @@ TLS, py-amqp reads as it always does.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime
@@ -614,11 +615,14 @@ class Broker:
                 delivery.handle.reject(requeue=True)
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
-        tag = info["delivery_tag"]
+        # Delivery tags grow on a channel: the window is sorted.
+        window, tag = self._window, info["delivery_tag"]
         if multiple:
-            self._window = [t for t in self._window if t > tag]
-        elif tag in self._window:
-            self._window.remove(tag)
+            del window[: bisect.bisect_right(window, tag)]
+        else:
+            at = bisect.bisect_left(window, tag)
+            if at < len(window) and window[at] == tag:
+                del window[at]
 
     def window_in_hand(self) -> bool:
         """Whether every delivery the current subscription may have unacked
