@@ -24,6 +24,7 @@ TLS, py-amqp reads as it always does.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime
@@ -404,6 +405,13 @@ class Broker:
         # Deliveries that arrived while ``resubscribe`` waited for its replies:
         # handed out first by the next ``drain``.
         self._early: list[Any] = []
+        # The current subscription's tag, and the delivery tags of its deliveries
+        # handed out and not acked yet (``window_in_hand``).
+        self._tag: str | None = None
+        self._window: list[int] = []
+        # Acks of the current subscription's deliveries kept back until it is
+        # cancelled (``hold_acks``); None: acks go out at once.
+        self._held_acks: list[tuple[Delivery, bool]] | None = None
 
     def _dispatch(self, delivery: Any) -> None:
         # py-amqp also dispatches deliveries while it waits for a reply (basic.cancel,
@@ -462,6 +470,7 @@ class Broker:
                 auto_declare=False,
             )
             consumer.consume()
+            self._subscribed(consumer)
         except (QueueMissing, QueueRefused):
             self.close()
             raise
@@ -572,6 +581,13 @@ class Broker:
         finally:
             self._received = None
         self.heartbeat()
+        if not received and self._held_acks is not None:
+            # Nothing more came: the window may never fill; what was applied is acked.
+            self.release_acks()
+        current, window = self._tag, self._window
+        for r in received:
+            if r.delivery_info.get("consumer_tag") == current:
+                window.append(r.delivery_info["delivery_tag"])
         return [to_delivery(r, self.settings.queue) for r in received]
 
     def heartbeat(self) -> None:
@@ -586,6 +602,10 @@ class Broker:
     def settle(self, delivery: Delivery, *, ack: bool, multiple: bool = False) -> None:
         """Ack (``multiple``: this and every earlier delivery not settled yet), or
         reject with requeue (the message goes back to its queue position)."""
+        info = delivery.handle.delivery_info
+        if ack and self._held_acks is not None and info.get("consumer_tag") == self._tag:
+            self._held_acks.append((delivery, multiple))
+            return
         conn = self.conn
         errors = broker_errors(conn) if conn is not None else (OSError,)
         try:
@@ -595,6 +615,38 @@ class Broker:
                 delivery.handle.reject(requeue=True)
         except errors as exc:
             raise self._translate("acknowledging" if ack else "requeueing", exc) from exc
+        # Delivery tags grow on a channel: the window is sorted.
+        window, tag = self._window, info["delivery_tag"]
+        if multiple:
+            del window[: bisect.bisect_right(window, tag)]
+        else:
+            at = bisect.bisect_left(window, tag)
+            if at < len(window) and window[at] == tag:
+                del window[at]
+
+    def window_in_hand(self) -> bool:
+        """Whether every delivery the current subscription may have unacked
+        (``--prefetch``) was handed out and is not acked (its ack kept back
+        counts as not acked): then nothing is on its way to it, and a cancel
+        returns nothing to the queue (``planning.cancel_returns_deliveries``)."""
+        return len(self._window) >= self.settings.prefetch
+
+    def hold_acks(self) -> None:
+        """Keep back the acks of the current subscription's deliveries until it is
+        cancelled (``resubscribe``), so that its window fills with deliveries in
+        hand and nothing is on its way to it any more (``window_in_hand``).  The
+        kept-back acks go out with ``resubscribe``, ``release_acks``, a ``drain``
+        that received nothing (the window may never fill) and ``stop_consuming``;
+        if the channel is lost first, their messages come back, and the inbox
+        skips them as duplicates."""
+        if self._held_acks is None:
+            self._held_acks = []
+
+    def release_acks(self) -> None:
+        """The acks kept back by ``hold_acks`` go out; later ones at once again."""
+        held, self._held_acks = self._held_acks, None
+        for delivery, multiple in held or ():
+            self.settle(delivery, ack=True, multiple=multiple)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -613,9 +665,13 @@ class Broker:
     def subscribed(self, delivery: Delivery) -> bool:
         """Whether ``delivery`` came through the current subscription (it counts
         against that subscription's ``--prefetch``)."""
-        consumer = self._consumer
         tag = delivery.handle.delivery_info.get("consumer_tag")
-        return consumer is not None and tag in consumer._active_tags.values()
+        return self._consumer is not None and tag == self._tag
+
+    def _subscribed(self, consumer: Consumer) -> None:
+        """``consumer`` has just subscribed: a new tag, nothing of it in hand."""
+        self._tag = next(iter(consumer._active_tags.values()), None)
+        self._window = []
 
     def resubscribe(self) -> None:
         """Cancel the subscription and start a new one on the same channel, with
@@ -627,7 +683,13 @@ class Broker:
         no longer take the new subscription's slots.  So messages held in hand
         for a retry, or waiting behind one of their ordering key, do not stop the
         healthy ones behind them from being delivered.  Deliveries that arrive
-        while this waits for the broker's replies are kept for the next ``drain``."""
+        while this waits for the broker's replies are kept for the next ``drain``.
+        Acks kept back (``hold_acks``) go out after the new subscription, as acks
+        of the cancelled one.
+
+        On a quorum queue a cancel hands back to the queue what is on its way to
+        the subscription (``planning.cancel_returns_deliveries``): the caller
+        cancels there only with the window in hand (``window_in_hand``)."""
         conn, consumer = self.conn, self._consumer
         if conn is None or consumer is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
@@ -636,6 +698,7 @@ class Broker:
         try:
             consumer.cancel()
             consumer.consume()
+            self._subscribed(consumer)
         except broker_errors(conn) as exc:
             # What arrived meanwhile goes back to the queue with the channel: handed
             # out after the reconnect, its ack would fail on the dead channel.
@@ -643,9 +706,12 @@ class Broker:
         finally:
             self._received = None
         self._early.extend(received)
+        self.release_acks()
 
     def stop_consuming(self) -> None:
         """Cancel the subscription; unacked (prefetched) messages go back on close."""
+        with contextlib.suppress(BrokerUnavailable):
+            self.release_acks()  # their messages are applied: acked, not handed back
         if self._consumer is not None and self.conn is not None:
             with contextlib.suppress(*broker_errors(self.conn)):
                 self._consumer.cancel()
@@ -654,6 +720,7 @@ class Broker:
     def close(self) -> None:
         self._consumer = None
         self._early = []
+        self._tag, self._window, self._held_acks = None, [], None
         self._frames = None
         if self._heartbeats is not None:
             self._heartbeats.close()

@@ -3,7 +3,8 @@ of it (``Disposition``), why it is parked (``unfinished_reason``,
 ``outcome_reason``, ``unusable``), how long a failed one
 waits in hand for its next attempt (``retry_delay``) and how long it may be held
 at most (``Held``, ``MAX_HOLD``), and when the consumer subscribes again
-(``room_to_subscribe``).  No I/O: ``steps`` and ``process`` act on them."""
+(``room_to_subscribe``, ``cancel_returns_deliveries``).  No I/O: ``steps`` and
+``process`` act on them."""
 
 from __future__ import annotations
 
@@ -112,3 +113,16 @@ def room_to_subscribe(in_hand: int, mine: int, prefetch: int, hand_most: int) ->
     if mine < max(1, prefetch // 2):
         return False
     return in_hand - mine + 2 * prefetch <= hand_most * prefetch
+
+
+def cancel_returns_deliveries(policy: QueuePolicy) -> bool:
+    """Whether cancelling a subscription hands back to the queue what was on its
+    way to it.  A quorum queue does: the broker's side of the channel forgets the
+    tag when basic.cancel goes out, and returns every delivery that reaches it
+    for the tag after that (RabbitMQ's ``rabbit_fifo_client``), each a delivery
+    counted against ``x-delivery-limit`` and handed out again, possibly after
+    later messages of its ordering key.  Nothing is on its way to a subscription
+    whose whole ``--prefetch`` window is in hand, unacked (the queue sends a
+    consumer no more than that): there a cancel returns nothing
+    (``Broker.window_in_hand``)."""
+    return policy.queue_type == "quorum"

@@ -17,7 +17,8 @@ This module is the process around them, as ``outbox/relay/process.py`` is the re
   unacked, for its retry delay, the later messages of its ordering key behind it),
   apply again the held ones that are due (parked once they would be held past
   ``MAX_HOLD``), and subscribe again once the messages in hand take half the
-  prefetch, up to ``HAND_MOST`` times it in hand (``_make_room``);
+  prefetch, up to ``HAND_MOST`` times it in hand (``_make_room``; on a quorum
+  queue once the whole window is in hand, acks kept back meanwhile);
 - an outage (a server lost, or a statement the server refused) closes both
   connections, so what was in hand goes back to the queue, backs off and
   reconnects; a queue refused (``QueueRefused``) ends the consumer;
@@ -413,20 +414,31 @@ class Inbox:
         """Messages held for a retry, or waiting behind one of their key, take
         slots of the subscription's ``--prefetch``: once they take half of them,
         a new subscription with a fresh window (``Broker.resubscribe``), so that
-        the healthy messages behind them keep coming.  At most ``HAND_MOST`` times
+        the healthy messages behind them keep coming.  On a quorum queue a cancel
+        hands back what is on its way to the subscription
+        (``planning.cancel_returns_deliveries``): there the consumer first keeps
+        back the acks of the subscription's messages (``Broker.hold_acks``) until
+        its whole window is in hand, so that nothing is on its way, then
+        subscribes again and acks them.  At most ``HAND_MOST`` times
         ``--prefetch`` messages unacked (their bodies are in memory): with a hand
         that full the consumer waits for the first retry, as with a full prefetch.
         Never on a queue with a single active consumer (``may_subscribe_again``)."""
         waiting = [h.delivery for h in self._held]
         waiting += [d for behind in self._behind.values() for d in behind]
-        if not waiting or not may_subscribe_again(self.broker.policy):
+        policy, broker = self.broker.policy, self.broker
+        mine = sum(1 for delivery in waiting if broker.subscribed(delivery))
+        if not (
+            waiting
+            and may_subscribe_again(policy)
+            and planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST)
+        ):
+            broker.release_acks()
             return
-        mine = sum(1 for delivery in waiting if self.broker.subscribed(delivery))
-        if planning.room_to_subscribe(len(waiting), mine, self.settings.prefetch, HAND_MOST):
-            self.broker.resubscribe()
-            emit(
-                log, "consumer.resubscribed", in_hand=len(waiting), prefetch=self.settings.prefetch
-            )
+        if planning.cancel_returns_deliveries(policy) and not broker.window_in_hand():
+            broker.hold_acks()
+            return
+        broker.resubscribe()
+        emit(log, "consumer.resubscribed", in_hand=len(waiting), prefetch=self.settings.prefetch)
 
     def _retry_due(self) -> None:
         """The next attempt of each held message whose delay is over (on a stop,

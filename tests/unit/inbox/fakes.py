@@ -389,6 +389,9 @@ class FakeBroker:
         self.subscription = 0
         self.journal: Journal = []
         self.fail_next: dict[str, OutboxError] = {}
+        # Acks kept back (``hold_acks``), and deliveries a cancel returned (quorum).
+        self.held_acks: list[tuple[FakeDelivery, bool]] | None = None
+        self.returned = 0
 
     def open(self) -> None:
         error = self.fail_next.pop("open", None)
@@ -411,9 +414,14 @@ class FakeBroker:
         older = sum(1 for d in got if not self.subscribed(d))
         most = len(got) if self.per_drain is None else older + self.per_drain
         got, self._on_the_way = got[:most], got[most:]
+        if not got:
+            self.release_acks()  # as ``Broker.drain``: the window may never fill
         return got
 
     def settle(self, delivery: FakeDelivery, *, ack: bool, multiple: bool = False) -> None:
+        if ack and self.held_acks is not None and self.subscribed(delivery):
+            self.held_acks.append((delivery, multiple))
+            return
         if ack:
             settled = [d for d in self.unacked if d.tag <= delivery.tag] if multiple else [delivery]
             for d in settled:
@@ -430,8 +438,24 @@ class FakeBroker:
         return delivery.subscription == self.subscription
 
     def resubscribe(self) -> None:
+        if self.policy.queue_type == "quorum" and self.ready and not self.window_in_hand():
+            # A quorum queue returns what was on its way to the cancelled subscription.
+            self.returned += 1
         self.subscription += 1
         self.journal.append("resubscribe")
+        self.release_acks()
+
+    def window_in_hand(self) -> bool:
+        return sum(map(self.subscribed, self.unacked)) >= self.prefetch
+
+    def hold_acks(self) -> None:
+        if self.held_acks is None:
+            self.held_acks = []
+
+    def release_acks(self) -> None:
+        held, self.held_acks = self.held_acks, None
+        for delivery, multiple in held or ():
+            self.settle(delivery, ack=True, multiple=multiple)
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -440,6 +464,7 @@ class FakeBroker:
         pass
 
     def close(self) -> None:
+        self.held_acks = None
         for d in reversed(self.unacked):
             self.ready.insert(0, dataclasses.replace(d.message, redelivered=True))
         self.unacked = []

@@ -250,12 +250,17 @@ def test_inbox__more_messages_in_hand_than_the_prefetch_do_not_stop_the_others()
     assert broker.journal.count("resubscribe") == made
 
 
-def test_inbox__never_more_than_hand_most_times_prefetch_unacked(chaos_seed: int) -> None:
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_inbox__never_more_than_hand_most_times_prefetch_unacked(
+    chaos_seed: int, queue_type: str
+) -> None:
     """Most messages fail (retried in a minute), some share ordering keys, and a
     drain takes only part of the window (the rest is on its way, unacked, as from
     a real socket): at no point more than ``HAND_MOST`` x prefetch unacked.
     Before, a resubscribe counted only the messages in hand, not those of the
-    current subscription still on their way: up to 4.67 x prefetch 3."""
+    current subscription still on their way: up to 4.67 x prefetch 3.  On a
+    quorum queue (acks kept back until the window is in hand) also no cancel
+    that hands a delivery back to the queue."""
     rng = random.Random(chaos_seed)
     for _ in range(200):
         prefetch = rng.randint(1, 9)
@@ -265,7 +270,7 @@ def test_inbox__never_more_than_hand_most_times_prefetch_unacked(chaos_seed: int
             for i in range(12 * prefetch)
         ]
         broker = FakeBroker(messages, prefetch=prefetch, per_drain=rng.randint(1, prefetch))
-        broker.policy = QueuePolicy("classic")
+        broker.policy = QueuePolicy(queue_type)
         settings = dataclasses.replace(
             SETTINGS, prefetch=prefetch, retry_delay=60.0, retry_delay_max=60.0
         )
@@ -277,6 +282,35 @@ def test_inbox__never_more_than_hand_most_times_prefetch_unacked(chaos_seed: int
                 inbox._handle(deliveries)
             inbox._make_room()
             assert len(broker.unacked) <= HAND_MOST * prefetch, (prefetch, broker.per_drain)
+        assert broker.returned == 0
+
+
+def test_inbox__on_a_quorum_queue_a_cancel_waits_for_the_whole_window_in_hand() -> None:
+    """Prefetch 4, two failing messages (held a minute) and healthy ones behind
+    them on a quorum queue: the held ones take half the window, but a cancel now
+    would hand back to the queue what is on its way to the subscription (a
+    delivery counted against the limit, and a key reordered).  The consumer
+    keeps back the acks of the healthy ones applied meanwhile until all 4 slots
+    are in hand, subscribes again, then acks them.  Before, it subscribed again
+    with 2 slots free."""
+    store = FakeStore()
+    failing = [message(f"bad{i}", b"raise") for i in range(2)]
+    healthy = [message(f"ok{i}", b"ok") for i in range(10)]
+    broker = FakeBroker([*failing, *healthy], prefetch=4)
+    broker.policy = QueuePolicy("quorum", delivery_limit=20)
+    settings = dataclasses.replace(SETTINGS, prefetch=4, retry_delay=60.0, retry_delay_max=60.0)
+    inbox = Inbox(act, settings, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    for _ in range(8):
+        deliveries = broker.drain(0)
+        if deliveries:
+            inbox._handle(deliveries)
+        inbox._make_room()
+    assert broker.returned == 0
+    assert broker.journal.count("resubscribe") >= 1
+    assert store.effects == [m.message_id for m in healthy]
+    assert [d.message.message_id for d in broker.unacked] == ["bad0", "bad1"]
+    assert broker.held_acks is None
 
 
 @pytest.mark.parametrize(
