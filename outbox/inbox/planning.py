@@ -15,6 +15,7 @@ from typing import Any
 
 from outbox import backoff
 from outbox.inbox.message import InboxMessage
+from outbox.inbox.policy import QueuePolicy
 from outbox.inbox.settings import ConsumerSettings
 
 

@@ -146,7 +146,9 @@ def test_custody__a_failure_at_the_last_delivery_survives_a_clean_stop(
         first.process.wait(timeout=30)  # the handler killed it
     finally:
         first.close()
-    slow = {"HANDLER_RAISES": "1", "OUTBOX_RETRY_DELAY": "30", "OUTBOX_RETRY_DELAY_MAX": "30"}
+    # The retry waits 5 s: long enough for the stop to come first; it waits in
+    # custody through the stop, so the next consumer applies it once it is due.
+    slow = {"HANDLER_RAISES": "1", "OUTBOX_RETRY_DELAY": "5", "OUTBOX_RETRY_DELAY_MAX": "5"}
     second = Consumer(tmp_path, consumer_dsn, topology, max_attempts=5, env=slow)
     try:
         second.started()
@@ -161,7 +163,7 @@ def test_custody__a_failure_at_the_last_delivery_survives_a_clean_stop(
     third = Consumer(tmp_path, consumer_dsn, topology, max_attempts=5, env={"HANDLER_FIXED": "1"})
     try:
         third.started()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         while sorted(effect_bodies(consumer_dsn)) != sorted(bodies) and time.monotonic() < deadline:
             assert third.alive(), third.output()[-3000:]
             time.sleep(0.1)
