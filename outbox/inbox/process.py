@@ -7,8 +7,10 @@ This module is the process around them, as ``outbox/relay/process.py`` is the re
 
 - ``serve`` is the whole life, as ``outbox consume`` and ``consume()`` run it
   (``outbox.lifecycle``): the endpoints, ``start``, ``run``, ``close``, the summary;
-- ``Inbox.start`` connects both servers, creating the inbox tables if missing, and
-  reads the queue's policy (a missing queue fails fast, a stream is refused);
+- ``Inbox.start`` connects both servers, creating what is missing of the inbox
+  tables (a catalog read when nothing is; otherwise short lock waits, retried and
+  logged: ``consumer.schema_waiting``), and reads the queue's policy (a missing
+  queue fails fast, a stream is refused);
 - ``Inbox.run`` goes round: reconnect what is broken, prune the inbox now and then
   (``inbox_retention``), drain the deliveries that arrived, apply them through the
   ``Processor`` (a message at the queue's last delivery first, alone, acked at once),
@@ -36,6 +38,7 @@ from typing import Any
 from outbox import backoff, lifecycle
 from outbox import fault_injection as faults
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.db.migrate import retry_pause
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.inbox import planning
@@ -47,7 +50,7 @@ from outbox.inbox.policy import from_stream, last_delivery, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
-from outbox.inbox.store import InboxStore
+from outbox.inbox.store import InboxStore, SchemaWait
 
 __all__ = ["Inbox", "consume", "serve"]
 
@@ -190,7 +193,7 @@ class Inbox:
     def _connect_database(self) -> None:
         store = self._connect_store(self.settings)
         try:
-            store.ensure_schema()
+            store.ensure_schema(self._schema_wait)
         except Exception:
             store.close()
             raise
@@ -206,6 +209,21 @@ class Inbox:
             self.processor.policy = self.broker.policy
         else:  # the same processor: it may owe attempts from before the outage
             self.processor.store = store
+
+    def _schema_wait(self, blocked: SchemaWait) -> None:
+        """A missing piece of the inbox's schema waits for a lock held by another
+        transaction: say what it waits for, pause, and try again (unless stopped)."""
+        emit(
+            log,
+            "consumer.schema_waiting",
+            logging.WARNING,
+            missing=", ".join(blocked.missing),
+            attempt=blocked.attempt,
+            waited=f"{blocked.waited:.1f}s",
+            waiting_for=blocked.describe(),
+        )
+        if self._stop.wait(retry_pause(blocked.attempt)):
+            raise DatabaseUnavailable("stopped while waiting to create the inbox tables")
 
     def _maybe_prune(self) -> None:
         now = time.monotonic()

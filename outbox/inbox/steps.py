@@ -193,6 +193,7 @@ from outbox.inbox.store import (
     SETTINGS,
     Failure,
     InboxRowHeld,
+    SchemaWait,
     SessionState,
     Started,
     StatementRefused,
@@ -279,7 +280,8 @@ class StorePort(Protocol):
     def park(self, parking: Parking) -> None: ...
 
     # for the process (``Inbox``)
-    def ensure_schema(self) -> None: ...
+    # ``wait`` hears each attempt that gave up on a lock, and pauses.
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None: ...
 
     def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int: ...
 

@@ -27,8 +27,10 @@ Statements:
 
 The inbox records ids as text; ids a text column cannot hold are escaped
 losslessly (``outbox.inbox.message.inbox_key``).  The tables are created and
-upgraded at start-up (``ensure_schema``, idempotent) under an advisory lock; the
-consumer's database is not the outbox's, so this is not an outbox migration.
+upgraded at start-up (``ensure_schema``): a look in the catalog, and only if a
+piece is missing (``SCHEMA``), its DDL under a short ``lock_timeout`` and an
+advisory lock, retried; the consumer's database is not the outbox's, so this is
+not an outbox migration.
 Connections and the telling of a lost session from a refused statement are
 ``outbox.db.session``'s.
 """
@@ -39,6 +41,7 @@ import contextlib
 import dataclasses
 import datetime
 import operator
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -51,6 +54,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
+from outbox.db.migrate import SAY_HOLDERS, Holder, describe_holder, retry_pause
 from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import Hints, connect, first_line, hint_for, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
@@ -65,6 +69,12 @@ INBOX_LOCK_TIMEOUT = 5.0
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
+# How a holder of that lock is named (``schema_holders``).
+SCHEMA_LOCK_NAME = "the inbox schema lock"
+# How long one attempt at a missing piece of the schema waits for its locks, with
+# the other consumers' INSERTs queued behind it, before it lets them go, pauses
+# (``retry_pause``) and tries again (seconds).
+SCHEMA_LOCK_TIMEOUT = 1.0
 # Advisory-lock class of a redelivered message's attempt (``start_attempt``).
 ATTEMPT_LOCK_CLASS = 0x6F6261
 
@@ -91,12 +101,48 @@ def inbox_identifiers(table: str) -> dict[str, sql.Composable]:
         "attempts": sql.Identifier(f"{table}_attempts"),
         "parked": sql.Identifier(f"{table}_parked"),
         "guard": sql.Identifier(f"{table}_guard"),
-        # Names as values, for the upgrade's catalog look-ups.
+        # Names as values, for the schema's catalog look-ups.
         "inbox_name": sql.Literal(table),
+        "inbox_by_age_name": sql.Literal(f"{table}_by_age"),
+        "attempts_name": sql.Literal(f"{table}_attempts"),
         "parked_name": sql.Literal(f"{table}_parked"),
         "guard_name": sql.Literal(f"{table}_guard"),
         "guard_signature": sql.Literal(f"{table}_guard()"),
     }
+
+
+class SchemaStep(NamedTuple):
+    """One piece of the inbox's schema: ``create``, the block of ``inbox.sql`` that
+    makes it (idempotent), and ``present``, a catalog read that says whether it is
+    there (it takes no lock on the inbox's tables)."""
+
+    create: str
+    present: str
+
+
+# The inbox's schema, in the order it is made (``ensure_schema``, ``render_sql``).
+# One more table, column or index later: its block in inbox.sql and one line here.
+SCHEMA = (
+    SchemaStep("create_inbox", "to_regclass({inbox_name}) IS NOT NULL"),
+    SchemaStep(
+        "create_inbox_by_age",
+        "EXISTS (SELECT FROM pg_index WHERE indexrelid = to_regclass({inbox_by_age_name})"
+        " AND indrelid = to_regclass({inbox_name}))",
+    ),
+    SchemaStep("create_attempts", "to_regclass({attempts_name}) IS NOT NULL"),
+    SchemaStep("create_parked", "to_regclass({parked_name}) IS NOT NULL"),
+    SchemaStep(
+        "add_parked_raw_properties",
+        "EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({parked_name})"
+        " AND attname = 'raw_properties' AND NOT attisdropped)",
+    ),
+    SchemaStep("create_guard", "to_regprocedure({guard_signature}) IS NOT NULL"),
+    SchemaStep(
+        "create_guard_trigger",
+        "EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass({inbox_name})"
+        " AND tgname = {guard_name})",
+    ),
+)
 
 
 def _statements(table: str) -> dict[str, sql.Composed]:
@@ -107,9 +153,18 @@ def _statements(table: str) -> dict[str, sql.Composed]:
     }
 
 
+def schema_checks(table: str, steps: Sequence[SchemaStep] = SCHEMA) -> sql.Composed:
+    """One catalog read: a boolean per step of ``steps``, whether its piece is there."""
+    ids = inbox_identifiers(table)
+    return sql.SQL("SELECT {}").format(
+        sql.SQL(", ").join(sql.SQL(step.present).format(**ids) for step in steps)
+    )
+
+
 def render_sql(table: str) -> str:
     """The inbox tables as one script (``outbox consume --print-sql``)."""
-    schema = _statements(table)["schema"].as_string(None)
+    queries = _statements(table)
+    schema = "\n".join(queries[step.create].as_string(None) + ";" for step in SCHEMA)
     return f"-- outbox consume: inbox tables {table!r}\nBEGIN;\n{schema}\nCOMMIT;\n"
 
 
@@ -189,6 +244,36 @@ class Started:
     duplicate: bool
     earlier: int
     last_error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaWait:
+    """An attempt at the ``missing`` pieces of the schema gave its place in the lock
+    queue up after ``SCHEMA_LOCK_TIMEOUT`` (``ensure_schema``)."""
+
+    missing: tuple[str, ...]  # blocks of inbox.sql
+    attempt: int
+    waited: float  # seconds since the first attempt
+    holders: tuple[Holder, ...]
+
+    def describe(self) -> str:
+        """What it waits for, in one line."""
+        parts = [_holder(h) for h in self.holders[:SAY_HOLDERS]]
+        if len(self.holders) > SAY_HOLDERS:
+            parts.append(f"{len(self.holders) - SAY_HOLDERS} more")
+        return "; ".join(parts) or "locks held for a moment by other transactions on the tables"
+
+
+def _holder(holder: Holder) -> str:
+    if holder.relation == SCHEMA_LOCK_NAME:
+        name = holder.application_name or "no application_name"
+        return f"another consumer making the inbox tables (pid {holder.pid}, {name})"
+    if holder.gid is not None:
+        return (
+            f"prepared transaction {holder.gid!r} ({holder.seconds:.0f} s old) on "
+            f"{holder.relation}: its owner must finish it (COMMIT PREPARED or ROLLBACK PREPARED)"
+        )
+    return describe_holder(holder, "")
 
 
 class SessionState(NamedTuple):
@@ -354,15 +439,86 @@ class InboxStore:
         return {"consumer": self.consumer, **values}
 
     # -- set-up ---------------------------------------------------------------
-    def ensure_schema(self) -> None:
-        """Create the inbox tables if missing and upgrade them in place (idempotent);
-        concurrent consumers wait on one lock."""
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None:
+        """Make what is missing of the inbox's schema (``SCHEMA``).
+
+        A look in the catalog first, which takes no lock on the inbox's tables:
+        when every piece is there (every start but the first) nothing else runs,
+        so a consumer's start or reconnect never waits behind another's open
+        transaction, nor makes the others' INSERTs queue behind it.  The missing
+        pieces are made in one transaction under the schema's advisory lock
+        (concurrent consumers make each once) and ``SCHEMA_LOCK_TIMEOUT``: when
+        that runs out the attempt gives its place in the lock queue up, so the
+        consumers queued behind it go on, ``wait`` hears what it waited for (and
+        pauses; by default ``retry_pause``), and it tries again until done."""
+        missing = self._missing(SCHEMA)
+        started = time.monotonic()
+        attempt = 0
+        while missing:
+            attempt += 1
+            try:
+                self._create(missing)
+                return
+            except StatementTimedOut as exc:
+                if not isinstance(exc.__cause__, pgerrors.LockNotAvailable):
+                    raise
+            blocked = SchemaWait(
+                tuple(step.create for step in missing),
+                attempt,
+                time.monotonic() - started,
+                self._schema_holders(),
+            )
+            if wait is None:
+                time.sleep(retry_pause(attempt))
+            else:
+                wait(blocked)
+            missing = self._missing(missing)
+
+    def _missing(self, steps: Sequence[SchemaStep]) -> list[SchemaStep]:
+        with self._reading("looking for the inbox tables") as conn:
+            row = conn.execute(schema_checks(self.table, steps)).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return [step for step, present in zip(steps, row, strict=True) if not present]
+
+    def _create(self, missing: Sequence[SchemaStep]) -> None:
+        """One attempt at ``missing``, each looked for again under the lock (another
+        consumer may have made it meanwhile)."""
         with self._transaction("creating the inbox tables") as conn:
             conn.execute(
-                "SELECT pg_advisory_xact_lock(%s, %s)",
-                [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF],
+                "SELECT set_config('lock_timeout', %s, true)",
+                [str(round(SCHEMA_LOCK_TIMEOUT * 1000))],
             )
-            conn.execute(self.queries["schema"])
+            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", self._schema_lock())
+            row = conn.execute(schema_checks(self.table, missing)).fetchone()
+            assert row is not None
+            for step, present in zip(missing, row, strict=True):
+                if not present:
+                    conn.execute(self.queries[step.create])
+
+    def _schema_lock(self) -> list[int]:
+        return [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF]
+
+    def _schema_holders(self) -> tuple[Holder, ...]:
+        """Who holds a lock a schema attempt waited for (see ``schema_holders``);
+        transactions younger than ``SCHEMA_LOCK_TIMEOUT`` are other consumers'
+        batches, come and gone."""
+        lock_class, lock_key = self._schema_lock()
+        with self._reading("looking at what holds the inbox tables") as conn:
+            rows = conn.execute(
+                self.queries["schema_holders"],
+                {
+                    "tables": [self.table, f"{self.table}_attempts", f"{self.table}_parked"],
+                    "lock_class": lock_class,
+                    "lock_key": lock_key,
+                },
+            ).fetchall()
+        return tuple(
+            Holder(relation, gid, pid, name or "", state or "", float(seconds or 0))
+            for relation, gid, pid, name, state, seconds in rows
+            if gid is not None
+            or relation == SCHEMA_LOCK_NAME
+            or float(seconds or 0) >= SCHEMA_LOCK_TIMEOUT
+        )
 
     # -- one transaction of messages (the loop's steps) -----------------------------
     def record_ids(

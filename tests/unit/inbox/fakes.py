@@ -20,7 +20,14 @@ from typing import Any
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
 from outbox.inbox.message import InboxMessage, Parking
 from outbox.inbox.policy import QueuePolicy
-from outbox.inbox.store import SETTINGS, Failure, InboxRowHeld, SessionState, Started
+from outbox.inbox.store import (
+    SETTINGS,
+    Failure,
+    InboxRowHeld,
+    SchemaWait,
+    SessionState,
+    Started,
+)
 
 Journal = list[str]
 
@@ -288,7 +295,7 @@ class FakeStore:
         self._maybe_fail("park")
         self.parked.append(parking)
 
-    def ensure_schema(self) -> None:
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None:
         self._maybe_fail("ensure_schema")
 
     def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int:
