@@ -302,22 +302,26 @@ class Inbox:
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
             return
         for delivery, (outcome, delay) in settled:
-            if outcome is Disposition.RETRY:
-                self._hold(delivery, delay)
+            if outcome in (Disposition.RETRY, Disposition.HELD):
+                self._hold(delivery, delay, row_held=outcome is Disposition.HELD)
             elif outcome is Disposition.BEHIND:
                 self._behind[delivery.message.ordering_key].append(delivery)
             else:
                 self.broker.settle(delivery, ack=True)
                 self._release(delivery)
 
-    def _hold(self, delivery: Any, delay: float) -> None:
+    def _hold(self, delivery: Any, delay: float, *, row_held: bool = False) -> None:
         """Keep a failed message in hand, unacked, until its next attempt, while the
         others go on.  Nothing goes back to the queue: no delivery is counted
         against a quorum queue's limit, no TTL runs, and the message keeps its
-        place.  Its ordering key, if any, waits with it."""
+        place.  Its ordering key, if any, waits with it.  ``row_held``: not failed,
+        its inbox row is held by another transaction (``Disposition.HELD``): it
+        waits ``row_held_delay``, each try costing one short lock wait."""
         now = time.monotonic()
         previous = next((h for h in self._held if h.delivery is delivery), None)
         since = previous.since if previous is not None else now
+        if row_held:
+            delay = planning.row_held_delay(now - since, self.settings)
         self._held = [h for h in self._held if h.delivery is not delivery]
         self._held.append(Held(delivery, now + delay, since))
         self.stats.retried += 1
@@ -382,8 +386,10 @@ class Inbox:
                     and now + outcome[1] - held.since > planning.MAX_HOLD
                 ):
                     outcome = processor.give_up(delivery.message, outcome_reason(held, now))
-            if outcome[0] is Disposition.RETRY:
-                self._hold(delivery, outcome[1])
+            # A message whose row is held is never given up here: parking it would
+            # record its id, which is what the other transaction holds.
+            if outcome[0] in (Disposition.RETRY, Disposition.HELD):
+                self._hold(delivery, outcome[1], row_held=outcome[0] is Disposition.HELD)
                 continue
             self._held.remove(held)
             self.broker.settle(delivery, ack=True)

@@ -465,7 +465,7 @@ class Processor:
                 outcomes.append((Disposition.BEHIND, 0.0))
                 continue
             outcome = self.process(message)
-            if outcome[0] is Disposition.RETRY and key is not None:
+            if outcome[0] in (Disposition.RETRY, Disposition.HELD) and key is not None:
                 failed.add(key)
             outcomes.append(outcome)
         return outcomes
@@ -678,8 +678,9 @@ class Processor:
         return outcomes
 
     def _held(self, message: InboxMessage, exc: InboxRowHeld) -> tuple[Disposition, float]:
-        """Another transaction holds the message's inbox row (``InboxRowHeld``):
-        back to the queue, no attempt counted, no handler called; the others go on."""
+        """Another transaction holds the message's inbox row (``InboxRowHeld``, after
+        ``store.RECORD_LOCK_TIMEOUT``): ``HELD``, kept in hand and tried again later
+        (``Inbox._hold``), no attempt counted, no handler called; the others go on."""
         emit(
             log,
             "consumer.message_held",
@@ -687,7 +688,7 @@ class Processor:
             message_id=message.message_id,
             error=exc.message,
         )
-        return Disposition.RETRY, 0.0
+        return Disposition.HELD, 0.0
 
     def _call(self, message: InboxMessage) -> str | None:
         """Call the handler; the description of what it raised, if it raised."""

@@ -62,10 +62,16 @@ from outbox.inbox.message import Parking
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 
-# The consumer's lock_timeout (seconds): the longest its statements wait for a
-# message's inbox row or attempt lock (``InboxRowHeld``), and its handlers' for
-# any lock (a handler's statement that waits longer fails like any other error).
+# The consumer's lock_timeout (seconds): its handlers' for any lock (a handler's
+# statement that waits longer fails like any other error), and its own statements'.
 INBOX_LOCK_TIMEOUT = 5.0
+# The lock_timeout of the steps that record a message's id or count its attempt
+# (seconds): how long a message waits for its inbox row or attempt lock held by
+# another transaction before it gives up (``InboxRowHeld``) and is set aside, so
+# that the messages behind it go on.  Long enough for another consumer's batch
+# applying a copy to commit; short, because it is paid on the consumer's only
+# thread each time the held message is tried again.
+RECORD_LOCK_TIMEOUT = 0.2
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
@@ -204,11 +210,12 @@ class PipelinedCursor(psycopg.Cursor[Row]):
 
 
 class InboxRowHeld(OutboxError):
-    """A message's inbox row or attempt lock stayed held longer than the session's
-    ``lock_timeout`` (by a transaction that removes the id and waits on something
-    else: ``outbox parked retry`` of releases before 0.5.0 held it across its publish;
-    or another consumer applying a copy).  Nothing was written: the message goes
-    back to the queue for later, without an attempt counted, and the others go on."""
+    """A message's inbox row or attempt lock stayed held longer than
+    ``RECORD_LOCK_TIMEOUT`` (by a transaction that inserted or removes the id and
+    waits on something else: ``outbox parked retry`` of releases before 0.5.0 held
+    it across its publish; an application's session; or another consumer applying
+    a copy).  Nothing was written: the consumer keeps the message in hand, unacked,
+    and tries it again later, without an attempt counted; the others go on."""
 
 
 class StatementRefused(OutboxError):
@@ -303,6 +310,11 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{where}"
 
 
+def _set_local_lock_timeout(seconds: float) -> str:
+    # SET LOCAL: back to the session's value at the transaction's end, whatever happens.
+    return f"SET LOCAL lock_timeout = {max(1, round(seconds * 1000))}"
+
+
 @contextlib.contextmanager
 def _held() -> Iterator[None]:
     """``InboxRowHeld`` for a lock wait that outlived the session's lock_timeout."""
@@ -330,9 +342,11 @@ class InboxStore:
         connect_timeout: float = 10.0,
         lock_timeout: float | None = None,
         statement_timeout: float | None = None,
+        record_lock_timeout: float = RECORD_LOCK_TIMEOUT,
     ) -> None:
         """``lock_timeout`` None: ``INBOX_LOCK_TIMEOUT``; ``statement_timeout`` None:
-        none (a handler's statements may take as long as they need)."""
+        none (a handler's statements may take as long as they need);
+        ``record_lock_timeout``: the steps' that record ids (at most ``lock_timeout``)."""
         self.table = table
         self.consumer = consumer
         self.queries = _statements(table)
@@ -340,6 +354,10 @@ class InboxStore:
         self._application_name = application_name
         self._connect_timeout = connect_timeout
         self.lock_timeout = INBOX_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
+        # The steps that record ids wait less than the handlers (``_recording``).
+        self.record_lock_timeout = min(self.lock_timeout, record_lock_timeout)
+        self._record_lock_timeout = _set_local_lock_timeout(self.record_lock_timeout)
+        self._session_lock_timeout = _set_local_lock_timeout(self.lock_timeout)
         self.statement_timeout = statement_timeout
         # The session's idle_in_transaction_session_timeout in seconds (None: off).
         # PostgreSQL applies it only between synced statements, so a handler that
@@ -529,19 +547,27 @@ class InboxStore:
         ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
         with _held(), self._translated("recording message ids"), self.conn.pipeline():
             cursors = [self.conn.execute(q, p) for q, p in self._recording(keys, redelivered)]
-        return self._recorded(cursors[-1])()
+        return self._recorded(cursors)()
 
     def _recording(
         self, keys: Sequence[str], redelivered: Sequence[str], *, ahead: bool = False
     ) -> list[tuple[Any, dict[str, Any] | None]]:
         """The statements of ``record_ids``: the transaction, then the ids (``ahead``:
-        all taken for new, ``record_new``)."""
+        all taken for new, ``record_new``) under ``RECORD_LOCK_TIMEOUT``, the
+        session's lock_timeout back for the handlers (``_recorded`` reads the ids'
+        result from their cursors)."""
         params = self._params(ids=list(keys), redelivered=list(redelivered))
         query = self.queries["record_new" if ahead else "record_messages"]
-        return [("BEGIN READ WRITE", None), (query, params)]
+        return [
+            ("BEGIN READ WRITE", None),
+            (self._record_lock_timeout, None),
+            (query, params),
+            (self._session_lock_timeout, None),
+        ]
 
-    def _recorded(self, cursor: Any) -> Callable[[], tuple[datetime.datetime, set[str]]]:
-        """How to read ``record_messages``' result from its cursor."""
+    def _recorded(self, cursors: Sequence[Any]) -> Callable[[], tuple[datetime.datetime, set[str]]]:
+        """How to read ``record_messages``' result from the cursors of ``_recording``."""
+        cursor = cursors[2]
 
         def recorded() -> tuple[datetime.datetime, set[str]]:
             with self._translated("recording message ids"):
@@ -580,7 +606,7 @@ class InboxStore:
             else:
                 statements = self._recording(*record, ahead=True)
                 cursors = [self.conn.execute(q, p) for q, p in statements]
-                yield self._recorded(cursors[-1])
+                yield self._recorded(cursors)
 
     def send_seal(self) -> Callable[[], datetime.datetime]:
         """``seal`` sent inside ``pipeline()``; call the result after the block."""
@@ -658,6 +684,7 @@ class InboxStore:
             with _held(), self._translated("counting an attempt"):
                 with self.conn.pipeline():
                     self.conn.execute("BEGIN READ WRITE")
+                    self.conn.execute(self._record_lock_timeout)
                     self.conn.execute(self.queries["attempt_lock"], params)
                     self.conn.execute("SET LOCAL synchronous_commit = off")
                     cur = self.conn.execute(self.queries["start_attempt"], params)
