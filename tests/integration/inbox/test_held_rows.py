@@ -16,7 +16,6 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox.inbox.store import InboxStore
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import INBOX, consumer, publish, queue_depth, rows
@@ -40,46 +39,45 @@ def test_consumer__a_held_inbox_row_costs_one_short_wait_and_the_others_go_on(
     applied within a few seconds while it stays held (before: 100 per 5 s); the
     held one is then skipped (the holder committed its id) or applied (rolled
     back), once, without an attempt counted, a requeue or a reconnect."""
-    store = InboxStore(consumer_dsn, INBOX, topology.queue)
-    store.ensure_schema()
-    store.close()
-    with psycopg.connect(consumer_dsn) as holder:
+    with (
+        consumer(
+            tmp_path, consumer_dsn, topology, prefetch=200, env={"OUTBOX_LOG_LEVEL": "info"}
+        ) as process,
+        psycopg.connect(consumer_dsn) as holder,
+    ):
         # As another consumer applying a copy, or an operator's session, would.
         holder.execute(
             f"INSERT INTO {INBOX} (consumer, message_id) VALUES (%s, 'held')", [topology.queue]
         )
         holder.execute("INSERT INTO effects (message_id, body) VALUES ('held', 'by-holder')")
+        started = time.monotonic()
         publish(topology, [("held", b"ok:held")] + [(f"h-{i}", b"ok:h") for i in range(HEALTHY)])
-        with consumer(
-            tmp_path, consumer_dsn, topology, prefetch=200, env={"OUTBOX_LOG_LEVEL": "info"}
-        ) as process:
-            started = time.monotonic()
-            deadline = started + 20
-            while healthy_applied(consumer_dsn) < HEALTHY and time.monotonic() < deadline:
-                time.sleep(0.1)
-            took = time.monotonic() - started
-            done = healthy_applied(consumer_dsn)
-            print(f"{done} of {HEALTHY} healthy messages applied in {took:.1f} s, the row held")
-            assert done == HEALTHY, f"{done} applied in {took:.1f} s"
-            assert took < 15
-            if holder_ends == "commit":
-                holder.commit()
-            else:
-                holder.rollback()
-            wait_for(lambda: queue_depth(topology) == 0, 20, "the held message to be settled")
-            wait_for(
-                lambda: (
-                    "consumer.message_held" in process.output()
-                    and (
-                        holder_ends == "commit"
-                        or rows(consumer_dsn, "SELECT count(*) FROM effects WHERE body = 'ok:held'")
-                        == [(1,)]
-                    )
-                ),
-                20,
-                "the held message's outcome",
-            )
-            output = process.output()
+        deadline = started + 20
+        while healthy_applied(consumer_dsn) < HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        done = healthy_applied(consumer_dsn)
+        print(f"{done} of {HEALTHY} healthy messages applied in {took:.1f} s, the row held")
+        assert done == HEALTHY, f"{done} applied in {took:.1f} s"
+        assert took < 15
+        if holder_ends == "commit":
+            holder.commit()
+        else:
+            holder.rollback()
+        wait_for(lambda: queue_depth(topology) == 0, 20, "the held message to be settled")
+        wait_for(
+            lambda: (
+                "consumer.message_held" in process.output()
+                and (
+                    holder_ends == "commit"
+                    or rows(consumer_dsn, "SELECT count(*) FROM effects WHERE body = 'ok:held'")
+                    == [(1,)]
+                )
+            ),
+            20,
+            "the held message's outcome",
+        )
+        output = process.output()
     held = [line for line in output.splitlines() if "consumer.message_held" in line]
     print(f"tried {len(held)} times while held")
     assert "consumer.retry" not in output, output[-3000:]  # no outage, no channel closed
