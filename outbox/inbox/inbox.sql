@@ -217,6 +217,13 @@ SELECT done.done AS duplicate, earlier.attempts AS earlier, earlier.last_error,
        CASE WHEN done.done THEN pg_advisory_unlock(%(lock_class)s, %(lock_key)s) END AS unlocked
 FROM done, earlier
 
+-- uncount_attempt --
+-- A redelivered message whose attempt start_attempt counted, whose inbox row was
+-- then found held by another transaction (InboxRowHeld): its handler was not
+-- called, so that was no attempt.  Run while its attempt lock is still held.
+UPDATE {attempts} SET attempts = attempts - 1
+WHERE consumer = %(consumer)s AND message_id = %(message_id)s AND attempts > 0
+
 -- attempt_lock --
 -- Held by the session (not the transaction) from before start_attempt until the
 -- message's outcome is committed, or until the process dies (the session ends).

@@ -277,6 +277,9 @@ class StorePort(Protocol):
 
     def end_attempt(self, message_id: str) -> None: ...
 
+    # The attempt ``start_attempt`` counted was none: the message's row was held.
+    def uncount_attempt(self, message_id: str) -> None: ...
+
     def park(self, parking: Parking) -> None: ...
 
     # for the process (``Inbox``)
@@ -517,6 +520,11 @@ class Processor:
                     outcome = self._failed(message, done.reason, counted=True)
                 else:
                     outcome = done[0]
+                if outcome[0] is Disposition.HELD:
+                    # Held at the record step, no handler called: not an attempt.  A
+                    # count that stays (its counter row held too) is only one more.
+                    with contextlib.suppress(InboxRowHeld):
+                        store.uncount_attempt(message_id)
         except BaseException:
             with contextlib.suppress(OutboxError):
                 store.end_attempt(message_id)

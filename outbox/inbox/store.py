@@ -700,6 +700,14 @@ class InboxStore:
         self._attempt_session = None if duplicate else self.conn
         return Started(duplicate=duplicate, earlier=int(row[1]), last_error=str(row[2]))
 
+    def uncount_attempt(self, message_id: str) -> None:
+        """Take back the attempt ``start_attempt`` counted for a message whose inbox
+        row was then found held (``InboxRowHeld``): no handler call, no attempt.
+        ``InboxRowHeld`` if its counter row is held too (the count then stays)."""
+        with _held(), self._transaction("taking back an attempt") as conn:
+            conn.execute(self._record_lock_timeout)
+            conn.execute(self.queries["uncount_attempt"], self._params(message_id=message_id))
+
     def end_attempt(self, message_id: str) -> None:
         """Release the attempt lock ``start_attempt`` took: unlock it, or end the
         session that holds it if ``restore`` replaced that session (nothing if it is

@@ -286,6 +286,11 @@ class FakeStore:
         self.locked.add(message_id)
         return Started(False, earlier, self.last_error.get(message_id, ""))
 
+    def uncount_attempt(self, message_id: str) -> None:
+        self.journal.append(f"uncount_attempt {message_id}")
+        if self.attempts.get(message_id, 0) > 0:
+            self.attempts[message_id] -= 1
+
     def end_attempt(self, message_id: str) -> None:
         self.journal.append(f"end_attempt {message_id}")
         self.locked.discard(message_id)

@@ -113,3 +113,26 @@ def test_inbox__a_held_row_is_set_aside_with_its_key_while_the_others_are_applie
     store.held.clear()  # the holder rolled back
     passes(inbox, broker, 3)
     assert store.effects == ["a", "b", "k1", "k2"] and broker.unacked == []
+
+
+class HeldAtRecord(HeldStore):
+    """The attempt lock is free, the inbox row held (a first delivery of the id in
+    flight in another consumer's transaction): ``start_attempt`` counts, then the
+    record step gives up."""
+
+    def start_attempt(self, message_id: str, *, max_attempts: int) -> Started:
+        return FakeStore.start_attempt(self, message_id, max_attempts=max_attempts)
+
+
+def test_held__a_redelivered_message_held_at_its_record_step_takes_its_count_back() -> None:
+    store = HeldAtRecord({"m"})
+    stats = ConsumerStats()
+    processor = Processor(store, record, ConsumerSettings(queue="q", max_attempts=2), stats)
+    again = message("m", redelivered=True)
+    for _ in range(5):  # more than --max-attempts: no count left, never parked unseen
+        assert processor.process_batch([again]) == [(Disposition.HELD, 0.0)]
+        assert store.attempts.get("m", 0) == 0 and store.locked == set()
+    assert store.parked == []
+    store.held.clear()
+    assert processor.process_batch([again]) == [(Disposition.HANDLED, 0.0)]
+    assert store.inbox == {"m"}
