@@ -422,13 +422,15 @@ class InboxStore:
                 held.close()
 
     @contextlib.contextmanager
-    def _translated(self, what: str) -> Iterator[None]:
+    def _translated(self, what: str, *, lock_timeout: float | None = None) -> Iterator[None]:
+        """Driver errors as the project's; ``lock_timeout``: the statements' own, if
+        not the session's (named in a lock wait's error)."""
         with translated(
             self.conn,
             what,
             hints=self.hints,
             statement_timeout=self.statement_timeout,
-            lock_timeout=self.lock_timeout,
+            lock_timeout=self.lock_timeout if lock_timeout is None else lock_timeout,
             tables=[self.table, f"{self.table}_attempts", f"{self.table}_parked"],
             refused=_refused,
         ):
@@ -545,7 +547,11 @@ class InboxStore:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
         ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
-        with _held(), self._translated("recording message ids"), self.conn.pipeline():
+        with (
+            _held(),
+            self._translated("recording message ids", lock_timeout=self.record_lock_timeout),
+            self.conn.pipeline(),
+        ):
             cursors = [self.conn.execute(q, p) for q, p in self._recording(keys, redelivered)]
         return self._recorded(cursors)()
 
@@ -681,7 +687,10 @@ class InboxStore:
         the end of the session."""
         params = {**self._attempt_lock(message_id), "max_attempts": max_attempts}
         try:
-            with _held(), self._translated("counting an attempt"):
+            with (
+                _held(),
+                self._translated("counting an attempt", lock_timeout=self.record_lock_timeout),
+            ):
                 with self.conn.pipeline():
                     self.conn.execute("BEGIN READ WRITE")
                     self.conn.execute(self._record_lock_timeout)
