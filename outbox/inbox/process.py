@@ -15,7 +15,8 @@ This module is the process around them, as ``outbox/relay/process.py`` is the re
   (``inbox_retention``), drain the deliveries that arrived, apply them through the
   ``Processor`` (a message at the queue's last delivery first, alone, acked at once),
   settle them (ack what committed, was skipped or parked; hold a failed one in hand,
-  unacked, for its retry delay, the later messages of its ordering key behind it),
+  unacked, for its retry delay, and one whose inbox row another transaction holds
+  for ``row_held_delay``, the later messages of its ordering key behind it),
   apply again the held ones that are due (parked once they would be held past
   ``MAX_HOLD``), and subscribe again once the messages in hand take half the
   prefetch, up to ``HAND_MOST`` times it in hand (``_make_room``);

@@ -142,6 +142,15 @@ never blocks the queue; ``outbox parked retry`` puts it back (as a new delivery,
 its count reset).  A message without a ``message_id`` (or whose properties cannot
 be read) cannot be deduplicated: it is parked at once and the handler never sees it.
 
+A message whose inbox row (or attempt lock) another transaction holds costs one short
+wait, not one per try: the steps that record ids and count attempts run under
+``store.RECORD_LOCK_TIMEOUT`` (0.2 s; the handlers keep the session's lock_timeout),
+after which the message is ``HELD`` (``Processor._held``): no handler call, no
+attempt (one ``start_attempt`` counted is taken back: ``uncount_attempt``), kept in
+hand like a failed one, its key's later messages behind it, and tried again after
+``planning.row_held_delay``, never parked for it.  A batch with such an id is
+applied one by one, so only that message waits.
+
 The queue's own policy (``policy``, read at start-up): a stream is refused; on a
 quorum queue with a delivery limit, a crash of the consumer returns every message
 in hand and counts a delivery against each, so a message at its last delivery
