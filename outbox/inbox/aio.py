@@ -543,7 +543,7 @@ class AsyncInboxStore(InboxStore):
                 self._translated("running the handlers' statements"),
                 conn.pipeline(entered=True, first=first) as faces,
             ):
-                yield self._recorded(faces[-1]) if record is not None else None
+                yield self._recorded(faces) if record is not None else None
         finally:  # no handler call of this transaction comes after the block
             self._ahead.clear()
 

@@ -1,12 +1,17 @@
 -- Every SQL statement of the consumer's inbox (`outbox consume`), as named blocks.
 -- The inbox lives in the CONSUMER's database, which need not be the outbox's, so it
 -- is not part of the outbox migrations: `outbox consume` creates it at start-up and
--- `outbox consume --print-sql` prints the `schema` block for a DBA.
+-- `outbox consume --print-sql` prints the schema's blocks for a DBA.
 -- Identifiers in braces ({inbox}, {attempts}, {parked}, {inbox_by_age}) are filled
 -- in with psycopg.sql.Identifier for the configured table; values are %(name)s.
 
--- schema --
--- --8<-- [start:schema] (docs/reference/schema.md shows the block from here)
+-- The inbox's schema, one block per piece, each idempotent.  `outbox consume` looks
+-- in the catalog first (store.SCHEMA: one check per block, no lock on the tables)
+-- and runs only the blocks whose piece is missing, under a short lock_timeout,
+-- retried; `outbox consume --print-sql` prints them all, in this order.
+
+-- --8<-- [start:schema] (docs/reference/schema.md shows the blocks from here)
+-- create_inbox --
 -- One row per message whose effect committed (or that was parked), per consumer.
 -- The consumer name (default: the queue) is part of the key, so two services that
 -- both receive a message and share a database each apply it once.
@@ -15,8 +20,14 @@ CREATE TABLE IF NOT EXISTS {inbox} (
     message_id  text        NOT NULL,
     received_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, message_id)
-);
-CREATE INDEX IF NOT EXISTS {inbox_by_age} ON {inbox} (consumer, received_at);
+)
+
+-- create_inbox_by_age --
+-- For pruning.  Takes a SHARE lock on {inbox}, even when the index exists: it runs
+-- only when the catalog says the index is missing.
+CREATE INDEX IF NOT EXISTS {inbox_by_age} ON {inbox} (consumer, received_at)
+
+-- create_attempts --
 -- Failed attempts of messages not handled yet; a message is parked at --max-attempts.
 CREATE TABLE IF NOT EXISTS {attempts} (
     consumer       text        NOT NULL,
@@ -25,7 +36,9 @@ CREATE TABLE IF NOT EXISTS {attempts} (
     last_error     text        NOT NULL,
     last_failed_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, message_id)
-);
+)
+
+-- create_parked --
 -- Messages taken off the queue without an effect: the handler kept failing, or the
 -- message has no message_id.  A parked message's id is also in {inbox}, so a late
 -- copy of it is skipped; `outbox parked retry` removes the id, sends the message
@@ -44,7 +57,9 @@ CREATE TABLE IF NOT EXISTS {parked} (
     attempts    integer     NOT NULL,
     parked_at   timestamptz NOT NULL DEFAULT now(),
     UNIQUE (consumer, message_id)
-);
+)
+
+-- create_custody --
 -- Messages the consumer took off the queue before it could apply them, because the
 -- broker might drop them otherwise (custody): a quorum queue with a delivery limit
 -- drops a message returned once too often, and every consumer crash returns all it
@@ -65,46 +80,69 @@ CREATE TABLE IF NOT EXISTS {custody} (
     taken_at       timestamptz NOT NULL DEFAULT now(),
     not_before     timestamptz NOT NULL DEFAULT now(),
     UNIQUE (consumer, message_id)
-);
--- Upgrades in place, idempotent: run at every start (under the schema lock), and
--- skipped when already done, so a role that does not own the tables can still start.
---  * {parked}.raw_properties: the AMQP property list exactly as it arrived (headers
---    with their AMQP types, a message_id that is not UTF-8), sent back unchanged by
---    `outbox parked retry`.  NULL for rows parked before it existed (those are sent
---    back from the headers and properties columns, as before).
---  * {guard}: ids are recorded first in the consumer's transaction, so a handler
---    that ran COMMIT would commit the ids of messages whose effects had not run
---    yet.  The consumer arms this check when it records ids and seals it just
---    before its own COMMIT; any other COMMIT of that transaction fails and rolls
---    it back whole.  Transactions that never arm it (other writers, older
---    consumers) are not affected.
+)
+
+-- add_parked_raw_properties --
+-- The AMQP property list exactly as it arrived (headers with their AMQP types, a
+-- message_id that is not UTF-8), sent back unchanged by `outbox parked retry`.  NULL
+-- for rows parked before it existed (those are sent back from the headers and
+-- properties columns, as before).  ACCESS EXCLUSIVE on {parked}, no rewrite.
+ALTER TABLE {parked} ADD COLUMN IF NOT EXISTS raw_properties bytea
+
+-- create_guard --
+-- Ids are recorded first in the consumer's transaction, so a handler that ran
+-- COMMIT would commit the ids of messages whose effects had not run yet.  The
+-- consumer arms this check when it records ids and seals it just before its own
+-- COMMIT; any other COMMIT of that transaction fails and rolls it back whole.
+-- Transactions that never arm it (other writers, older consumers) are not affected.
+CREATE OR REPLACE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $guard$
+BEGIN
+    IF current_setting('outbox.inbox_guard', true) = 'armed' THEN
+        RAISE EXCEPTION 'a handler committed the transaction of outbox consume'
+            USING HINT = 'a handler must not run COMMIT or ROLLBACK: the consumer '
+                         'commits each effect together with its message id';
+    END IF;
+    RETURN NULL;
+END
+$guard$
+
+-- create_guard_trigger --
+-- A constraint trigger has no IF NOT EXISTS (SHARE ROW EXCLUSIVE on {inbox}).
 DO $migrate$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_attribute
-                   WHERE attrelid = to_regclass({parked_name}) AND attname = 'raw_properties'
-                     AND NOT attisdropped) THEN
-        ALTER TABLE {parked} ADD COLUMN raw_properties bytea;
-    END IF;
-    IF to_regprocedure({guard_signature}) IS NULL THEN
-        CREATE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $guard$
-        BEGIN
-            IF current_setting('outbox.inbox_guard', true) = 'armed' THEN
-                RAISE EXCEPTION 'a handler committed the transaction of outbox consume'
-                    USING HINT = 'a handler must not run COMMIT or ROLLBACK: the consumer '
-                                 'commits each effect together with its message id';
-            END IF;
-            RETURN NULL;
-        END
-        $guard$;
-    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_trigger
                    WHERE tgrelid = to_regclass({inbox_name}) AND tgname = {guard_name}) THEN
         CREATE CONSTRAINT TRIGGER {guard} AFTER INSERT ON {inbox}
             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {guard}();
     END IF;
 END
-$migrate$;
+$migrate$
 -- --8<-- [end:schema]
+
+-- schema_holders --
+-- What a schema step that gave up after its lock_timeout waited for: the sessions
+-- and prepared transactions of this database holding a lock on the inbox's tables,
+-- and whoever holds the schema lock, each with the age of its transaction.
+SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
+       coalesce(c.relname::text, 'the inbox schema lock') AS relation,
+       p.gid,
+       a.pid,
+       a.application_name,
+       a.state,
+       greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start))) AS seconds
+FROM pg_locks l
+LEFT JOIN pg_class c ON c.oid = l.relation
+LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
+     AND x.virtualtransaction = l.virtualtransaction AND x.pid IS NULL
+LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.pid IS DISTINCT FROM pg_backend_pid()
+  AND (l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
+       OR (l.locktype = 'advisory' AND l.classid::bigint = %(lock_class)s
+           AND l.objid::bigint = %(lock_key)s AND l.objsubid = 2))
+ORDER BY coalesce(p.gid, l.pid::text), c.relname
 
 -- record_message --
 -- Records the id of a message being parked (its own transaction, not armed).  A
@@ -208,6 +246,13 @@ WITH done AS (
 SELECT done.done AS duplicate, earlier.attempts AS earlier, earlier.last_error,
        CASE WHEN done.done THEN pg_advisory_unlock(%(lock_class)s, %(lock_key)s) END AS unlocked
 FROM done, earlier
+
+-- uncount_attempt --
+-- A redelivered message whose attempt start_attempt counted, whose inbox row was
+-- then found held by another transaction (InboxRowHeld): its handler was not
+-- called, so that was no attempt.  Run while its attempt lock is still held.
+UPDATE {attempts} SET attempts = attempts - 1
+WHERE consumer = %(consumer)s AND message_id = %(message_id)s AND attempts > 0
 
 -- attempt_lock --
 -- Held by the session (not the transaction) from before start_attempt until the

@@ -1,7 +1,8 @@
 """The consumer's pure decisions: how a message is applied (``plan``), what became
-of it (``Disposition``), why it is parked (``unfinished_reason``,
-``outcome_reason``, ``unusable``), how long a failed one
-waits in hand for its next attempt (``retry_delay``) and how long it may be held
+of it (``Disposition``), why it is parked (
+``unfinished_reason``, ``outcome_reason``, ``unusable``), how long a failed one
+waits in hand for its next attempt (``retry_delay``; ``row_held_delay`` for one whose
+inbox row is held) and how long it may be held
 at most (``Held``, ``MAX_HOLD``), and when the consumer subscribes again
 (``room_to_subscribe``, ``cancel_returns_deliveries``).  No I/O: ``steps`` and
 ``process`` act on them."""
@@ -23,6 +24,9 @@ class Disposition(enum.Enum):
     HANDLED = "handled"  # effect committed: ack
     DUPLICATE = "duplicate"  # id already in the inbox: ack, no effect
     RETRY = "retry"  # handler failed: kept unacked, applied again after a delay
+    # Its inbox row is held by another transaction: kept unacked, no attempt counted,
+    # applied again after ``row_held_delay``.
+    HELD = "held"
     PARKED = "parked"  # given up (or no message id): ack, row in <inbox>_parked
     BEHIND = "behind"  # not applied: an earlier message of its ordering key waits to retry
 
@@ -71,6 +75,20 @@ def retry_delay(
         maximum=settings.retry_delay_max,
         rng=rng,
     )
+
+
+# The longest a message whose inbox row is held waits between two tries (seconds).
+ROW_HELD_DELAY_MAX = 5.0
+
+
+def row_held_delay(held_for: float, settings: ConsumerSettings) -> float:
+    """Seconds a message whose inbox row another transaction holds waits in hand
+    before it is tried again (pure), ``held_for`` seconds after it was first found
+    held: as long again, from ``--retry-delay`` up to ``ROW_HELD_DELAY_MAX``.  Each
+    try costs the consumer's thread up to ``store.RECORD_LOCK_TIMEOUT``: a few
+    percent of its time while the row stays held.  Not ``--retry-delay-max``: no
+    handler failed, and a short maximum there would make the tries take most of it."""
+    return min(ROW_HELD_DELAY_MAX, max(settings.retry_delay, held_for))
 
 
 Dispositions = list[tuple[Disposition, float]]

@@ -7,14 +7,17 @@ This module is the process around them, as ``outbox/relay/process.py`` is the re
 
 - ``serve`` is the whole life, as ``outbox consume`` and ``consume()`` run it
   (``outbox.lifecycle``): the endpoints, ``start``, ``run``, ``close``, the summary;
-- ``Inbox.start`` connects both servers, creating the inbox tables if missing, and
-  reads the queue's policy (a missing queue fails fast, a stream is refused);
+- ``Inbox.start`` connects both servers, creating what is missing of the inbox
+  tables (a catalog read when nothing is; otherwise short lock waits, retried and
+  logged: ``consumer.schema_waiting``), and reads the queue's policy (a missing
+  queue fails fast, a stream is refused);
 - ``Inbox.run`` goes round: reconnect what is broken, prune the inbox now and then
   (``inbox_retention``), drain the deliveries that arrived, apply them through the
   ``Processor`` (on a queue that may drop a returned message, what the broker
   returned is taken into custody first and applied from there: ``_apply_custody``),
   settle them (ack what committed, was skipped or parked; hold a failed one in hand,
-  unacked, for its retry delay, the later messages of its ordering key behind it),
+  unacked, for its retry delay, and one whose inbox row another transaction holds
+  for ``row_held_delay``, the later messages of its ordering key behind it),
   apply again the held ones that are due (parked once they would be held past
   ``MAX_HOLD``), and subscribe again once the messages in hand take half the
   prefetch, up to ``HAND_MOST`` times it in hand (``_make_room``; on a quorum
@@ -38,6 +41,7 @@ from typing import Any
 from outbox import backoff, lifecycle
 from outbox import fault_injection as faults
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.db.migrate import retry_pause
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.inbox import planning
@@ -50,7 +54,7 @@ from outbox.inbox.policy import from_stream, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
-from outbox.inbox.store import InboxStore
+from outbox.inbox.store import InboxStore, SchemaWait
 
 __all__ = ["Inbox", "consume", "serve"]
 
@@ -204,7 +208,7 @@ class Inbox:
     def _connect_database(self) -> None:
         store = self._connect_store(self.settings)
         try:
-            store.ensure_schema()
+            store.ensure_schema(self._schema_wait)
         except Exception:
             store.close()
             raise
@@ -220,6 +224,21 @@ class Inbox:
             self.processor.policy = self.broker.policy
         else:  # the same processor: it may owe attempts from before the outage
             self.processor.store = store
+
+    def _schema_wait(self, blocked: SchemaWait) -> None:
+        """A missing piece of the inbox's schema waits for a lock held by another
+        transaction: say what it waits for, pause, and try again (unless stopped)."""
+        emit(
+            log,
+            "consumer.schema_waiting",
+            logging.WARNING,
+            missing=", ".join(blocked.missing),
+            attempt=blocked.attempt,
+            waited=f"{blocked.waited:.1f}s",
+            waiting_for=blocked.describe(),
+        )
+        if self._stop.wait(retry_pause(blocked.attempt)):
+            raise DatabaseUnavailable("stopped while waiting to create the inbox tables")
 
     def _maybe_prune(self) -> None:
         now = time.monotonic()
@@ -335,10 +354,11 @@ class Inbox:
             )
             with self.broker.busy():
                 outcome, delay = processor.process(message)
-            if outcome is Disposition.RETRY:
+            if outcome in (Disposition.RETRY, Disposition.HELD):
+                # Failed, or its inbox row held by another transaction: it waits here.
                 store.delay_custody(message_id, max(delay, CUSTODY_MIN_DELAY))
-            elif outcome is not Disposition.HANDLED:  # parked, or a copy applied already
-                store.release_custody(message_id)
+            elif outcome in (Disposition.PARKED, Disposition.DUPLICATE):
+                store.release_custody(message_id)  # its id is in the inbox now
         if found.due:
             self._next_custody = 0.0
         elif found.held:
@@ -367,22 +387,26 @@ class Inbox:
             self.broker.settle(deliveries[-1], ack=True, multiple=True)
             return
         for delivery, (outcome, delay) in settled:
-            if outcome is Disposition.RETRY:
-                self._hold(delivery, delay)
+            if outcome in (Disposition.RETRY, Disposition.HELD):
+                self._hold(delivery, delay, row_held=outcome is Disposition.HELD)
             elif outcome is Disposition.BEHIND:
                 self._behind[delivery.message.ordering_key].append(delivery)
             else:
                 self.broker.settle(delivery, ack=True)
                 self._release(delivery)
 
-    def _hold(self, delivery: Any, delay: float) -> None:
+    def _hold(self, delivery: Any, delay: float, *, row_held: bool = False) -> None:
         """Keep a failed message in hand, unacked, until its next attempt, while the
         others go on.  Nothing goes back to the queue: no delivery is counted
         against a quorum queue's limit, no TTL runs, and the message keeps its
-        place.  Its ordering key, if any, waits with it."""
+        place.  Its ordering key, if any, waits with it.  ``row_held``: not failed,
+        its inbox row is held by another transaction (``Disposition.HELD``): it
+        waits ``row_held_delay``, each try costing one short lock wait."""
         now = time.monotonic()
         previous = next((h for h in self._held if h.delivery is delivery), None)
         since = previous.since if previous is not None else now
+        if row_held:
+            delay = planning.row_held_delay(now - since, self.settings)
         self._held = [h for h in self._held if h.delivery is not delivery]
         self._held.append(Held(delivery, now + delay, since))
         self.stats.retried += 1
@@ -461,8 +485,10 @@ class Inbox:
                     and now + outcome[1] - held.since > planning.MAX_HOLD
                 ):
                     outcome = processor.give_up(delivery.message, outcome_reason(held, now))
-            if outcome[0] is Disposition.RETRY:
-                self._hold(delivery, outcome[1])
+            # A message whose row is held is never given up here: parking it would
+            # record its id, which is what the other transaction holds.
+            if outcome[0] in (Disposition.RETRY, Disposition.HELD):
+                self._hold(delivery, outcome[1], row_held=outcome[0] is Disposition.HELD)
                 continue
             self._held.remove(held)
             self.broker.settle(delivery, ack=True)

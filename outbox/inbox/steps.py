@@ -142,6 +142,15 @@ never blocks the queue; ``outbox parked retry`` puts it back (as a new delivery,
 its count reset).  A message without a ``message_id`` (or whose properties cannot
 be read) cannot be deduplicated: it is parked at once and the handler never sees it.
 
+A message whose inbox row (or attempt lock) another transaction holds costs one short
+wait, not one per try: the steps that record ids and count attempts run under
+``store.RECORD_LOCK_TIMEOUT`` (0.2 s; the handlers keep the session's lock_timeout),
+after which the message is ``HELD`` (``Processor._held``): no handler call, no
+attempt (one ``start_attempt`` counted is taken back: ``uncount_attempt``), kept in
+hand like a failed one, its key's later messages behind it, and tried again after
+``planning.row_held_delay``, never parked for it.  A batch with such an id is
+applied one by one, so only that message waits.
+
 The queue's own policy (``policy``, read at start-up): a stream is refused; on a
 quorum queue with a delivery limit, a crash of the consumer returns every message
 in hand and counts a delivery against each, so a message the broker returned is
@@ -202,6 +211,7 @@ from outbox.inbox.store import (
     Failure,
     InboxRowHeld,
     InCustody,
+    SchemaWait,
     SessionState,
     Started,
     StatementRefused,
@@ -285,6 +295,9 @@ class StorePort(Protocol):
 
     def end_attempt(self, message_id: str) -> None: ...
 
+    # The attempt ``start_attempt`` counted was none: the message's row was held.
+    def uncount_attempt(self, message_id: str) -> None: ...
+
     def park(self, parking: Parking) -> None: ...
 
     # Custody (``outbox.inbox.custody``): messages stored before they are acked,
@@ -298,7 +311,8 @@ class StorePort(Protocol):
     def release_custody(self, message_id: str) -> None: ...
 
     # for the process (``Inbox``)
-    def ensure_schema(self) -> None: ...
+    # ``wait`` hears each attempt that gave up on a lock, and pauses.
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None: ...
 
     def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int: ...
 
@@ -490,7 +504,7 @@ class Processor:
                 outcomes.append((Disposition.BEHIND, 0.0))
                 continue
             outcome = self.process(message)
-            if outcome[0] is Disposition.RETRY and key is not None:
+            if outcome[0] in (Disposition.RETRY, Disposition.HELD) and key is not None:
                 failed.add(key)
             outcomes.append(outcome)
         return outcomes
@@ -538,6 +552,11 @@ class Processor:
                     outcome = self._failed(message, done.reason, counted=True)
                 else:
                     outcome = done[0]
+                if outcome[0] is Disposition.HELD:
+                    # Held at the record step, no handler called: not an attempt.  A
+                    # count that stays (its counter row held too) is only one more.
+                    with contextlib.suppress(InboxRowHeld):
+                        store.uncount_attempt(message_id)
         except BaseException:
             with contextlib.suppress(OutboxError):
                 store.end_attempt(message_id)
@@ -699,8 +718,9 @@ class Processor:
         return outcomes
 
     def _held(self, message: InboxMessage, exc: InboxRowHeld) -> tuple[Disposition, float]:
-        """Another transaction holds the message's inbox row (``InboxRowHeld``):
-        back to the queue, no attempt counted, no handler called; the others go on."""
+        """Another transaction holds the message's inbox row (``InboxRowHeld``, after
+        ``store.RECORD_LOCK_TIMEOUT``): ``HELD``, kept in hand and tried again later
+        (``Inbox._hold``), no attempt counted, no handler called; the others go on."""
         emit(
             log,
             "consumer.message_held",
@@ -708,7 +728,7 @@ class Processor:
             message_id=message.message_id,
             error=exc.message,
         )
-        return Disposition.RETRY, 0.0
+        return Disposition.HELD, 0.0
 
     def _call(self, message: InboxMessage) -> str | None:
         """Call the handler; the description of what it raised, if it raised."""

@@ -27,8 +27,10 @@ Statements:
 
 The inbox records ids as text; ids a text column cannot hold are escaped
 losslessly (``outbox.inbox.message.inbox_key``).  The tables are created and
-upgraded at start-up (``ensure_schema``, idempotent) under an advisory lock; the
-consumer's database is not the outbox's, so this is not an outbox migration.
+upgraded at start-up (``ensure_schema``): a look in the catalog, and only if a
+piece is missing (``SCHEMA``), its DDL under a short ``lock_timeout`` and an
+advisory lock, retried; the consumer's database is not the outbox's, so this is
+not an outbox migration.
 Connections and the telling of a lost session from a refused statement are
 ``outbox.db.session``'s.
 """
@@ -39,6 +41,7 @@ import contextlib
 import dataclasses
 import datetime
 import operator
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -51,6 +54,7 @@ from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
 from outbox.config import Settings
+from outbox.db.migrate import SAY_HOLDERS, Holder, describe_holder, retry_pause
 from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import Hints, connect, first_line, hint_for, translated
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
@@ -61,13 +65,25 @@ if TYPE_CHECKING:
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 
-# The consumer's lock_timeout (seconds): the longest its statements wait for a
-# message's inbox row or attempt lock (``InboxRowHeld``), and its handlers' for
-# any lock (a handler's statement that waits longer fails like any other error).
+# The consumer's lock_timeout (seconds): its handlers' for any lock (a handler's
+# statement that waits longer fails like any other error), and its own statements'.
 INBOX_LOCK_TIMEOUT = 5.0
+# The lock_timeout of the steps that record a message's id or count its attempt
+# (seconds): how long a message waits for its inbox row or attempt lock held by
+# another transaction before it gives up (``InboxRowHeld``) and is set aside, so
+# that the messages behind it go on.  Long enough for another consumer's batch
+# applying a copy to commit; short, because it is paid on the consumer's only
+# thread each time the held message is tried again.
+RECORD_LOCK_TIMEOUT = 0.2
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
+# How a holder of that lock is named (``schema_holders``).
+SCHEMA_LOCK_NAME = "the inbox schema lock"
+# How long one attempt at a missing piece of the schema waits for its locks, with
+# the other consumers' INSERTs queued behind it, before it lets them go, pauses
+# (``retry_pause``) and tries again (seconds).
+SCHEMA_LOCK_TIMEOUT = 1.0
 # Advisory-lock class of a redelivered message's attempt (``start_attempt``).
 ATTEMPT_LOCK_CLASS = 0x6F6261
 
@@ -95,12 +111,50 @@ def inbox_identifiers(table: str) -> dict[str, sql.Composable]:
         "parked": sql.Identifier(f"{table}_parked"),
         "custody": sql.Identifier(f"{table}_custody"),
         "guard": sql.Identifier(f"{table}_guard"),
-        # Names as values, for the upgrade's catalog look-ups.
+        # Names as values, for the schema's catalog look-ups.
         "inbox_name": sql.Literal(table),
+        "inbox_by_age_name": sql.Literal(f"{table}_by_age"),
+        "attempts_name": sql.Literal(f"{table}_attempts"),
         "parked_name": sql.Literal(f"{table}_parked"),
+        "custody_name": sql.Literal(f"{table}_custody"),
         "guard_name": sql.Literal(f"{table}_guard"),
         "guard_signature": sql.Literal(f"{table}_guard()"),
     }
+
+
+class SchemaStep(NamedTuple):
+    """One piece of the inbox's schema: ``create``, the block of ``inbox.sql`` that
+    makes it (idempotent), and ``present``, a catalog read that says whether it is
+    there (it takes no lock on the inbox's tables)."""
+
+    create: str
+    present: str
+
+
+# The inbox's schema, in the order it is made (``ensure_schema``, ``render_sql``).
+# One more table, column or index later: its block in inbox.sql and one line here.
+SCHEMA = (
+    SchemaStep("create_inbox", "to_regclass({inbox_name}) IS NOT NULL"),
+    SchemaStep(
+        "create_inbox_by_age",
+        "EXISTS (SELECT FROM pg_index WHERE indexrelid = to_regclass({inbox_by_age_name})"
+        " AND indrelid = to_regclass({inbox_name}))",
+    ),
+    SchemaStep("create_attempts", "to_regclass({attempts_name}) IS NOT NULL"),
+    SchemaStep("create_parked", "to_regclass({parked_name}) IS NOT NULL"),
+    SchemaStep(
+        "add_parked_raw_properties",
+        "EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({parked_name})"
+        " AND attname = 'raw_properties' AND NOT attisdropped)",
+    ),
+    SchemaStep("create_custody", "to_regclass({custody_name}) IS NOT NULL"),
+    SchemaStep("create_guard", "to_regprocedure({guard_signature}) IS NOT NULL"),
+    SchemaStep(
+        "create_guard_trigger",
+        "EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass({inbox_name})"
+        " AND tgname = {guard_name})",
+    ),
+)
 
 
 def _statements(table: str) -> dict[str, sql.Composed]:
@@ -111,9 +165,18 @@ def _statements(table: str) -> dict[str, sql.Composed]:
     }
 
 
+def schema_checks(table: str, steps: Sequence[SchemaStep] = SCHEMA) -> sql.Composed:
+    """One catalog read: a boolean per step of ``steps``, whether its piece is there."""
+    ids = inbox_identifiers(table)
+    return sql.SQL("SELECT {}").format(
+        sql.SQL(", ").join(sql.SQL(step.present).format(**ids) for step in steps)
+    )
+
+
 def render_sql(table: str) -> str:
     """The inbox tables as one script (``outbox consume --print-sql``)."""
-    schema = _statements(table)["schema"].as_string(None)
+    queries = _statements(table)
+    schema = "\n".join(queries[step.create].as_string(None) + ";" for step in SCHEMA)
     return f"-- outbox consume: inbox tables {table!r}\nBEGIN;\n{schema}\nCOMMIT;\n"
 
 
@@ -153,11 +216,12 @@ class PipelinedCursor(psycopg.Cursor[Row]):
 
 
 class InboxRowHeld(OutboxError):
-    """A message's inbox row or attempt lock stayed held longer than the session's
-    ``lock_timeout`` (by a transaction that removes the id and waits on something
-    else: ``outbox parked retry`` of releases before 0.5.0 held it across its publish;
-    or another consumer applying a copy).  Nothing was written: the message goes
-    back to the queue for later, without an attempt counted, and the others go on."""
+    """A message's inbox row or attempt lock stayed held longer than
+    ``RECORD_LOCK_TIMEOUT`` (by a transaction that inserted or removes the id and
+    waits on something else: ``outbox parked retry`` of releases before 0.5.0 held
+    it across its publish; an application's session; or another consumer applying
+    a copy).  Nothing was written: the consumer keeps the message in hand, unacked,
+    and tries it again later, without an attempt counted; the others go on."""
 
 
 class StatementRefused(OutboxError):
@@ -207,6 +271,36 @@ class InCustody:
     next_in: float | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SchemaWait:
+    """An attempt at the ``missing`` pieces of the schema gave its place in the lock
+    queue up after ``SCHEMA_LOCK_TIMEOUT`` (``ensure_schema``)."""
+
+    missing: tuple[str, ...]  # blocks of inbox.sql
+    attempt: int
+    waited: float  # seconds since the first attempt
+    holders: tuple[Holder, ...]
+
+    def describe(self) -> str:
+        """What it waits for, in one line."""
+        parts = [_holder(h) for h in self.holders[:SAY_HOLDERS]]
+        if len(self.holders) > SAY_HOLDERS:
+            parts.append(f"{len(self.holders) - SAY_HOLDERS} more")
+        return "; ".join(parts) or "locks held for a moment by other transactions on the tables"
+
+
+def _holder(holder: Holder) -> str:
+    if holder.relation == SCHEMA_LOCK_NAME:
+        name = holder.application_name or "no application_name"
+        return f"another consumer making the inbox tables (pid {holder.pid}, {name})"
+    if holder.gid is not None:
+        return (
+            f"prepared transaction {holder.gid!r} ({holder.seconds:.0f} s old) on "
+            f"{holder.relation}: its owner must finish it (COMMIT PREPARED or ROLLBACK PREPARED)"
+        )
+    return describe_holder(holder, "")
+
+
 class SessionState(NamedTuple):
     """What a handler can see and change of the session it is handed (read
     without I/O): the loop compares it before and after each handler call (a
@@ -232,6 +326,11 @@ def describe(exc: BaseException) -> str:
     except BaseException:  # a handler's __str__ may raise anything, SystemExit too
         text = "(its message cannot be shown)"
     return f"{type(exc).__name__}: {text}{where}"
+
+
+def _set_local_lock_timeout(seconds: float) -> str:
+    # SET LOCAL: back to the session's value at the transaction's end, whatever happens.
+    return f"SET LOCAL lock_timeout = {max(1, round(seconds * 1000))}"
 
 
 @contextlib.contextmanager
@@ -261,9 +360,11 @@ class InboxStore:
         connect_timeout: float = 10.0,
         lock_timeout: float | None = None,
         statement_timeout: float | None = None,
+        record_lock_timeout: float = RECORD_LOCK_TIMEOUT,
     ) -> None:
         """``lock_timeout`` None: ``INBOX_LOCK_TIMEOUT``; ``statement_timeout`` None:
-        none (a handler's statements may take as long as they need)."""
+        none (a handler's statements may take as long as they need);
+        ``record_lock_timeout``: the steps' that record ids (at most ``lock_timeout``)."""
         self.table = table
         self.consumer = consumer
         self.queries = _statements(table)
@@ -271,6 +372,10 @@ class InboxStore:
         self._application_name = application_name
         self._connect_timeout = connect_timeout
         self.lock_timeout = INBOX_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
+        # The steps that record ids wait less than the handlers (``_recording``).
+        self.record_lock_timeout = min(self.lock_timeout, record_lock_timeout)
+        self._record_lock_timeout = _set_local_lock_timeout(self.record_lock_timeout)
+        self._session_lock_timeout = _set_local_lock_timeout(self.lock_timeout)
         self.statement_timeout = statement_timeout
         # The session's idle_in_transaction_session_timeout in seconds (None: off).
         # PostgreSQL applies it only between synced statements, so a handler that
@@ -335,13 +440,15 @@ class InboxStore:
                 held.close()
 
     @contextlib.contextmanager
-    def _translated(self, what: str) -> Iterator[None]:
+    def _translated(self, what: str, *, lock_timeout: float | None = None) -> Iterator[None]:
+        """Driver errors as the project's; ``lock_timeout``: the statements' own, if
+        not the session's (named in a lock wait's error)."""
         with translated(
             self.conn,
             what,
             hints=self.hints,
             statement_timeout=self.statement_timeout,
-            lock_timeout=self.lock_timeout,
+            lock_timeout=self.lock_timeout if lock_timeout is None else lock_timeout,
             tables=[
                 self.table,
                 f"{self.table}_attempts",
@@ -375,15 +482,86 @@ class InboxStore:
         return {"consumer": self.consumer, **values}
 
     # -- set-up ---------------------------------------------------------------
-    def ensure_schema(self) -> None:
-        """Create the inbox tables if missing and upgrade them in place (idempotent);
-        concurrent consumers wait on one lock."""
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None:
+        """Make what is missing of the inbox's schema (``SCHEMA``).
+
+        A look in the catalog first, which takes no lock on the inbox's tables:
+        when every piece is there (every start but the first) nothing else runs,
+        so a consumer's start or reconnect never waits behind another's open
+        transaction, nor makes the others' INSERTs queue behind it.  The missing
+        pieces are made in one transaction under the schema's advisory lock
+        (concurrent consumers make each once) and ``SCHEMA_LOCK_TIMEOUT``: when
+        that runs out the attempt gives its place in the lock queue up, so the
+        consumers queued behind it go on, ``wait`` hears what it waited for (and
+        pauses; by default ``retry_pause``), and it tries again until done."""
+        missing = self._missing(SCHEMA)
+        started = time.monotonic()
+        attempt = 0
+        while missing:
+            attempt += 1
+            try:
+                self._create(missing)
+                return
+            except StatementTimedOut as exc:
+                if not isinstance(exc.__cause__, pgerrors.LockNotAvailable):
+                    raise
+            blocked = SchemaWait(
+                tuple(step.create for step in missing),
+                attempt,
+                time.monotonic() - started,
+                self._schema_holders(),
+            )
+            if wait is None:
+                time.sleep(retry_pause(attempt))
+            else:
+                wait(blocked)
+            missing = self._missing(missing)
+
+    def _missing(self, steps: Sequence[SchemaStep]) -> list[SchemaStep]:
+        with self._reading("looking for the inbox tables") as conn:
+            row = conn.execute(schema_checks(self.table, steps)).fetchone()
+        assert row is not None  # a SELECT without FROM returns one row
+        return [step for step, present in zip(steps, row, strict=True) if not present]
+
+    def _create(self, missing: Sequence[SchemaStep]) -> None:
+        """One attempt at ``missing``, each looked for again under the lock (another
+        consumer may have made it meanwhile)."""
         with self._transaction("creating the inbox tables") as conn:
             conn.execute(
-                "SELECT pg_advisory_xact_lock(%s, %s)",
-                [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF],
+                "SELECT set_config('lock_timeout', %s, true)",
+                [str(round(SCHEMA_LOCK_TIMEOUT * 1000))],
             )
-            conn.execute(self.queries["schema"])
+            conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", self._schema_lock())
+            row = conn.execute(schema_checks(self.table, missing)).fetchone()
+            assert row is not None
+            for step, present in zip(missing, row, strict=True):
+                if not present:
+                    conn.execute(self.queries[step.create])
+
+    def _schema_lock(self) -> list[int]:
+        return [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF]
+
+    def _schema_holders(self) -> tuple[Holder, ...]:
+        """Who holds a lock a schema attempt waited for (see ``schema_holders``);
+        transactions younger than ``SCHEMA_LOCK_TIMEOUT`` are other consumers'
+        batches, come and gone."""
+        lock_class, lock_key = self._schema_lock()
+        with self._reading("looking at what holds the inbox tables") as conn:
+            rows = conn.execute(
+                self.queries["schema_holders"],
+                {
+                    "tables": [self.table, f"{self.table}_attempts", f"{self.table}_parked"],
+                    "lock_class": lock_class,
+                    "lock_key": lock_key,
+                },
+            ).fetchall()
+        return tuple(
+            Holder(relation, gid, pid, name or "", state or "", float(seconds or 0))
+            for relation, gid, pid, name, state, seconds in rows
+            if gid is not None
+            or relation == SCHEMA_LOCK_NAME
+            or float(seconds or 0) >= SCHEMA_LOCK_TIMEOUT
+        )
 
     # -- one transaction of messages (the loop's steps) -----------------------------
     def record_ids(
@@ -392,21 +570,33 @@ class InboxStore:
         """Start the transaction and record ``keys`` (one round trip); returns when
         the transaction started and the keys that are new.  Attempt counters of
         ``redelivered`` keys go (new ones, and ones applied meanwhile elsewhere)."""
-        with _held(), self._translated("recording message ids"), self.conn.pipeline():
+        with (
+            _held(),
+            self._translated("recording message ids", lock_timeout=self.record_lock_timeout),
+            self.conn.pipeline(),
+        ):
             cursors = [self.conn.execute(q, p) for q, p in self._recording(keys, redelivered)]
-        return self._recorded(cursors[-1])()
+        return self._recorded(cursors)()
 
     def _recording(
         self, keys: Sequence[str], redelivered: Sequence[str], *, ahead: bool = False
     ) -> list[tuple[Any, dict[str, Any] | None]]:
         """The statements of ``record_ids``: the transaction, then the ids (``ahead``:
-        all taken for new, ``record_new``)."""
+        all taken for new, ``record_new``) under ``RECORD_LOCK_TIMEOUT``, the
+        session's lock_timeout back for the handlers (``_recorded`` reads the ids'
+        result from their cursors)."""
         params = self._params(ids=list(keys), redelivered=list(redelivered))
         query = self.queries["record_new" if ahead else "record_messages"]
-        return [("BEGIN READ WRITE", None), (query, params)]
+        return [
+            ("BEGIN READ WRITE", None),
+            (self._record_lock_timeout, None),
+            (query, params),
+            (self._session_lock_timeout, None),
+        ]
 
-    def _recorded(self, cursor: Any) -> Callable[[], tuple[datetime.datetime, set[str]]]:
-        """How to read ``record_messages``' result from its cursor."""
+    def _recorded(self, cursors: Sequence[Any]) -> Callable[[], tuple[datetime.datetime, set[str]]]:
+        """How to read ``record_messages``' result from the cursors of ``_recording``."""
+        cursor = cursors[2]
 
         def recorded() -> tuple[datetime.datetime, set[str]]:
             with self._translated("recording message ids"):
@@ -445,7 +635,7 @@ class InboxStore:
             else:
                 statements = self._recording(*record, ahead=True)
                 cursors = [self.conn.execute(q, p) for q, p in statements]
-                yield self._recorded(cursors[-1])
+                yield self._recorded(cursors)
 
     def send_seal(self) -> Callable[[], datetime.datetime]:
         """``seal`` sent inside ``pipeline()``; call the result after the block."""
@@ -520,9 +710,13 @@ class InboxStore:
         the end of the session."""
         params = {**self._attempt_lock(message_id), "max_attempts": max_attempts}
         try:
-            with _held(), self._translated("counting an attempt"):
+            with (
+                _held(),
+                self._translated("counting an attempt", lock_timeout=self.record_lock_timeout),
+            ):
                 with self.conn.pipeline():
                     self.conn.execute("BEGIN READ WRITE")
+                    self.conn.execute(self._record_lock_timeout)
                     self.conn.execute(self.queries["attempt_lock"], params)
                     self.conn.execute("SET LOCAL synchronous_commit = off")
                     cur = self.conn.execute(self.queries["start_attempt"], params)
@@ -537,6 +731,14 @@ class InboxStore:
         duplicate = bool(row[0])
         self._attempt_session = None if duplicate else self.conn
         return Started(duplicate=duplicate, earlier=int(row[1]), last_error=str(row[2]))
+
+    def uncount_attempt(self, message_id: str) -> None:
+        """Take back the attempt ``start_attempt`` counted for a message whose inbox
+        row was then found held (``InboxRowHeld``): no handler call, no attempt.
+        ``InboxRowHeld`` if its counter row is held too (the count then stays)."""
+        with _held(), self._transaction("taking back an attempt") as conn:
+            conn.execute(self._record_lock_timeout)
+            conn.execute(self.queries["uncount_attempt"], self._params(message_id=message_id))
 
     def end_attempt(self, message_id: str) -> None:
         """Release the attempt lock ``start_attempt`` took: unlock it, or end the

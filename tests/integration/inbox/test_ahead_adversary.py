@@ -33,7 +33,7 @@ from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.steps import AHEAD_PAUSE, Processor
-from outbox.inbox.store import InboxStore
+from outbox.inbox.store import RECORD_LOCK_TIMEOUT, InboxStore
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox import support
@@ -44,7 +44,7 @@ from tests.integration.inbox.test_inbox import (
 )
 
 INSERT = "INSERT INTO effects (message_id, body) VALUES (%s, %s)"
-H, D, R = Disposition.HANDLED, Disposition.DUPLICATE, Disposition.RETRY
+H, D, R, HELD = Disposition.HANDLED, Disposition.DUPLICATE, Disposition.RETRY, Disposition.HELD
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -151,11 +151,11 @@ def processor(
     topology: Topology,
     handler: Callable[..., object],
     *,
-    lock_timeout: float | None = None,
+    record_lock_timeout: float = RECORD_LOCK_TIMEOUT,
     max_attempts: int = 3,
 ) -> Processor:
     settings = consumer_settings(topology, dsn, max_attempts=max_attempts)
-    store = InboxStore(dsn, INBOX, settings.consumer, lock_timeout=lock_timeout)
+    store = InboxStore(dsn, INBOX, settings.consumer, record_lock_timeout=record_lock_timeout)
     store.ensure_schema()
     return Processor(store, handler, settings, Inbox(handler, settings).stats)
 
@@ -361,7 +361,7 @@ def test_ahead__two_consumers_with_copies_of_one_id_at_the_same_moment(
 ) -> None:
     """A holds id X uncommitted inside its handler; B's batch [X, Y] records its ids
     ahead and its INSERT waits on A's row.  A commits: X is B's duplicate; A fails:
-    B applies X; A holds past B's lock_timeout: X goes back (RETRY) uncounted and
+    B applies X; A holds past B's record lock_timeout: X is set aside (HELD) uncounted and
     Y is applied; nobody turns pipelining off."""
     x, y, z = new_ids(3)
     in_handler, release = threading.Event(), threading.Event()
@@ -385,7 +385,8 @@ def test_ahead__two_consumers_with_copies_of_one_id_at_the_same_moment(
         consumer_dsn,
         topology,
         act(calls, consumer_dsn),
-        lock_timeout=0.5 if outcome == "outlives_lock_timeout" else None,
+        # Long enough here for B's INSERT to wait for A's outcome.
+        record_lock_timeout=0.5 if outcome == "outlives_lock_timeout" else 10.0,
     )
     results: dict[str, list[Disposition]] = {}
 
@@ -423,7 +424,7 @@ def test_ahead__two_consumers_with_copies_of_one_id_at_the_same_moment(
         assert counts == {x: 1, y: 1, z: 1}
         assert attempts(consumer_dsn) == ({x: 1} if results["a"][1] is R else {})
     else:
-        assert results == {"a": [H, H], "b": [R, H]}
+        assert results == {"a": [H, H], "b": [HELD, H]}
         assert counts == {x: 1, y: 1, z: 1}
         assert attempts(consumer_dsn) == {}
 

@@ -182,6 +182,10 @@ def b_waits_for_a(
     return results
 
 
+# The record lock_timeout of a consumer that must wait for the other's outcome here.
+WAIT = 10.0
+
+
 def race(
     topology: Topology, consumer_dsn: str, *, first_redelivered: bool
 ) -> tuple[dict[str, Disposition], int]:
@@ -200,7 +204,12 @@ def race(
         in_handler.set()
         assert release.wait(10)
 
-    stores = [InboxStore(consumer_dsn, INBOX, settings.consumer) for _ in range(2)]
+    # b waits for a's outcome (by default it would give up after RECORD_LOCK_TIMEOUT
+    # and set the copy aside, uncounted, to try it again later: test_held_rows).
+    stores = [
+        InboxStore(consumer_dsn, INBOX, settings.consumer, record_lock_timeout=WAIT)
+        for _ in range(2)
+    ]
     stores[0].ensure_schema()
     try:
         a = Processor(stores[0], held, settings, ConsumerStats())
@@ -331,7 +340,7 @@ def test_killer__a_copy_waits_for_the_error_of_a_failed_attempt_not_only_for_the
 
     slow = SlowToRecord(consumer_dsn, INBOX, settings.consumer)
     slow.delay = 1.0
-    stores = [slow, InboxStore(consumer_dsn, INBOX, settings.consumer)]
+    stores = [slow, InboxStore(consumer_dsn, INBOX, settings.consumer, record_lock_timeout=WAIT)]
     stores[0].ensure_schema()
     try:
         a = Processor(stores[0], held, settings, ConsumerStats())

@@ -28,6 +28,7 @@ from outbox.inbox.store import (
     Failure,
     InboxRowHeld,
     InCustody,
+    SchemaWait,
     SessionState,
     Started,
 )
@@ -294,6 +295,11 @@ class FakeStore:
         self.locked.add(message_id)
         return Started(False, earlier, self.last_error.get(message_id, ""))
 
+    def uncount_attempt(self, message_id: str) -> None:
+        self.journal.append(f"uncount_attempt {message_id}")
+        if self.attempts.get(message_id, 0) > 0:
+            self.attempts[message_id] -= 1
+
     def end_attempt(self, message_id: str) -> None:
         self.journal.append(f"end_attempt {message_id}")
         self.locked.discard(message_id)
@@ -351,7 +357,7 @@ class FakeStore:
         self.journal.append(f"release_custody {message_id}")
         self.custody = [row for row in self.custody if row["message_id"] != message_id]
 
-    def ensure_schema(self) -> None:
+    def ensure_schema(self, wait: Callable[[SchemaWait], None] | None = None) -> None:
         self._maybe_fail("ensure_schema")
 
     def prune(self, retention_seconds: float, *, batch: int, max_batches: int) -> int:

@@ -23,6 +23,7 @@ from outbox.inbox.process import HAND_MOST, Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import Processor
+from outbox.inbox.store import InboxRowHeld
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 from tests.unit.inbox.test_loop import act, passes
 
@@ -396,3 +397,19 @@ def test_inbox__a_message_still_failing_near_the_consumer_timeout_is_parked(
     assert "consumer_timeout" in store.parked[0].error
     assert store.attempts.get("bad") is None  # parked: its count is gone with it
     assert broker.unacked == []
+
+
+def test_inbox__a_message_in_custody_whose_inbox_row_is_held_stays_in_custody() -> None:
+    """Its id's inbox row held by another transaction at the record step: it waits in
+    custody (no attempt counted), never released from it."""
+    store = FakeStore()
+    broker = quorum(2)
+    broker.ready = [redelivered("a", b"ok", 1)]
+    inbox = Inbox(act, SETTINGS, broker=broker, connect_store=lambda _: store)
+    inbox.start()
+    inbox._handle(broker.drain(0))
+    store.fail_next["record_ids"] = InboxRowHeld("held by another transaction")
+    inbox._apply_custody()
+    assert [row["message_id"] for row in store.custody] == ["a"]
+    assert store.effects == []
+    assert "release_custody a" not in store.journal
