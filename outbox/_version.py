@@ -2,4 +2,4 @@
 (``[tool.setuptools.dynamic]``), ``outbox.__version__`` and ``outbox --version`` show it.
 A plain assignment, so that setuptools reads it without importing the package."""
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
