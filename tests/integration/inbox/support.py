@@ -129,7 +129,7 @@ async def act_async(conn, message):
     insert = sql.SQL("INSERT INTO {} (message_id, body) VALUES (%s, %s)").format(EFFECTS)
     if what in ("ok", "set_search_path", "commit", "commit_more", "rollback", "close",
                 "swallow", "row_factory", "autocommit", "read_only", "sleep", "cancel",
-                "terminate") or (what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED")):
+                "cancel_return", "cancel_raise", "terminate") or (what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED")):
         await conn.execute(insert, [message.message_id, message.body])
     if what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
         return
@@ -148,6 +148,10 @@ async def act_async(conn, message):
     if what == "cancel":  # the handler's task is cancelled (a timeout, a shutdown)
         asyncio.current_task().cancel()
         await asyncio.sleep(0)
+    elif what == "cancel_return":  # cancels its own task and returns at once
+        asyncio.current_task().cancel()
+    elif what == "cancel_raise":  # raises CancelledError itself
+        raise asyncio.CancelledError("the handler gives up")
     elif what == "commit":
         await conn.execute("COMMIT")
     elif what == "commit_more":
