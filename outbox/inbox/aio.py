@@ -68,7 +68,7 @@ from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.steps import handler_left
+from outbox.inbox.steps import handler_left, not_run
 from outbox.inbox.store import InboxStore, SessionState, StatementRefused, session_state
 
 T = TypeVar("T")
@@ -667,6 +667,11 @@ class HandlerCancelled(Exception):
     ``CancelledError``.  Its message's failure, as anything it raises."""
 
 
+class NotRun(Exception):
+    """What the handler returned shows that code of it never ran (``steps.not_run``):
+    its message's failure."""
+
+
 async def _call_handler(
     handler: Callable[..., Any], conn: Any, message: InboxMessage
 ) -> BaseException | None:
@@ -700,7 +705,7 @@ async def _outcome(
     handler: Callable[..., Any], conn: Any, message: InboxMessage
 ) -> BaseException | None:
     try:
-        await handler(conn, message)
+        returned = await handler(conn, message)
     except asyncio.CancelledError:
         raise  # the task ends cancelled, as when the handler cancels it and returns
     except BaseException as exc:
@@ -708,7 +713,8 @@ async def _outcome(
         # the consumer's thread.  Returned, not raised: asyncio lets SystemExit and
         # KeyboardInterrupt out of a task into the loop's runner, which they end.
         return exc
-    return None
+    why = None if returned is None else not_run(returned)
+    return None if why is None else NotRun(why)
 
 
 def async_inbox(
