@@ -37,7 +37,10 @@ statements.
 task, say); ``outbox consume`` runs it when the handler is an ``async def``.
 Cancelling the task that awaits ``consume_async`` stops taking messages, lets the
 message in hand finish (committed and acked, or rolled back and left to the
-broker), closes both connections, then raises ``CancelledError``.
+broker), closes both connections, then raises ``CancelledError``.  Each handler
+call is awaited in a task of its own (``_call_handler``): a handler that cancels
+its own task fails its message, while a hop cancelled by the application (a
+shutdown cancelling every task) is an outage for the consumer (``Bridge.run``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ The handler contract, enforced after each call: a handler that raises (any
 ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
 rolls back, closes the connection, leaves it aborted, changes its settings
 (row factory, autocommit, isolation, ...) or gets its session ended by the server
-(``idle_in_transaction_session_timeout``, ``pg_terminate_backend``) has failed.
+(``idle_in_transaction_session_timeout``, ``pg_terminate_backend``), or returns
+a coroutine or generator (its code never ran: ``not_run``) has failed.
 Its message, and only it, counts the attempt; the transaction is rolled back
 and the session is replaced by a clean one (``store.restore``).  A COMMIT run
 by a handler fails by itself (the inbox's ``guard`` trigger, see ``inbox.sql``),
