@@ -37,13 +37,17 @@ statements.
 task, say); ``outbox consume`` runs it when the handler is an ``async def``.
 Cancelling the task that awaits ``consume_async`` stops taking messages, lets the
 message in hand finish (committed and acked, or rolled back and left to the
-broker), closes both connections, then raises ``CancelledError``.
+broker), closes both connections, then raises ``CancelledError``.  Each handler
+call is awaited in a task of its own (``_call_handler``): a handler that cancels
+its own task fails its message, while a hop cancelled by the application (a
+shutdown cancelling every task) is an outage for the consumer (``Bridge.run``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -67,7 +71,7 @@ from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.steps import handler_left
+from outbox.inbox.steps import handler_left, not_run
 from outbox.inbox.store import InboxStore, SessionState, StatementRefused, session_state
 
 T = TypeVar("T")
@@ -124,7 +128,13 @@ class Bridge:
         while True:
             try:
                 return future.result(timeout=LOOP_CHECK_SECONDS)
-            except TimeoutError:
+            except concurrent.futures.CancelledError:
+                # Something on the loop cancelled the hop's task (an application
+                # shutting down cancels every task): never a handler, which runs in
+                # a task of its own (``_call_handler``).  The session's state is
+                # unknown: an outage, and the consumer reconnects if it goes on.
+                raise _not_running("cancelled the consumer's work") from None
+            except (TimeoutError, concurrent.futures.TimeoutError):  # one class from 3.11
                 if future.done():  # the coroutine's own TimeoutError
                     raise
                 # A loop stopped mid-hop may run again (the hop goes on then); a
@@ -138,9 +148,9 @@ class Bridge:
 LOOP_CHECK_SECONDS = 1.0
 
 
-def _not_running() -> LoopNotRunning:
+def _not_running(what: str = "is not running") -> LoopNotRunning:
     return LoopNotRunning(
-        "the application's event loop is not running",
+        f"the application's event loop {what}",
         "the consumer goes on once it runs again; stop the consumer first "
         "(cancel the task awaiting consume_async) when stopping the loop",
     )
@@ -626,14 +636,7 @@ class AwaitedHandler:
             raise raised
 
     async def _once(self, conn: Any, message: InboxMessage) -> BaseException | None:
-        try:
-            await self.handler(conn, message)
-        except (SystemExit, KeyboardInterrupt) as exc:
-            # asyncio lets these out of the task into the loop's runner: they
-            # would end the application's loop.  They are this message's
-            # failure (the BaseException policy in ``steps``): raised by the caller.
-            return exc
-        return None
+        return await _call_handler(self.handler, conn, message)
 
     def outbox_run_ahead(self, conn: Any, messages: list[InboxMessage]) -> None:
         self.ahead.clear()
@@ -647,11 +650,7 @@ class AwaitedHandler:
         calls: list[Called] = []
         for message in messages:
             started = time.perf_counter()
-            raised: BaseException | None = None
-            try:
-                await self.handler(conn, message)
-            except BaseException as exc:  # its message's failure, raised on the thread
-                raised = exc
+            raised = await _call_handler(self.handler, conn, message)
             seconds = time.perf_counter() - started
             if raised is None and idle and seconds >= idle:
                 raised = RanTooLong(
@@ -663,6 +662,62 @@ class AwaitedHandler:
             if raised is not None or handler_left(before, state, pending=True):
                 break
         return calls
+
+
+class HandlerCancelled(Exception):
+    """The handler's own task was cancelled: it cancelled itself
+    (``asyncio.current_task().cancel()``, then returned or awaited) or raised
+    ``CancelledError``.  Its message's failure, as anything it raises."""
+
+
+class NotRun(Exception):
+    """What the handler returned shows that code of it never ran (``steps.not_run``):
+    its message's failure."""
+
+
+async def _call_handler(
+    handler: Callable[..., Any], conn: Any, message: InboxMessage
+) -> BaseException | None:
+    """Await ``handler(conn, message)`` in a task of its own; what it raised, or None.
+
+    Its own task is what tells a handler that cancels itself from a cancellation
+    of the consumer's hop by the application (a shutdown cancelling every task),
+    the same way on every Python the package supports (3.10 has no
+    ``Task.cancelling()``): the first ends the handler's task cancelled, and is
+    its message's failure (``HandlerCancelled``); the second raises
+    ``CancelledError`` here, at the wait, and the handler's task is cancelled
+    with it and waited for (the session is not used again under it).  Sharing
+    the hop's task, a handler that cancels it and returns ended the whole hop:
+    a batch's other calls, the consumer with it."""
+    call = asyncio.ensure_future(_outcome(handler, conn, message))
+    try:
+        await asyncio.wait((call,))
+    except asyncio.CancelledError:
+        call.cancel()
+        await asyncio.wait((call,))
+        raise
+    if call.cancelled():
+        return HandlerCancelled(
+            "the handler's task was cancelled (asyncio.CancelledError): a handler must "
+            "return or raise; to give up on a message, raise an exception"
+        )
+    return call.result()
+
+
+async def _outcome(
+    handler: Callable[..., Any], conn: Any, message: InboxMessage
+) -> BaseException | None:
+    try:
+        returned = await handler(conn, message)
+    except asyncio.CancelledError:
+        raise  # the task ends cancelled, as when the handler cancels it and returns
+    except BaseException as exc:
+        # Its message's failure (the BaseException policy in ``steps``), raised on
+        # the consumer's thread.  Returned, not raised: asyncio lets SystemExit and
+        # KeyboardInterrupt out of a task into the loop's runner, which they end.
+        return exc
+    why = None if returned is None else not_run(returned)
+    return None if why is None else NotRun(why)
 
 
 def async_inbox(

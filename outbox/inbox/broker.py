@@ -45,6 +45,7 @@ from kombu import exceptions as kombu_errors
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
+from kombu.transport import pyamqp
 
 from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, NotTaken, OutboxError
 from outbox.events import emit
@@ -119,6 +120,25 @@ def _route(method_sig: tuple[int, int], buf: Any) -> tuple[Any, tuple[str, str] 
         exchange, routing_key = (f.decode("utf-8", "surrogateescape") for f in fields)
         return data[:start] + b"\x00\x00" + data[offset:], (exchange, routing_key)
     return buf, None
+
+
+class _Channel(pyamqp.Channel):
+    """A channel that stays closed when the broker closes it.
+
+    py-amqp answers a channel.close from the broker with close-ok, then opens the
+    channel again at once and waits for its open-ok before it raises the error.
+    RabbitMQ's ``consumer_timeout`` closes a channel whose delivery a handler held
+    too long, and again at each of its channel ticks until close-ok comes, so a
+    handler that ran well past the timeout left dozens of closes in the socket:
+    each read while the reopened channel waited for its open-ok, answered and
+    reopened again, one frame deeper, until RecursionError (98 closes) ended the
+    consumer.  The consumer has no use for the reopened channel (a closed channel
+    is an outage: it reconnects), so the channel is only marked closed; it stays
+    registered, so the closes still in the socket are answered while the
+    connection closes."""
+
+    def _do_revive(self) -> None:
+        self.is_open = False
 
 
 _CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.GetOk])
@@ -450,6 +470,7 @@ class Broker:
                 interval_step=0,
                 interval_max=0,
             )
+            conn.connection.Channel = _Channel  # the channels opened from now on
             self._frames = BufferedFrames.install(getattr(conn.connection, "transport", None))
             interval = float(getattr(conn.connection, "heartbeat", 0) or 0)
             if interval > 0:

@@ -55,7 +55,8 @@ The handler contract, enforced after each call: a handler that raises (any
 ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt`` included), commits,
 rolls back, closes the connection, leaves it aborted, changes its settings
 (row factory, autocommit, isolation, ...) or gets its session ended by the server
-(``idle_in_transaction_session_timeout``, ``pg_terminate_backend``) has failed.
+(``idle_in_transaction_session_timeout``, ``pg_terminate_backend``), or returns
+a coroutine or generator (its code never ran: ``not_run``) has failed.
 Its message, and only it, counts the attempt; the transaction is rolled back
 and the session is replaced by a clean one (``store.restore``).  A COMMIT run
 by a handler fails by itself (the inbox's ``guard`` trigger, see ``inbox.sql``),
@@ -179,6 +180,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -734,7 +736,7 @@ class Processor:
         """Call the handler; the description of what it raised, if it raised."""
         started = time.perf_counter()
         try:
-            self.handler(self.store.connection, message)
+            returned = self.handler(self.store.connection, message)
         except BaseException as exc:  # any of them is this message's failure (policy above)
             if isinstance(exc, KeyboardInterrupt) and self.on_interrupt is not None:
                 self.on_interrupt()
@@ -744,7 +746,7 @@ class Processor:
             self.stats.handler_seconds.observe(
                 time.perf_counter() - started if took is None else took
             )
-        return None
+        return None if returned is None else not_run(returned)
 
     def _broken(self, message: InboxMessage, before: SessionState, reason: str) -> Broken:
         """Roll back and put the session back as it was before the handler, or
@@ -894,6 +896,27 @@ class Processor:
             error=error,
         )
         return Disposition.RETRY, delay
+
+
+def not_run(returned: object) -> str | None:
+    """Why what a handler returned shows that its code never ran, or None: a
+    coroutine it did not await, or the generator a function with ``yield`` gives
+    (its body runs only when iterated).  Taken as applied, the message would be
+    acked with no effect.  The coroutine or generator is closed (it never runs)."""
+    if inspect.iscoroutine(returned) or inspect.isgenerator(returned):
+        returned.close()  # no "never awaited" warning: this says it
+    elif not (inspect.isawaitable(returned) or inspect.isasyncgen(returned)):
+        return None
+    what = type(returned).__name__
+    if inspect.isgenerator(returned) or inspect.isasyncgen(returned):
+        return (
+            f"the handler returned a {what} (it contains yield): none of its code ran; "
+            "a handler must be a plain or async def function without yield"
+        )
+    return (
+        f"the handler returned a {what} it did not await: that code never ran; "
+        "await it in an async def handler"
+    )
 
 
 def needs_sync_mode(done: Broken, messages: Sequence[InboxMessage], replayed: Dispositions) -> bool:

@@ -325,12 +325,20 @@ def describe(exc: BaseException) -> str:
         text = first_line(exc)
     except BaseException:  # a handler's __str__ may raise anything, SystemExit too
         text = "(its message cannot be shown)"
+    if len(text) > DESCRIBED_MOST:
+        text = f"{text[:DESCRIBED_MOST]}... ({len(text):,} characters)"
     return f"{type(exc).__name__}: {text}{where}"
 
 
 def _set_local_lock_timeout(seconds: float) -> str:
     # SET LOCAL: back to the session's value at the transaction's end, whatever happens.
     return f"SET LOCAL lock_timeout = {max(1, round(seconds * 1000))}"
+
+
+# The most of an exception's first line kept in logs and in the attempts and parked
+# tables: a handler's exception may carry megabytes (a whole response body), which
+# every retry would log and store again.
+DESCRIBED_MOST = 2000
 
 
 @contextlib.contextmanager

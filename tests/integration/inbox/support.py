@@ -121,8 +121,21 @@ def act(conn, message):
         os.kill(os.getpid(), 9)
     elif what == "own_connect":
         psycopg.connect("postgresql://nobody@127.0.0.1:1/nothing", connect_timeout=1)
+    elif what == "generator":  # what a function with yield returns: nothing ran yet
+        return (record(conn, message) for _ in [1])
+    elif what == "async_generator":
+        return _agen(conn, message)
+    elif what == "coroutine":  # an async function called without await
+        return act_async(conn, message)
+    elif what == "raise_huge":  # a whole response body in the message
+        raise RuntimeError("x" * int(os.environ.get("HUGE_BYTES", "100000000")))
     else:
         raise AssertionError(f"unknown behaviour {what!r}")
+
+
+async def _agen(conn, message):
+    record(conn, message)
+    yield
 
 
 async def act_async(conn, message):
@@ -134,7 +147,8 @@ async def act_async(conn, message):
     insert = sql.SQL("INSERT INTO {} (message_id, body) VALUES (%s, %s)").format(EFFECTS)
     if what in ("ok", "set_search_path", "commit", "commit_more", "rollback", "close",
                 "swallow", "row_factory", "autocommit", "read_only", "sleep", "cancel",
-                "terminate") or (what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED")):
+                "cancel_return", "cancel_raise", "terminate") or (
+                    what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED")):
         await conn.execute(insert, [message.message_id, message.body])
     if what in ("die", "sigkill") and os.environ.get("HANDLER_FIXED"):
         return
@@ -154,9 +168,15 @@ async def act_async(conn, message):
         raise KeyboardInterrupt
     if what == "fatal":
         raise Fatal("a BaseException")
+    if what == "coroutine":  # forgot an await
+        return conn.execute(insert, [message.message_id, message.body])
     if what == "cancel":  # the handler's task is cancelled (a timeout, a shutdown)
         asyncio.current_task().cancel()
         await asyncio.sleep(0)
+    elif what == "cancel_return":  # cancels its own task and returns at once
+        asyncio.current_task().cancel()
+    elif what == "cancel_raise":  # raises CancelledError itself
+        raise asyncio.CancelledError("the handler gives up")
     elif what == "commit":
         await conn.execute("COMMIT")
     elif what == "commit_more":

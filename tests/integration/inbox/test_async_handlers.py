@@ -202,23 +202,33 @@ def test_async__a_batch_of_async_handlers_runs_in_pipeline_mode(
 def test_async__a_batch_is_awaited_in_one_go_each_call_timed_on_its_own(
     topology: Topology, consumer_dsn: str, app_loop: Loop
 ) -> None:
-    """A pipelined batch's handlers run ahead on the loop in one task (one thread
+    """A pipelined batch's handlers run ahead on the loop in one go (one thread
     hop, not one per message); the handler-time histogram still gets each call's
     own time."""
     ids = new_ids(5)
     publish(topology, [(i, b"x") for i in ids])
-    tasks: set[asyncio.Task[Any] | None] = set()  # held: ids of freed tasks recur
+    hops: list[int] = []  # the consumer thread's hop each call ran in
+    seen: list[int] = []
 
     async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
-        tasks.add(asyncio.current_task())
+        seen.append(len(hops))
         await asyncio.sleep(0.03)
         await record_async(conn, message)
 
     inbox = aio.async_inbox(handler, consumer_settings(topology, consumer_dsn), app_loop.loop)
+    assert isinstance(inbox.handler, aio.AwaitedHandler)
+    bridge = inbox.handler.bridge
+    hop = bridge.run
+
+    def counted(coro: Any) -> Any:
+        hops.append(1)
+        return hop(coro)
+
+    bridge.run = counted  # type: ignore[method-assign]
     with running_async(inbox, app_loop):
         wait_for(lambda: inbox.stats.handled == len(ids), 20, "5 effects")
     assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
-    assert len(tasks) < len(ids)
+    assert len(set(seen)) < len(ids)
     seconds = inbox.stats.handler_seconds.snapshot()
     assert seconds.count == len(ids)
     assert dict(seconds.buckets)[0.025] == 0  # each call 30 ms, none ~0 s
@@ -395,6 +405,90 @@ def test_async__a_cancelled_handler_is_a_failed_attempt_and_the_consumer_goes_on
         assert not task.done()
     assert sorted(effects(consumer_dsn)) == sorted([(first, b"first"), (second, b"second")])
     assert inbox.stats.handler_failures == 1 and cancelled == [first]
+
+
+@pytest.mark.parametrize(
+    ("shape", "said"),
+    [
+        ("cancel_return", "cancelled"),
+        ("cancel", "cancelled"),
+        ("cancel_raise", "cancelled"),
+        ("coroutine", "did not await"),
+    ],
+)
+def test_async__outbox_consume__a_handler_cancelling_its_own_task_fails_only_its_message(
+    topology: Topology, consumer_dsn: str, tmp_path: Path, shape: str, said: str
+) -> None:
+    """A coroutine that cancels its own task and returns (or awaits after that, or
+    raises ``CancelledError`` itself) fails its message, in a batch and alone: its
+    attempts are counted, it is parked at --max-attempts, the messages around it
+    are applied and the consumer goes on (before: exit 1, "unexpected CancelledError").
+    So does one that returns a coroutine it did not await (before: acked as
+    applied, with no effect)."""
+    good = [(i, f"ok:{i}".encode()) for i in new_ids(6)]
+    [bad] = [(i, f"{shape}:{i}".encode()) for i in new_ids(1)]
+    support.publish(topology, [*good[:3], bad, *good[3:]])
+    with support.consumer(tmp_path, consumer_dsn, topology, function="act_async"):
+        support.wait_settled(consumer_dsn, topology, [b for _, b in [*good, bad]], timeout=30)
+    assert sorted(support.effect_bodies(consumer_dsn)) == sorted(b for _, b in good)
+    assert support.parked_bodies(consumer_dsn) == [bad[1]]
+    [(attempts, error)] = support.rows(consumer_dsn, f"SELECT attempts, error FROM {INBOX}_parked")
+    assert attempts == 2 and said in error, error
+
+
+def test_async__consume_async_goes_on_when_a_handler_cancels_its_own_task(
+    topology: Topology, consumer_dsn: str
+) -> None:
+    """Inside an application: a handler cancelling its own task fails its message
+    (parked at --max-attempts); the task awaiting ``consume_async`` does not end
+    by itself (before: it ended, every message in hand requeued), and cancelling
+    it still stops the consumer."""
+    bad, *good = new_ids(4)
+    publish(topology, [(bad, b"bad"), *((g, b"good") for g in good)])
+    s = consumer_settings(topology, consumer_dsn)
+
+    async def handler(conn: psycopg.AsyncConnection[Any], message: InboxMessage) -> None:
+        if message.message_id == bad:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            return
+        await record_async(conn, message)
+
+    async def application() -> None:
+        task = asyncio.create_task(
+            aio.consume_async(
+                handler,
+                queue=s.queue,
+                dsn=s.dsn,
+                amqp_url=s.amqp_url,
+                inbox_table=INBOX,
+                max_attempts=2,
+                retry_delay=0.01,
+                retry_delay_max=0.05,
+            )
+        )
+
+        def settled() -> bool:
+            assert not task.done(), task
+            return len(effects(consumer_dsn)) == 3 and scalar(
+                consumer_dsn, f"SELECT count(*) FROM {INBOX}_parked"
+            )
+
+        for _ in range(200):  # the test's own deadline, without blocking the loop
+            if await asyncio.to_thread(settled):
+                break
+            await asyncio.sleep(0.1)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 20)
+
+    asyncio.run(application())
+    assert sorted(m for m, _ in effects(consumer_dsn)) == sorted(good)
+    [(attempts, error)] = support.rows(consumer_dsn, f"SELECT attempts, error FROM {INBOX}_parked")
+    assert attempts == 2 and "cancelled" in error, error
+    assert consumer_sessions(consumer_dsn) == 0
 
 
 def test_async__system_exit_in_a_handler_fails_its_message_not_the_applications_loop(

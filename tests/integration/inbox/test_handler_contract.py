@@ -43,6 +43,10 @@ FAILING = [
     "statement_timeout",
     "terminate",
     "own_connect",  # "lost the consumer's PostgreSQL connection", reconnect loop
+    "generator",  # acked as applied, with no effect
+    "async_generator",  # acked as applied, with no effect
+    "coroutine",  # acked as applied, with no effect ("never awaited" warning)
+    "raise_huge",  # 100 MB in every log line and row: not parked within 40 s
 ]
 
 
@@ -60,6 +64,7 @@ def test_contract__a_broken_handler_fails_only_its_own_message(
     assert sorted(effect_bodies(consumer_dsn)) == sorted(b for _, b in good(4))
     (attempts, error) = rows(consumer_dsn, f"SELECT attempts, error FROM {INBOX}_parked")[0]
     assert attempts == 2 and error
+    assert len(error) < 3000, "an attempt's error is one bounded line"
     assert reconnects == 0, "a handler's failure was taken for an outage"
 
 

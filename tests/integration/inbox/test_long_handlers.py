@@ -8,7 +8,8 @@ as a duplicate).  The consumer now sends them from a thread while handlers run
 default 60 s, and a handler of 4 s for one of several minutes.  A handler that
 outlives RabbitMQ's ``consumer_timeout`` (6 s here, 30 min by default) has its
 channel closed under it: its effect commits once, the message comes back and is
-skipped as a duplicate, nothing is lost.
+skipped as a duplicate, nothing is lost.  One that outlives it many times over
+meets a close at every one of the broker's channel ticks (``broker._Channel``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.faults import RabbitNode
+from tests.fixtures.faults import RabbitNode, wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     consumer,
     effect_bodies,
     parked_bodies,
     publish,
+    scalar,
     wait_settled,
 )
 
@@ -35,8 +37,9 @@ def short_node() -> Iterator[RabbitNode]:
     node = RabbitNode("heartbeat = 1\nconsumer_timeout = 6000\n")
     node.start()
     # RabbitMQ checks consumer_timeout on each channel's tick, once a minute by
-    # default: twice a second here (channels opened from now on).
-    node.ctl("eval", "application:set_env(rabbit, channel_tick_interval, 500).")
+    # default: every 50 ms here (channels opened from now on), so that a handler
+    # of seconds meets as many of its closes as one of an hour would.
+    node.ctl("eval", "application:set_env(rabbit, channel_tick_interval, 50).")
     yield node
     node.destroy()
 
@@ -81,4 +84,40 @@ def test_long_handler__outliving_the_consumer_timeout_commits_once_and_loses_not
     assert "timed out" in output, output[-3000:]  # the broker's consumer_timeout fired
     assert "consumer.duplicate_skipped" in output, output[-3000:]  # it came back: skipped
     assert sorted(effect_bodies(consumer_dsn)) == sorted(bodies)  # each once
+    assert parked_bodies(consumer_dsn) == []
+
+
+def test_long_handler__far_past_the_consumer_timeout_reconnects_and_applies_what_follows(
+    tmp_path: Path, consumer_dsn: str, short_topology: Topology
+) -> None:
+    """A 15 s handler, consumer_timeout 6 s: the broker closes the channel at each
+    tick until close-ok comes (about 180 closes meanwhile, as an hour's handler
+    meets with the default tick).  py-amqp answered each by reopening the channel
+    and read the next one a frame deeper: RecursionError, exit 1, the messages
+    published behind the long one never applied.  Now the effect commits once, the
+    redelivery is skipped, the consumer reconnects and applies those behind."""
+    long = b"sleep:far past the timeout"
+    publish(short_topology, [(str(uuid.uuid4()), long)])
+    behind = [f"ok:behind {n}".encode() for n in range(3)]
+    env = {"HANDLER_SLEEP": "15"}
+    with consumer(tmp_path, consumer_dsn, short_topology, env=env) as process:
+        wait_for(
+            lambda: (
+                scalar(
+                    consumer_dsn,
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                    "'outbox-consume' AND state = 'idle in transaction'",
+                )
+                == 1
+            ),
+            20,
+            "the long handler to run",
+        )
+        publish(short_topology, [(str(uuid.uuid4()), b) for b in behind])
+        wait_settled(consumer_dsn, short_topology, [long, *behind], timeout=60)
+        output = process.output()
+    assert "RecursionError" not in output, output[-3000:]
+    assert "timed out" in output, output[-3000:]  # the broker's consumer_timeout fired
+    assert "consumer.duplicate_skipped" in output, output[-3000:]  # it came back: skipped
+    assert sorted(effect_bodies(consumer_dsn)) == sorted([long, *behind])  # each once
     assert parked_bodies(consumer_dsn) == []

@@ -6,12 +6,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.aio import Bridge, LoopNotRunning, is_async
+from outbox.inbox.aio import (
+    Ahead,
+    AwaitedHandler,
+    Bridge,
+    HandlerCancelled,
+    LoopNotRunning,
+    is_async,
+)
 
 
 async def double(x: int) -> int:
@@ -152,3 +160,99 @@ def test_bridge__a_hop_on_a_loop_closed_under_it_ends_and_its_own_timeouts_stay_
     waiting.join(timeout=10)
     assert not waiting.is_alive(), "the hop still waits on a closed loop"
     assert len(outcome) == 1 and isinstance(outcome[0], LoopNotRunning)
+
+
+@pytest.fixture
+def app_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def cancels_itself_and_returns() -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+
+
+async def cancel_return(conn: Any, message: Any) -> None:
+    cancels_itself_and_returns()
+
+
+async def cancel_await(conn: Any, message: Any) -> None:
+    cancels_itself_and_returns()
+    await asyncio.sleep(0)
+
+
+async def cancel_raise(conn: Any, message: Any) -> None:
+    raise asyncio.CancelledError("gives up")
+
+
+async def cancel_swallowed(conn: Any, message: Any) -> None:
+    cancels_itself_and_returns()
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        conn.append("went on")
+
+
+@pytest.mark.parametrize("handler", [cancel_return, cancel_await, cancel_raise])
+def test_awaited_handler__a_handler_cancelling_its_own_task_fails_its_call_only(
+    app_loop: asyncio.AbstractEventLoop, handler: Any
+) -> None:
+    """Cancelling its own task, then returning, awaiting or raising ``CancelledError``:
+    the call's failure (``HandlerCancelled``), raised to the consumer as anything a
+    handler raises; the next call runs as usual."""
+    bridge = Bridge(app_loop)
+    face = AwaitedHandler(handler, bridge, Ahead())
+    with pytest.raises(HandlerCancelled, match="the handler's task was cancelled"):
+        face([], None)  # type: ignore[arg-type]
+    went_on: list[str] = []
+    AwaitedHandler(cancel_swallowed, bridge, Ahead())(went_on, None)  # type: ignore[arg-type]
+    assert went_on == ["went on"]  # caught its own cancellation and returned: a success
+    assert bridge.run(double(2)) == 4
+
+
+def test_bridge__a_hop_cancelled_on_the_loop_is_an_outage_and_its_handler_ends_first(
+    app_loop: asyncio.AbstractEventLoop,
+) -> None:
+    """The application cancels every task of its loop (a shutdown) while a handler
+    runs: the handler's call is cancelled and ends before the hop does, and the
+    consumer sees ``LoopNotRunning`` (an outage), not ``CancelledError``."""
+    bridge = Bridge(app_loop)
+    started, ended = threading.Event(), threading.Event()
+
+    async def waits(conn: Any, message: Any) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.set()
+
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            AwaitedHandler(waits, bridge, Ahead())(None, None)  # type: ignore[arg-type]
+        except BaseException as exc:
+            outcome.append(exc)
+
+    calling = threading.Thread(target=call, daemon=True)
+    calling.start()
+    assert started.wait(10)
+
+    def shutdown() -> None:
+        for task in asyncio.all_tasks(app_loop):
+            task.cancel()
+
+    app_loop.call_soon_threadsafe(shutdown)
+    calling.join(timeout=10)
+    assert ended.is_set()
+    assert len(outcome) == 1 and isinstance(outcome[0], LoopNotRunning), outcome
+    assert "cancelled" in outcome[0].message
+    with pytest.raises(LoopNotRunning, match="cancelled"):
+        bridge.run(cancel_await(None, None))  # any hop's own task cancelled on the loop
