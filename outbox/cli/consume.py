@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
 from typing import Any
 
 import click
@@ -20,8 +23,10 @@ from outbox.cli.common import (
     metrics_port_option,
 )
 from outbox.cli.options import Age, FiniteFloatRange, QueueName
-from outbox.events import configure
+from outbox.events import configure, emit
 from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY, ConsumerSettings, parse_bindings
+
+log = logging.getLogger("outbox.inbox")
 
 
 @click.command()
@@ -166,3 +171,22 @@ def consume(
             f"skipped, {stats.handler_failures} handler failures, {stats.parked} parked",
             err=True,
         )
+    leave_handlers_threads()
+
+
+def leave_handlers_threads() -> None:
+    """Exit now if a handler left a thread that is not a daemon: Python's exit would
+    wait for it for ever, and the consumer, done and disconnected, would never end
+    on SIGTERM (an orchestrator then kills it).  Said in the log, then exit 0."""
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if not left:
+        return
+    emit(log, "consumer.threads_left", logging.WARNING, threads=", ".join(left))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -477,7 +477,7 @@ class Broker:
                 self._heartbeats = Heartbeats(conn.connection, interval)
             channel = conn.channel()
             if s.bindings:
-                self._declare(channel)
+                channel = self._declare(channel)
             self._check_queue(channel)
             self.policy = self.read_policy(conn)
             why = refusal(self.policy)
@@ -548,9 +548,11 @@ class Broker:
                 "declare it and bind it to your exchange, or pass --bind EXCHANGE:KEY",
             ) from exc
 
-    def _declare(self, channel: Any) -> None:
+    def _declare(self, channel: Any) -> Any:
         """--bind: the queue (durable) and each exchange (durable topic) if missing,
-        then the bindings.  Existing ones keep their type and arguments."""
+        then the bindings.  Existing ones keep their type and arguments.  Returns the
+        channel to go on with: a failed passive declare closes the one it ran on
+        (``_Channel`` does not reopen it)."""
         s = self.settings
         conn = self.conn
         assert conn is not None
@@ -572,6 +574,7 @@ class Broker:
                 Exchange(exchange, type="topic", durable=True, channel=channel).declare()
                 emit(log, "consumer.exchange_declared", exchange=exchange, type="topic")
             channel.queue_bind(queue=s.queue, exchange=exchange, routing_key=key)
+        return channel
 
     def drain(self, timeout: float) -> list[Delivery]:
         """The deliveries that arrive within ``timeout`` s, plus whatever else is

@@ -130,7 +130,12 @@ def test_consume_cli__print_sql_creates_tables_the_consumer_then_uses(
                 "SELECT tablename FROM pg_tables WHERE tablename LIKE 'billing_inbox%%'"
             ).fetchall()
         }
-    assert tables == {"billing_inbox", "billing_inbox_attempts", "billing_inbox_parked"}
+    assert tables == {
+        "billing_inbox",
+        "billing_inbox_attempts",
+        "billing_inbox_parked",
+        "billing_inbox_custody",
+    }
     (tmp_path / "handlers.py").write_text(HANDLER_FILE)
     [message_id] = new_ids(1)
     publish(topology, [(message_id, b'{"id": 7}')])

@@ -111,6 +111,11 @@ def act(conn, message):
         record(conn, message)
     elif what == "die" and os.environ.get("HANDLER_RAISES"):
         raise RuntimeError("the killer raises this time")
+    elif what == "thread":  # leaves a thread that is not a daemon running
+        import threading
+
+        record(conn, message)
+        threading.Thread(target=time.sleep, args=(3600,), name="left-by-handler").start()
     elif what == "slow":  # a healthy handler that takes OK_SLOW seconds
         record(conn, message)
         time.sleep(float(os.environ.get("OK_SLOW", "0.01")))

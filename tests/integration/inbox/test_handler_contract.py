@@ -122,3 +122,16 @@ def test_contract__a_session_setting_that_outlives_the_transaction_does_not_stal
         wait_settled(consumer_dsn, topology, [first[1], *(b for _, b in good(4))], 40)
     assert sorted(effect_bodies(consumer_dsn)) == sorted([first[1], *(b for _, b in good(4))])
     assert parked_bodies(consumer_dsn) == []
+
+
+def test_contract__a_handler_that_leaves_a_thread_running_does_not_stop_the_exit(
+    tmp_path: Path, consumer_dsn: str, topology: Topology
+) -> None:
+    """A handler starts a thread that is not a daemon and never ends.  Before, the
+    consumer finished on SIGTERM and then hung for ever in Python's exit, waiting for
+    it; now it says so in the log (``consumer.threads_left``) and exits 0."""
+    publish(topology, [("t-1", b"thread:1")])
+    with consumer(tmp_path, consumer_dsn, topology) as process:
+        wait_settled(consumer_dsn, topology, [b"thread:1"], timeout=20)
+    assert "consumer.threads_left" in process.output()
+    assert effect_bodies(consumer_dsn) == [b"thread:1"]
