@@ -765,8 +765,14 @@ class Batches:
         batch.state, batch.evidence = State.EVIDENCED, True
         faults.reached("before_commit_prepared")
         with self._writing("commit_prepared"):
-            self._store().finish(batch.gid, commit=True)
+            done = self._store().finish(batch.gid, commit=True)
         del self.in_flight[batch.gid]
+        if not done:
+            # A resolver finished it while the relay's control session was lost with
+            # the server up (the hand-over's last line): from this record, or
+            # rolled back before it was written.
+            emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome="finished_elsewhere")
+            return
         self.triage.suspects.clear(r.id for r in batch.rows)
         self._early = True
         self._count_committed(batch)
@@ -834,6 +840,26 @@ class Batches:
                     self.stats.duplicates_possible += _sent(batch)
             emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome=outcome)
             del self.in_flight[batch.gid]
+
+    def resumed(self) -> None:
+        """The relay took its id back after losing its control session (the hand-over,
+        module docstring): a batch still in flight whose gid is gone was finished by a
+        resolver that held the id before (committed from its ledger record, or
+        rolled back without one); the others are the relay's to finish, as before.
+        Batches in doubt are looked up by ``settle`` as always."""
+        store = self._store()
+        for batch in [b for b in self.in_flight.values() if b.state is not State.IN_DOUBT]:
+            with self._writing("commit_prepared"):
+                present = store.gid_exists(batch.gid)
+            if not present:
+                del self.in_flight[batch.gid]
+                emit(
+                    log,
+                    "batch.settled",
+                    logging.WARNING,
+                    gid=batch.gid,
+                    outcome="finished_elsewhere",
+                )
 
     @property
     def in_doubt(self) -> bool:
