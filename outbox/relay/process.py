@@ -29,9 +29,12 @@ its own: ``outbox.relay.liveness``, so a slow statement here cannot make the rel
 partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
 is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
 only once the owner's control session is gone, or its heartbeat is older than
-``relay_timeout`` (partition).  A relay whose own heartbeat is that stale no longer
-writes evidence for its batches: it rolls them back instead, so a resolver and the
-relay never disagree about a batch.
+``relay_timeout`` (partition).  A control session lost while the process lives (a
+database restart or failover) is not a dead relay: with batches in flight the
+relay takes its relay id back and finishes them (``_register``; the hand-over in
+``outbox/relay/batches.py``), and resolvers wait for it.  A relay whose own
+heartbeat is that stale no longer writes evidence for its batches: it rolls them
+back instead, so a resolver and the relay never disagree about a batch.
 """
 
 from __future__ import annotations
