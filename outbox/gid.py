@@ -12,7 +12,10 @@ A batch's gid is ``obx:<table>:<relay_id>:<seq>``:
 
 The relay's control session holds the advisory lock ``(LOCK_CLASS, lock_key)``
 while the relay lives; ``lock_key`` is derived from ``relay_id``, so a resolver
-can test a gid's owner for life from the gid alone.
+can test a gid's owner for life from the gid alone.  A relay that lost its
+control session but not its process (a database restart or failover) takes the
+same id back (``outbox.relay.liveness``): its batches stay its own.  A relay
+restarted is a new process and always draws a new id.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ PREFIX = "obx"
 # First key of the relay advisory locks ("obx" in ASCII); keeps them apart from an
 # application's own advisory locks.
 LOCK_CLASS = 0x6F6278
+# First key of the hand-over lock ``(HANDOVER_LOCK_CLASS, lock_key)``: held, briefly,
+# by whoever takes a relay id whose control session is gone: the relay itself
+# taking its id back after an outage (``outbox.db.relays.ControlSession.reclaim``),
+# or a resolver finishing that id's batches (``resolver.apply``), for its whole
+# pass.  So the two never act on one relay id's batches at once.
+HANDOVER_LOCK_CLASS = 0x6F627A
 # First key of the wake-up lock ``(WAKEUP_LOCK_CLASS, <the outbox table's oid>)``: an
 # idle relay holds it in shared mode, and the outbox trigger notifies only while
 # someone holds it (schema 0005, ``outbox.db.relays.WakeupListener``).  The migration

@@ -144,6 +144,9 @@ class RelayLiveness:
     lock_held: bool
     heartbeat_age: float | None  # None: the relay never registered or was forgotten
     backend_pid: int | None
+    # Its last heartbeat predates this server's start or promotion: seconds since
+    # then (its session ended with the server; the relay may take its id back).
+    server_age: float | None = None
 
 
 def dead_letter_params(letter: DeadLetter, gid: str) -> dict[str, Any]:
@@ -583,9 +586,25 @@ class BatchStore(Session):
                 lock_held=r["backend_pid"] is not None,
                 heartbeat_age=r["heartbeat_age"],
                 backend_pid=r["backend_pid"],
+                server_age=r["server_age"],
             )
             for r in rows
         }
+
+    def take_handover(self, relay_id: str) -> bool:
+        """Take the hand-over lock of ``relay_id`` on this session (``outbox.gid``);
+        False if someone holds it: the relay taking its id back, or another
+        resolver finishing its batches.  A resolver holds it from before it looks
+        at the relay's liveness and the ledger until its batches are finished."""
+        params = {"lock_class": gids.HANDOVER_LOCK_CLASS, "lock_key": gids.lock_key(relay_id)}
+        with self._translated("taking a relay id's hand-over lock"):
+            row = self.conn.execute(self.queries["try_lock_relay"], params).fetchone()
+            return bool(row and row["locked"])
+
+    def release_handover(self, relay_id: str) -> None:
+        params = {"lock_class": gids.HANDOVER_LOCK_CLASS, "lock_key": gids.lock_key(relay_id)}
+        with self._translated("releasing a relay id's hand-over lock"):
+            self.conn.execute(self.queries["unlock_relay"], params)
 
     def terminate_backend(self, pid: int) -> bool:
         """End a partitioned relay's control session, so its death becomes certain."""

@@ -322,6 +322,11 @@ ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now()
 -- try_lock_relay --
 SELECT pg_try_advisory_lock(%(lock_class)s, %(lock_key)s) AS locked
 
+-- unlock_relay --
+-- Lets go of a session-level lock taken with try_lock_relay (the hand-over lock,
+-- ``outbox.gid.HANDOVER_LOCK_CLASS``, once its holder is done with the relay id).
+SELECT pg_advisory_unlock(%(lock_class)s, %(lock_key)s) AS unlocked
+
 -- heartbeat --
 UPDATE {relays} SET heartbeat_at = now() WHERE relay_id = %(relay_id)s
 
@@ -364,11 +369,21 @@ DELETE FROM {relays} WHERE relay_id = %(relay_id)s
 -- relay_liveness --
 -- For each relay id: is its control session alive (advisory lock held), and how
 -- old is its last heartbeat.  Unknown ids come back with lock_held = false.
+-- `server_age`: when the relay's last heartbeat is older than this server's start
+-- (a restart) or than the last transaction it replayed as a standby (a promotion;
+-- the heartbeat replicated, both times are the old primary's clock), its session
+-- ended with the server, not with the relay: seconds since the server took over,
+-- the time the relay has had to take its id back (``resolver/decide.py``).  NULL
+-- when the heartbeat was written on this server as it runs now.
 SELECT ids.relay_id,
        l.pid AS backend_pid,
        r.hostname, r.pid, r.started_at,
-       extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age
+       extract(epoch FROM now() - r.heartbeat_at)::float8 AS heartbeat_age,
+       CASE WHEN r.heartbeat_at <= s.took_over
+            THEN extract(epoch FROM now() - s.took_over)::float8 END AS server_age
 FROM unnest(%(relay_ids)s::text[], %(lock_keys)s::int[]) AS ids(relay_id, lock_key)
+CROSS JOIN (SELECT greatest(pg_postmaster_start_time(), pg_last_xact_replay_timestamp())
+                   AS took_over) s
 LEFT JOIN {relays} r ON r.relay_id = ids.relay_id
 LEFT JOIN pg_locks l
        ON l.locktype = 'advisory' AND l.granted

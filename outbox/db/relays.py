@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from outbox import gid as gids
+from outbox.db.batches import Backend
 from outbox.db.front import ClaimFront
 from outbox.db.session import Session
 
@@ -47,26 +48,65 @@ class ControlSession(Session):
             statement_timeout,
         )
         self.relay_id = relay_id
+        # This session's backend, for ending it should the connection be lost while
+        # the server keeps it (and the relay's lock) alive: ``reclaim`` needs the lock.
+        self.backend: Backend | None = None
 
     def acquire(self) -> bool:
         """Take the relay's advisory lock and register; False if the key is taken."""
         with self._translated("registering the relay"):
-            row = self.conn.execute(
-                self.queries["try_lock_relay"],
-                {"lock_class": gids.LOCK_CLASS, "lock_key": gids.lock_key(self.relay_id)},
-            ).fetchone()
-            if not row or not row["locked"]:
+            if not self._try_lock(gids.LOCK_CLASS):
                 return False
-            self.conn.execute(
-                self.queries["register_relay"],
-                {
-                    "relay_id": self.relay_id,
-                    "lock_key": gids.lock_key(self.relay_id),
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                },
-            )
+            self._register()
             return True
+
+    def reclaim(self) -> bool:
+        """Take this relay id back after its control session was lost (a database
+        restart or failover; ``outbox.relay.liveness``); False if it cannot be taken
+        now: a resolver is finishing its batches, or a session of ours still holds it.
+
+        Under the hand-over lock (``outbox.gid.HANDOVER_LOCK_CLASS``), which a
+        resolver holds for its whole pass over the id's batches: once the relay's
+        lock is held again, a resolver that takes the hand-over lock after this
+        finds the relay alive and leaves its batches; one that took it before has
+        finished with them (and the relay finds their gids gone)."""
+        with self._translated("taking the relay id back"):
+            if not self._try_lock(gids.HANDOVER_LOCK_CLASS):
+                return False
+            try:
+                if not self._try_lock(gids.LOCK_CLASS):
+                    return False
+                self._register()
+                return True
+            finally:
+                self.conn.execute(
+                    self.queries["unlock_relay"],
+                    {
+                        "lock_class": gids.HANDOVER_LOCK_CLASS,
+                        "lock_key": gids.lock_key(self.relay_id),
+                    },
+                )
+
+    def _try_lock(self, lock_class: int) -> bool:
+        row = self.conn.execute(
+            self.queries["try_lock_relay"],
+            {"lock_class": lock_class, "lock_key": gids.lock_key(self.relay_id)},
+        ).fetchone()
+        return bool(row and row["locked"])
+
+    def _register(self) -> None:
+        self.conn.execute(
+            self.queries["register_relay"],
+            {
+                "relay_id": self.relay_id,
+                "lock_key": gids.lock_key(self.relay_id),
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+        )
+        row = self.conn.execute(self.queries["own_backend"]).fetchone()
+        if row:
+            self.backend = Backend(row["pid"], row["backend_start"], row["application_name"])
 
     def heartbeat(self) -> None:
         with self._translated("writing the heartbeat"):

@@ -18,6 +18,9 @@ State machine of one batch (``gid`` = ``obx:<table>:<relay_id>:<seq>``)::
                                            session ended          its evidence; gone:
                                                                   finished elsewhere
 
+    SENT / RECORDED ──database lost──▶ kept ──relay id taken back──▶ finished as above
+                                            (the hand-over, below)
+
 Every batch a relay has prepared and not finished is one entry of one table,
 ``Batches.in_flight``, with its ``State``.  ``IN_DOUBT`` is a batch whose
 PREPARE, COMMIT PREPARED or ROLLBACK PREPARED was cut off, or that a failure left
@@ -115,10 +118,48 @@ run a schedule production never runs; the kill after the send already leaves
 anything from none to all of it on the broker (the kernel may still deliver the
 socket's tail, or reset the connection and drop it).
 
-A database outage costs at most one batch at depth 1; at depth 2, none while the
-control session survives, else up to two (N+1 may be out beside N: both in doubt,
-rolled back without evidence).  "resolver" is any relay's periodic pass or ``outbox
+A database outage costs no batch while the relay process survives it, at either
+depth (the hand-over, below).  "resolver" is any relay's periodic pass or ``outbox
 resolve`` (``resolver/decide.py``).
+
+The hand-over.  A restart, crash or failover of PostgreSQL ends the relay's control
+session, and its relay id's lock with it, but not its prepared batches, and the
+broker connection still brings their confirms.  After reconnecting, the relay
+takes the same relay id back (``Relay._register``, ``Liveness.resume``) under the
+id's hand-over lock (``outbox.gid.HANDOVER_LOCK_CLASS``), which a resolver holds
+for its whole pass over a dead id's batches; resolvers wait for a relay whose last
+heartbeat predates the server's start or promotion, ``relay_timeout`` from then
+("reconnecting").  Then each batch in flight is finished as if nothing happened:
+published ones (``kept``) by their confirms, ledger record and COMMIT PREPARED; ones
+in doubt by looking their gid up (``settle``); ones whose gid is gone were finished
+by a resolver that held the id before (``resumed``).  A control session lost while
+a batch waits for its confirms does not stop its ledger record (``Relay._may_commit``
+looks at the heartbeat's age only): the record is safe whoever finishes the batch.
+
+=====================================  ==========================================
+crash or race during the hand-over     outcome
+=====================================  ==========================================
+server gone, relay waiting for N's     N kept; after reconnecting: N's record,
+confirms (N+1 out beside it)           COMMIT PREPARED; N+1 likewise; no duplicate
+server gone during N's COMMIT          N in doubt with evidence: looked up, COMMIT
+PREPARED
+server gone during N+1's PREPARE       N+1 in doubt, never published: looked up,
+                                       ROLLBACK (no duplicate); N kept
+relay reconnects before the resolvers  takes its id back; a resolver sees it alive
+a resolver took the id first (the      the relay retries; the batches the
+relay came back after relay_timeout,   resolver finished are gone (committed from
+or its control session died alone)     the ledger, or rolled back: the crash
+                                       table's rows for a relay killed there)
+relay cannot take its id back within   draws a new id and settles its batches by
+relay_timeout                          what it knows (as every relay did before)
+relay killed while taking it back      its batches are a dead relay's: as above
+resolver killed holding the id         its session's end lets the lock go; the
+                                       relay takes the id back, looks gids up
+=====================================  ==========================================
+
+Where the relay itself dies, the crash table above holds unchanged; a relay killed
+together with the server (or just before it) has its batches finished
+``relay_timeout`` after the server's return instead of at once.
 
 A write that keeps failing (whatever the error: a lock, a timeout, a refused
 value, a cut connection) must not make every retry publish a batch again.  Each
@@ -308,7 +349,8 @@ def survives_failure(error: OutboxError) -> bool:
     database failure (lost work connection, PREPARE of the next batch cut off or
     refused for want of slots) therefore need not cost a batch of duplicates: the
     batch is finished after reconnecting, provided the control session (and with
-    it the relay id that keeps resolvers away) survived.  A broker failure puts
+    it the relay id that keeps resolvers away) survived, or the relay took the id
+    back (the hand-over, module docstring).  A broker failure puts
     its confirms in doubt: it is rolled back.  Except a resource alarm
     (``BrokerBlocked``, raised before the next claim): the connection lives, and
     what the broker read before it blocked is still confirmed, the batch's ledger
@@ -765,8 +807,14 @@ class Batches:
         batch.state, batch.evidence = State.EVIDENCED, True
         faults.reached("before_commit_prepared")
         with self._writing("commit_prepared"):
-            self._store().finish(batch.gid, commit=True)
+            done = self._store().finish(batch.gid, commit=True)
         del self.in_flight[batch.gid]
+        if not done:
+            # A resolver finished it while the relay's control session was lost with
+            # the server up (the hand-over's last line): from this record, or
+            # rolled back before it was written.
+            emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome="finished_elsewhere")
+            return
         self.triage.suspects.clear(r.id for r in batch.rows)
         self._early = True
         self._count_committed(batch)
@@ -834,6 +882,26 @@ class Batches:
                     self.stats.duplicates_possible += _sent(batch)
             emit(log, "batch.settled", logging.WARNING, gid=batch.gid, outcome=outcome)
             del self.in_flight[batch.gid]
+
+    def resumed(self) -> None:
+        """The relay took its id back after losing its control session (the hand-over,
+        module docstring): a batch still in flight whose gid is gone was finished by a
+        resolver that held the id before (committed from its ledger record, or
+        rolled back without one); the others are the relay's to finish, as before.
+        Batches in doubt are looked up by ``settle`` as always."""
+        store = self._store()
+        for batch in [b for b in self.in_flight.values() if b.state is not State.IN_DOUBT]:
+            with self._writing("commit_prepared"):
+                present = store.gid_exists(batch.gid)
+            if not present:
+                del self.in_flight[batch.gid]
+                emit(
+                    log,
+                    "batch.settled",
+                    logging.WARNING,
+                    gid=batch.gid,
+                    outcome="finished_elsewhere",
+                )
 
     @property
     def in_doubt(self) -> bool:

@@ -20,6 +20,14 @@ would only find out at its next beat, up to ``interval`` later: batches publishe
 meanwhile under the dead relay id are rolled back, a second round of duplicates
 for one outage.  So the relay asks for a beat at once (``probe``), on this thread,
 before it claims again.
+
+A lost control session is not a dead relay when the process lives: after a
+database restart or a failover the relay still holds its batches (prepared
+transactions survive both) and knows which of them the broker confirmed.  So it
+takes its own relay id back (``resume``) instead of drawing a new one, and
+finishes them itself (``outbox.relay.batches``, "the hand-over"); a resolver
+waits for it (``resolver/decide.py``: "reconnecting") and never acts on the id
+while the relay is taking it back (``outbox.gid.HANDOVER_LOCK_CLASS``).
 """
 
 from __future__ import annotations
@@ -86,6 +94,38 @@ class Liveness:
                 raise
             # The key is taken (a 32-bit hash of another relay's id): draw again.
             control.close()
+        liveness = cls(control, interval)
+        liveness._thread.start()
+        return liveness
+
+    @classmethod
+    def resume(
+        cls,
+        relay_id: str,
+        dsn: str,
+        table: str,
+        *,
+        interval: float,
+        connect_timeout: float,
+        statement_timeout: float,
+    ) -> Liveness | None:
+        """Take ``relay_id`` back after its control session was lost, and beat for it
+        again; None if it cannot be taken now (``ControlSession.reclaim``: a resolver
+        is finishing its batches, or a session of ours still holds its lock)."""
+        control = ControlSession(
+            dsn,
+            table,
+            relay_id,
+            connect_timeout=connect_timeout,
+            statement_timeout=statement_timeout,
+        )
+        try:
+            if not control.reclaim():
+                control.close()
+                return None
+        except BaseException:
+            control.close()
+            raise
         liveness = cls(control, interval)
         liveness._thread.start()
         return liveness

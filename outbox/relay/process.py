@@ -29,9 +29,12 @@ its own: ``outbox.relay.liveness``, so a slow statement here cannot make the rel
 partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
 is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
 only once the owner's control session is gone, or its heartbeat is older than
-``relay_timeout`` (partition).  A relay whose own heartbeat is that stale no longer
-writes evidence for its batches: it rolls them back instead, so a resolver and the
-relay never disagree about a batch.
+``relay_timeout`` (partition).  A control session lost while the process lives (a
+database restart or failover) is not a dead relay: with batches in flight the
+relay takes its relay id back and finishes them (``_register``; the hand-over in
+``outbox/relay/batches.py``), and resolvers wait for it.  A relay whose own
+heartbeat is that stale no longer writes evidence for its batches: it rolls them
+back instead, so a resolver and the relay never disagree about a batch.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
 from outbox.relay.metrics import RelayEndpoints
 from outbox.relay.stats import Stats
-from resolver.apply import resolve
+from resolver.apply import Resolution, resolve
+from resolver.decide import Owner
 
 log = logging.getLogger("outbox.relay")
 
@@ -122,8 +126,12 @@ class Relay:
         self.relay_id = ""
         self._next_resolve = 0.0
         self._failures = 0
-        # Work sessions lost but perhaps still running on the server (``_end_predecessors``).
+        # Work and control sessions lost but perhaps still running on the server
+        # (``_end_predecessors``).
         self._predecessors: list[Backend] = []
+        # The relay id whose control session was lost with batches in flight, and
+        # since when: taken back by ``_register`` (the hand-over).
+        self._reclaiming: tuple[str, float] | None = None
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -162,8 +170,10 @@ class Relay:
             if self.liveness is not None:
                 # The outage that took the work session may have taken the control
                 # session too: learn it now, not at the next heartbeat, before
-                # anything is published under a relay id that is already dead.
+                # anything more is done under a relay id that is already dead.
                 self.liveness.probe(s.connect_timeout)
+        if self.liveness is not None and self.liveness.lost:
+            self._lose_relay_id(self.liveness)
         if self._predecessors:
             self._end_predecessors(self.store)
         if self.wakeups is None or self.wakeups.broken:
@@ -171,27 +181,65 @@ class Relay:
                 self.wakeups.close()
             self.wakeups = None
             self.wakeups = WakeupListener(s.dsn, s.table, connect_timeout=s.connect_timeout)
-        if self.liveness is None or self.liveness.lost:
+        if self.liveness is None:
+            self._register()
+
+    def _lose_relay_id(self, lost: Liveness) -> None:
+        """The control session is gone, and the relay id's lock with it.  With batches
+        in flight the relay takes the id back (``_register``); the lost session's
+        backend, if the server still runs it, holds the lock: it is ended first
+        (``_end_predecessors``)."""
+        lost.stop(unregister=False)
+        self.liveness = None
+        if lost.control.backend is not None:
+            self._predecessors.append(lost.control.backend)
+        if self.batches.in_flight and self._reclaiming is None:
+            self._reclaiming = (lost.relay_id, time.monotonic())
+
+    def _register(self) -> None:
+        """Start beating: under the relay id lost with batches in flight if it can be
+        taken back (the hand-over: ``outbox.relay.batches``), else under a new one.
+
+        Taken back, the batches stay in flight: the ones published are finished by
+        their confirms and evidence, the ones in doubt looked up (``Batches.settle``),
+        and any a resolver finished meanwhile are let go (``Batches.resumed``).  Held
+        elsewhere (a resolver finishing its batches holds its hand-over lock), the
+        relay backs off and tries again, for ``relay_timeout`` at most: past that, a
+        resolver no longer waits for it (``resolver/decide.py``), and the relay
+        draws a new id, settling its batches by what it knows, as a relay did before.
+        """
+        s = self.settings
+        sessions = {
+            "interval": s.heartbeat_interval,
+            "connect_timeout": s.connect_timeout,
+            # A heartbeat that cannot commit in a fraction of relay_timeout is as
+            # good as none; bound it so the thread tries again.
+            "statement_timeout": min(s.statement_timeout, s.relay_timeout / 4),
+        }
+        if self._reclaiming is not None:
+            relay_id, since = self._reclaiming
+            self.liveness = Liveness.resume(relay_id, s.dsn, s.table, **sessions)
             if self.liveness is not None:
-                self.liveness.stop(unregister=False)
-                # Our relay id dies with the session, and resolvers may now finish
-                # its batches: settle them by what we know, keep none in flight.
-                self.batches.fail(None)
-            self.liveness = None
-            # A new control session gets a new relay id: the old session may still
-            # hold the old lock on the server until it notices it is dead.
-            self.liveness = Liveness.start(
-                s.dsn,
-                s.table,
-                interval=s.heartbeat_interval,
-                connect_timeout=s.connect_timeout,
-                # A heartbeat that cannot commit in a fraction of relay_timeout is
-                # as good as none; bound it so the thread tries again.
-                statement_timeout=min(s.statement_timeout, s.relay_timeout / 4),
-            )
-            self.relay_id = self.batches.relay_id = self.liveness.relay_id
-            self._next_resolve = 0.0  # resolve dead relays' batches right away
-            emit(log, "relay.registered", relay=self.relay_id)
+                self._reclaiming = None
+                emit(log, "relay.resumed", logging.WARNING, relay=relay_id)
+                self.batches.resumed()
+                self._next_resolve = 0.0
+                return
+            if time.monotonic() - since < s.relay_timeout:
+                raise DatabaseUnavailable(
+                    f"the relay id {relay_id} is held elsewhere",
+                    "a resolver is finishing its batches; the relay takes it back after",
+                )
+            self._reclaiming = None
+            emit(log, "relay.gave_up_relay_id", logging.WARNING, relay=relay_id)
+        # A new relay id: resolvers may finish the old id's batches (after a
+        # restart of the server, once it has been up relay_timeout): settle them by
+        # what we know, keep none in flight.  (With none in flight: nothing to keep.)
+        self.batches.fail(None)
+        self.liveness = Liveness.start(s.dsn, s.table, **sessions)
+        self.relay_id = self.batches.relay_id = self.liveness.relay_id
+        self._next_resolve = 0.0  # resolve dead relays' batches right away
+        emit(log, "relay.registered", relay=self.relay_id)
 
     def _end_predecessors(self, store: BatchStore) -> None:
         """End the work sessions this relay lost, before its batches in doubt are
@@ -372,9 +420,15 @@ class Relay:
         return self.stats
 
     def _drained(self) -> bool:
+        """Nothing claimable, and no batch that a relay may yet take back (its
+        session ended with the server) or that someone is finishing: their rows
+        come back if rolled back."""
         assert self.store is not None
-        self._resolve_dead_relays()
-        return not self.store.has_claimable_rows()
+        pending = any(
+            r.decision.owner is Owner.RECONNECTING or r.outcome == "held_elsewhere"
+            for r in self._resolve_dead_relays()
+        )
+        return not pending and not self.store.has_claimable_rows()
 
     def _maintain(self) -> None:
         now = time.monotonic()
@@ -382,14 +436,11 @@ class Relay:
             self._next_resolve = now + self.settings.resolve_interval
             self._resolve_dead_relays()
 
-    def _resolve_dead_relays(self) -> int:
+    def _resolve_dead_relays(self) -> list[Resolution]:
         assert self.store is not None
-        finished = 0
-        for resolution in resolve(self.store, self.settings):
-            if resolution.finished:
-                finished += 1
-        self.stats.batches_resolved += finished
-        return finished
+        resolutions = resolve(self.store, self.settings)
+        self.stats.batches_resolved += sum(1 for r in resolutions if r.finished)
+        return resolutions
 
     def _wait_for_work(self) -> None:
         """Sleep until a NOTIFY arrives or a poll finds rows (serving AMQP).
@@ -426,7 +477,7 @@ class Relay:
                 raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:
                 self._next_resolve = now + self.settings.resolve_interval
-                if self._resolve_dead_relays():
+                if any(r.finished for r in self._resolve_dead_relays()):
                     return  # rolled-back rows are claimable again, without a NOTIFY
             if now >= deadline:
                 # Also takes the lock if someone held it exclusively before.
@@ -462,8 +513,11 @@ class Relay:
 
         The heartbeat has its own thread and session (``outbox.relay.liveness``), so only
         a control session that cannot reach the server makes it old, never a slow
-        statement of this loop.
+        statement of this loop.  A control session just lost does not stop the
+        evidence: a ledger record is safe whoever finishes the batch (a resolver
+        commits from it; one that rolled back first only makes it unused), and
+        the relay, taking its id back, commits the batch from it (the hand-over).
         """
-        if self.liveness is None or self.liveness.lost:
+        if self.liveness is None:
             return False
         return self.liveness.age < self.settings.relay_timeout - self.settings.heartbeat_interval

@@ -100,6 +100,48 @@ def test_resolver__waits_for_live_relay_then_rolls_back_once_its_session_ends(
     check_delivery(settings.dsn, topology, committed, max_duplicates=0)
 
 
+def test_resolver__hand_over_lock_keeps_a_resolver_and_a_relay_taking_its_id_back_apart(
+    settings: Settings, topology: Topology, publisher: Publisher
+) -> None:
+    committed = insert_rows(settings.dsn, topology.exchange, 5)
+    relay_id = new_relay_id()
+    control = ControlSession(settings.dsn, "outbox", relay_id)
+    assert control.acquire()
+    gid, _ = prepare_batch(settings.dsn, relay_id, 1, 5)
+    control.close()  # its control session is gone; the process (say) lives on
+    wait_for(lambda: lock_gone(settings.dsn, relay_id), 10, "the lock to be released")
+
+    # The relay taking its id back holds the hand-over lock: no resolver acts.
+    holder = BatchStore(settings.dsn, "outbox")
+    try:
+        assert holder.take_handover(relay_id)
+        [held] = resolve_json(settings)
+        assert (held["owner"], held["action"], held["outcome"]) == (
+            "dead",
+            "wait",
+            "held_elsewhere",
+        )
+        assert prepared_left(settings.dsn) == [gid]
+        # And while a resolver holds it, the relay cannot take its id back.
+        blocked = ControlSession(settings.dsn, "outbox", relay_id)
+        assert not blocked.reclaim()
+        blocked.close()
+        holder.release_handover(relay_id)
+    finally:
+        holder.close()
+
+    back = ControlSession(settings.dsn, "outbox", relay_id)
+    assert back.reclaim()
+    [alive] = resolve_json(settings)
+    assert (alive["owner"], alive["action"], alive["outcome"]) == ("alive", "wait", "waiting")
+    back.close()  # gone for good this time (the server keeps running): dead at once
+    wait_for(lambda: lock_gone(settings.dsn, relay_id), 10, "the lock to be released")
+    [resolved] = resolve_json(settings)
+    assert (resolved["owner"], resolved["outcome"]) == ("dead", "rolled_back")
+    drain(settings)
+    check_delivery(settings.dsn, topology, committed, max_duplicates=0)
+
+
 def test_resolver__presumes_partitioned_relay_dead_after_relay_timeout(
     settings: Settings, topology: Topology, publisher: Publisher
 ) -> None:
