@@ -163,16 +163,18 @@ BOTTOM = -(2**63)
 LATE_MOST = 1_000
 
 
-# How often a session begins a pass of the safety net (``RescanPass``; an idle
-# relay claims for each slice).  Not the way late rows are found: a row below W
-# whose ``txid`` is not its inserting transaction's (an application that wrote the
-# column, NULL or copied with ``INSERT … SELECT *`` from a copy of the outbox) is
-# invisible to the sweep, and without it would wait below W for good (new sessions
-# start from the saved front).  Such a row waits at most this long and the pass.
+# How often a pass of the safety net begins (``RescanPass``; ``--rescan-interval``
+# sets it per relay), counted from when the last pass began, as saved with the front
+# (``NetState``): whatever the restarts, reconnects and number of relays.  Not the
+# way late rows are found: a row below W whose ``txid`` is not its inserting
+# transaction's (only possible with the stamping trigger of schema 0008 switched off,
+# or written before it) is invisible to the sweep, and without a pass would wait
+# below W for good.  Such a row waits at most this long and a pass (up to half of
+# it): 15 minutes by default, plus any time no relay runs.
 RESCAN_SECONDS = 600.0
 
 # A pass reads the outbox's heap in this many slices at most (more pages per slice
-# on a larger table), one claim carrying a slice every
+# on a larger table), a relay's claim carrying a slice every
 # RESCAN_SECONDS / (2 * RESCAN_SLICES) (1 s): a pass takes at most 5 minutes.
 RESCAN_SLICES = 300
 # And at least this many pages per slice (1 MB of 8 kB pages).
@@ -277,3 +279,76 @@ class RescanPass:
 def tid(page: int) -> str:
     """The first tuple id of a page, as ``tid`` text."""
     return f"({page},0)"
+
+
+@dataclasses.dataclass(frozen=True)
+class NetState:
+    """The safety net's schedule, as saved with the front in ``<table>_claim_front``
+    (schema 0008; module docstring, "The safety net"): the pass under way (its end,
+    the first page not yet read, when it began, the rows it found so far) and the
+    last whole pass (when it began, the rows it found).  Times are PostgreSQL's,
+    as text, and read back as ages (seconds before the read)."""
+
+    pass_end: int | None = None
+    pass_at: int = 0
+    pass_began: str | None = None
+    pass_found: int = 0
+    pass_age: float | None = None
+    last_pass_at: str | None = None
+    last_pass_found: int | None = None
+    last_pass_age: float | None = None
+
+    def rescan(self) -> RescanPass | None:
+        """The pass under way, from its next slice on."""
+        return None if self.pass_end is None else RescanPass(self.pass_end, self.pass_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceRead:
+    """A slice of a pass that a claim read: the pass (when it began), its pages
+    [first, last) and the rows below W it found that their txid did not reveal."""
+
+    pass_began: str
+    first: int
+    last: int
+    found: int
+
+
+def recorded(state: NetState, reads: tuple[SliceRead, ...]) -> NetState:
+    """The schedule once these slice reads are saved with the front that holds what
+    they found.  A read counts if it is the pass's next slice (another relay may
+    have read it first: it then counts once); the last slice ends the pass."""
+    for read in reads:
+        if (
+            state.pass_end is None
+            or read.pass_began != state.pass_began
+            or read.first != state.pass_at
+        ):
+            continue
+        found = state.pass_found + read.found
+        if read.last < state.pass_end:
+            state = dataclasses.replace(state, pass_at=read.last, pass_found=found)
+            continue
+        state = NetState(
+            last_pass_at=state.pass_began, last_pass_found=found, last_pass_age=state.pass_age
+        )
+    return state
+
+
+def begun(state: NetState, interval: float, pages: int, now: str) -> NetState:
+    """The schedule with a pass begun now over ``pages`` if none is under way and the
+    last one began at least ``interval`` seconds ago (or never)."""
+    if state.pass_end is not None:
+        return state
+    if state.last_pass_age is not None and state.last_pass_age < interval:
+        return state
+    return dataclasses.replace(
+        state, pass_end=pages, pass_at=0, pass_began=now, pass_found=0, pass_age=0.0
+    )
+
+
+def next_pass_in(state: NetState, interval: float) -> float:
+    """Seconds until a pass is due (0: one is under way, or due now)."""
+    if state.pass_end is not None or state.last_pass_age is None:
+        return 0.0
+    return max(0.0, interval - state.last_pass_age)
