@@ -746,6 +746,16 @@ class BatchStore(Session):
         claims look (``queries.sql``, ``front_rows``: from the front they saved)."""
         return self._from_front("backlog", "measuring the backlog")
 
+    def exact_backlog(self) -> Row:
+        """Every row in the outbox and the oldest one's age, by reading the whole table
+        (``outbox status --exact``): also the rows ``backlog`` cannot see (behind the
+        claim front, with a txid that is not their writer's), and every dead row a
+        held horizon keeps."""
+        with self._translated("counting every row of the outbox"):
+            row = self.conn.execute(self.queries["exact_backlog"]).fetchone()
+            assert row is not None
+            return row
+
     def _from_front(self, query: str, what: str, **params: Any) -> Row:
         """One row of ``query``, a statement over ``front_rows``, from the saved front
         (none: from the bottom), with the claim's planner settings: the plan must
