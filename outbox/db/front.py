@@ -97,9 +97,18 @@ saves its front only for the file its claims began on (``queries.sql``,
 while it ran) starts again from the bottom itself, rather than vouch for the new
 file with a front computed on the old one.
 
+Stamped txids (schema 0008).  A trigger sets ``txid`` to the writing transaction on
+every INSERT and UPDATE, whatever the statement wrote (a reload from a backup of the
+outbox with ``INSERT … SELECT *``, explicit values, ``COPY``; ENABLE ALWAYS, so in a
+logical replication apply worker too).  So a row that appears below W, whatever put
+it there, is found by the sweep of the first claim after its commit, and goes
+through the keyed window as a late row, ahead of the later rows of its key: per-key
+order holds for reloaded rows without any look per key (which would walk each key's
+dead index entries behind a held horizon).
+
 The safety net.  A row below W whose ``txid`` is not its inserting transaction's
-(the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a
-copy of the outbox) is invisible to the sweep.  Until schema 0007 the claims of a
+(written with the outbox's triggers off, ``pg_restore --disable-triggers``, or before
+schema 0008) is invisible to the sweep.  Until schema 0007 the claims of a
 session started from the bottom again every ``RESCAN_SECONDS``: one claim walked
 every dead row (what a new session's first claim cost), a latency spike every 10
 minutes per relay behind a held horizon.  Now a pass reads the outbox in slices,
@@ -118,6 +127,18 @@ heap when it began) in at most ``RESCAN_SLICES`` slices of at least
 on a page beyond that, or moved by an UPDATE across the slice being read, waits for
 the next pass.
 
+Its schedule is the table's (schema 0008, ``NetState``): the pass under way and the
+last whole pass are saved in the front's row.  A session follows it (read when it
+resumes and at each save): it begins a pass when none is under way and the last began
+``RESCAN_SECONDS`` ago (``begun``, under the row's lock: one relay begins it), reads
+the pass's next slice, and saves what the slice found (its late ids) with the front
+and the pass's progress in one transaction before its next claim (``recorded``): a
+slice counts only once its finds are saved, whichever relay saves the fresher front
+(late ids of both are kept).  Restarts, reconnects and relays side by side carry one
+pass on; two relays may read a slice twice, never skip one.  Bound: a row written at
+t is found by the first pass that begins after t, so within ``RESCAN_SECONDS`` and a
+pass (at most half of it), 15 minutes by default, plus time when no relay runs.
+
 Counting.  ``outbox status``, the metrics and the console's charts count the backlog
 where the claims look, from the saved front (``queries.sql``, ``front_rows``, composed
 into ``backlog``, ``metrics_snapshot`` and ``chart_sample``): the rows from W by the
@@ -125,7 +146,8 @@ primary key (the backlog, and the dead rows since the front was saved), the late
 and the rows inserted by transactions its snapshot did not see.  By the invariant that is
 every row that exists, but a row whose txid the application wrote, below W, until
 the safety net finds it (it is then a late id of a saved front).  Not an estimate:
-exact, to that exception.
+exact, to that exception, which ``outbox status`` states beside the count (when the
+last whole pass began, the rows it found; ``--exact`` counts every row).
 
 Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
 selects a batch's events between two tick snapshots: a range of txids from the
