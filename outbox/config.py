@@ -59,6 +59,7 @@ LIMITS: dict[str, Limit] = {
     "heartbeat_interval": Limit(0.05, DAY),
     "relay_timeout": Limit(0, 7 * DAY, above=True),
     "resolve_interval": Limit(0.05, DAY),
+    "rescan_interval": Limit(1, DAY),
     "ledger_clock_skew": Limit(0, DAY),
     "max_message_bytes": Limit(1, 512 * 1024 * 1024),  # RabbitMQ's own ceiling
     "backoff_initial": Limit(0.01, 3600),
@@ -106,6 +107,10 @@ class Settings:
     relay_timeout: float = 60.0
     # How often a relay resolves batches left by dead relays (seconds).
     resolve_interval: float = 30.0
+    # How often a pass of the safety net begins (seconds), counted from the last pass
+    # any relay began: it finds rows behind the claim front whose txid is not their
+    # writer's (``outbox.db.front``); such a row waits at most 1.5 times this.
+    rescan_interval: float = 600.0
     # How far before a batch's PREPARE the resolver starts reading the ledger, to
     # absorb clock skew between the PostgreSQL and RabbitMQ hosts (seconds).
     ledger_clock_skew: float = 300.0

@@ -1,6 +1,6 @@
 """The outbox's tables: which names a table may have, and the identifiers of the
 outbox table and its companions (relays, dead letters, schema version, saved claim
-front, trigger)."""
+front, triggers)."""
 
 from __future__ import annotations
 
@@ -28,4 +28,6 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "claim_front": sql.Identifier(f"{table}_claim_front"),
         "notify_function": sql.Identifier(f"{table}_notify"),
         "notify_trigger": sql.Identifier(f"{table}_notify"),
+        "stamp_function": sql.Identifier(f"{table}_stamp_txid"),
+        "stamp_trigger": sql.Identifier(f"{table}_stamp_txid"),
     }

@@ -250,6 +250,13 @@ def tuning_options(func: F) -> F:
                 help="Seconds between passes that resolve dead relays' batches.",
             ),
             env_option(
+                "--rescan-interval",
+                "OUTBOX_RESCAN_INTERVAL",
+                default=defaults.rescan_interval,
+                type=limited("rescan_interval"),
+                help="Seconds between passes of the safety net over the whole outbox.",
+            ),
+            env_option(
                 "--ledger-max-age",
                 "OUTBOX_LEDGER_MAX_AGE",
                 default=defaults.ledger_max_age,

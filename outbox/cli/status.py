@@ -26,6 +26,12 @@ from outbox.errors import ExitCode
 @operator_session_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option(
+    "--exact",
+    is_flag=True,
+    help="Count the backlog by reading every row of the outbox (slow behind a held "
+    "MVCC horizon): also rows the relays' claim front cannot see.",
+)
+@click.option(
     "--max-prepared-age",
     envvar="OUTBOX_MAX_PREPARED_AGE",
     show_envvar=True,
@@ -52,6 +58,7 @@ from outbox.errors import ExitCode
 @known_errors
 def status(
     as_json: bool,
+    exact: bool,
     max_prepared_age: float,
     max_backlog_age: float,
     max_horizon_age: float,
@@ -66,6 +73,7 @@ def status(
     settings = settings_from(**options)
     report = collect(
         settings,
+        exact=exact,
         max_prepared_age=max_prepared_age,
         max_backlog_age=max_backlog_age,
         max_horizon_age=max_horizon_age,

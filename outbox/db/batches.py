@@ -36,8 +36,13 @@ from outbox.db.front import (
     SAVE_SECONDS,
     ClaimFront,
     Cluster,
+    NetState,
     RescanPass,
     SavedFront,
+    SliceRead,
+    begun,
+    next_pass_in,
+    recorded,
     resumed,
     tid,
 )
@@ -174,6 +179,51 @@ def dead_letter_params(letter: DeadLetter, gid: str) -> dict[str, Any]:
     }
 
 
+def net_state(row: Row) -> NetState:
+    """The safety net's schedule in a row of ``saved_front`` or ``locked_front``."""
+    return NetState(
+        pass_end=row["pass_end"],
+        pass_at=row["pass_at"] or 0,
+        pass_began=row["pass_began"],
+        pass_found=row["pass_found"] or 0,
+        pass_age=row["pass_age"],
+        last_pass_at=row["last_pass_at"],
+        last_pass_found=row["last_pass_found"],
+        last_pass_age=row["last_pass_age"],
+    )
+
+
+def net_params(net: NetState) -> dict[str, Any]:
+    return {
+        "pass_end": None if net.pass_end is None else Int8(net.pass_end),
+        "pass_at": Int8(net.pass_at),
+        "pass_began": net.pass_began,
+        "pass_found": Int8(net.pass_found),
+        "last_pass_at": net.last_pass_at,
+        "last_pass_found": None if net.last_pass_found is None else Int8(net.last_pass_found),
+    }
+
+
+def chosen_front(
+    saved: ClaimFront | None, saved_xmax: int | None, session: ClaimFront
+) -> ClaimFront | None:
+    """The front to save: the session's if it is fresher than the one saved on this
+    cluster, timeline and file (``saved``, None: none, or saved elsewhere), else the
+    one saved (which keeps its row: the session's late ids join it); None: neither
+    is a front to save."""
+    usable = session.low_water is not None and session.seen is not None
+    if saved is None:
+        return session if usable else None
+    if not usable or saved_xmax is None:
+        return saved
+    return session if snapshot_xmax(session.seen) > saved_xmax else saved
+
+
+def snapshot_xmax(snapshot: str | None) -> int:
+    """The xmax of a ``pg_snapshot`` in its text form (``xmin:xmax:xip,…``)."""
+    return int(snapshot.split(":")[1]) if snapshot else 0
+
+
 class BatchStore(Session):
     """Claims, prepares and finishes batches on the relay's work connection."""
 
@@ -188,9 +238,12 @@ class BatchStore(Session):
         lock_timeout: float | None = None,
         note_backend: bool = False,
         client_deadline: bool = False,
+        rescan_seconds: float | None = None,
     ) -> None:
-        """``note_backend``: look up and keep this session's backend (``backend``), for
-        ending it should the connection be lost (the relay's work session); one round
+        """``rescan_seconds``: how often a pass of the safety net begins, at most
+        (``outbox.db.front.RESCAN_SECONDS`` by default).  ``note_backend``: look up
+        and keep this session's backend (``backend``), for ending it should the
+        connection be lost (the relay's work session); one round
         trip, which ``outbox resolve``, ``status`` and the console do not need.
         ``client_deadline``: see ``outbox.db.session.connect`` (``resolve``, ``status``
         and the console; not the relay)."""
@@ -219,12 +272,16 @@ class BatchStore(Session):
         self.save_seconds = SAVE_SECONDS
         self._save_at = time.monotonic() + self.save_seconds
         self._saved = ClaimFront()
-        # The safety net (``rescan_due``): when its next pass begins, the pass under
-        # way, when its next slice is due.
-        self.rescan_seconds = RESCAN_SECONDS
+        # The safety net (``rescan_due``): its schedule as last saved or read
+        # (``net``, the table's, shared by every relay), when this session next
+        # looks whether a pass is due, the pass under way as far as this session
+        # knows, when its next slice is due, and the slices read since the last save.
+        self.rescan_seconds = RESCAN_SECONDS if rescan_seconds is None else rescan_seconds
+        self.net = NetState()
         self._rescan_at = time.monotonic() + self.rescan_seconds
         self.rescan: RescanPass | None = None
         self._slice_at = 0.0
+        self._reads: list[SliceRead] = []
         if not note_backend:
             return
         try:
@@ -313,9 +370,8 @@ class BatchStore(Session):
             self.front = self.saved_front(resuming=True)
             self._resumed = True
         elif self.rescan is None and time.monotonic() >= self._rescan_at:
-            self.rescan = RescanPass(self.heap_pages())
-            self._rescan_at = time.monotonic() + self.rescan_seconds
-        elif time.monotonic() >= self._save_at:
+            self.save_front(begin_pass=True)
+        elif self._reads or time.monotonic() >= self._save_at:
             self.save_front()
         sliced = self.rescan is not None and time.monotonic() >= self._slice_at
         params = self.claim_params(limit, max_bytes, hold_keys=hold_keys, own=own, sliced=sliced)
@@ -332,10 +388,15 @@ class BatchStore(Session):
                 cur.execute(statement, params)
             rows, front = claimed_rows(self.conn, cur)
         if front is not None:
-            self.front = self.front.after(*front)
-        if sliced and self.rescan is not None:
-            self.rescan = self.rescan.after()
-            self._slice_at = time.monotonic() + self.rescan_seconds / (2 * RESCAN_SLICES)
+            low_water, late, seen, found = front
+            self.front = self.front.after(low_water, late, seen)
+            if sliced and self.rescan is not None and self.net.pass_began is not None:
+                # Saved, with the front that holds what it found, before the next
+                # claim (``save_front``): only then does the pass count it read.
+                first, last = self.rescan.slice()
+                self._reads.append(SliceRead(self.net.pass_began, first, last, found or 0))
+                self.rescan = self.rescan.after()
+                self._slice_at = time.monotonic() + self.rescan_seconds / (2 * RESCAN_SLICES)
         return rows
 
     def heap_pages(self) -> int:
@@ -365,6 +426,13 @@ class BatchStore(Session):
             row["here_filenode"],
             row["here_xmax"],
         )
+        if row["seen"] is not None:
+            # The schedule of the safety net belongs to the file it read.
+            place = (row["system_identifier"], row["timeline"], row["filenode"])
+            here_place = (here.system_identifier, here.timeline, here.filenode)
+            self.net = net_state(row) if place == here_place else NetState()
+        if resuming:
+            self._schedule(self.net if row["seen"] is not None else None)
         saved = None
         if row["seen"] is not None:
             saved = SavedFront(
@@ -375,25 +443,86 @@ class BatchStore(Session):
             )
         return resumed(saved, here)
 
-    def save_front(self) -> None:
-        """Save this session's front for the sessions after it (``outbox.db.front``),
-        unless a fresher one is saved; outside any claim (autocommit).  A front from
-        the bottom, or the one saved last, is not saved again."""
+    def save_front(self, *, begin_pass: bool = False) -> None:
+        """Save this session's front and the slices of the safety net it read since
+        (``outbox.db.front``), and with ``begin_pass`` begin a pass if one is due;
+        then follow the schedule saved (``net``): another relay's pass, or its
+        slices.  In a transaction of its own that locks the saved row, outside any
+        claim (autocommit).  The front saved is the fresher of this session's and
+        the one saved (by the xmax of its snapshot), with the late ids of both: a
+        slice's finds stay saved whichever relay saves next.
+
+        Crash right after: saved, or not at all (the slices are then read again)."""
         self._save_at = time.monotonic() + self.save_seconds
-        front = self.front
-        if front.low_water is None or front.seen is None or front == self._saved:
+        front, reads = self.front, tuple(self._reads)
+        if front == self._saved and not reads and not begin_pass:
             return
-        params = {**front.params(), "table": self.table, "filenode": Int8(self._filenode or 0)}
-        with self._translated("saving the claim front"):
-            row = self.conn.execute(self.queries["save_front"], params).fetchone()
-        filenode = row["filenode"] if row else None
-        if filenode != self._filenode:
-            # The outbox was rewritten (truncated and reloaded, restored, VACUUM
-            # FULL) since this session's claims began: its rows may hold txids from
-            # elsewhere, below W.  Walk from the bottom once, as a new session would.
-            self.front, self._saved, self._filenode = ClaimFront(), ClaimFront(), filenode
-            return
+        with self._translated("saving the claim front"), self.conn.transaction():
+            self.conn.execute(PINNED_CLAIM_PLAN)
+            params = {"table": self.table}
+            row = self.conn.execute(self.queries["locked_front"], params).fetchone()
+            if row is None:
+                row = self.conn.execute(self.queries["here"], params).fetchone()
+                assert row is not None
+            if row["here_filenode"] != self._filenode:
+                # The outbox was rewritten (truncated and reloaded, restored, VACUUM
+                # FULL) since this session's claims began: its rows may hold txids
+                # from elsewhere, below W.  Walk from the bottom once, as a new
+                # session would, and save nothing for a file it did not begin on.
+                self.front, self._saved = ClaimFront(), ClaimFront()
+                self._filenode = row["here_filenode"]
+                self._reads.clear()
+                self.rescan = None
+                self._rescan_at = time.monotonic()
+                return
+            place = (row["here_system_identifier"], row["here_timeline"], row["here_filenode"])
+            same = row.get("seen") is not None and place == (
+                row["system_identifier"],
+                row["timeline"],
+                row["filenode"],
+            )
+            net = recorded(net_state(row), reads) if same else NetState()
+            if begin_pass:
+                net = begun(net, self.rescan_seconds, row["pages"], row["now"])
+            saved = ClaimFront(row["low_water"], tuple(row["late"]), row["seen"]) if same else None
+            chosen = chosen_front(saved, row.get("seen_xmax"), front)
+            if chosen is not None:
+                self.conn.execute(
+                    self.queries["write_front"],
+                    {
+                        **chosen.params(),
+                        "late": sorted({*chosen.late, *front.late, *(saved.late if saved else ())}),
+                        "system_identifier": row["here_system_identifier"],
+                        "timeline": row["here_timeline"],
+                        "filenode": Int8(row["here_filenode"]),
+                        **net_params(net),
+                    },
+                )
+            else:
+                net = NetState() if not same else net_state(row)
         self._saved = front
+        self._reads.clear()
+        self._schedule(net if chosen is not None or same else None)
+
+    def _schedule(self, net: NetState | None) -> None:
+        """Follow the safety net's schedule as saved (None: no front is saved: look
+        again in ``rescan_seconds``)."""
+        now = time.monotonic()
+        if net is None:
+            self.net, self.rescan = NetState(), None
+            self._rescan_at = now + self.rescan_seconds
+            return
+        self.net = net
+        under_way = net.rescan()
+        if under_way is None:
+            self.rescan = None
+            self._rescan_at = now + next_pass_in(net, self.rescan_seconds)
+        elif self.rescan is None or (self.rescan.end, self.rescan.at) != (
+            under_way.end,
+            under_way.at,
+        ):
+            self.rescan = under_way
+            self._slice_at = min(self._slice_at, now)
 
     def claim_params(
         self,
@@ -538,10 +667,11 @@ class BatchStore(Session):
             ) from exc
 
     def rescan_due(self) -> bool:
-        """Whether the next claim begins a pass of the safety net or reads its next
-        slice (``outbox.db.front.RescanPass``: a pass every ``rescan_seconds``, a
-        slice every ``rescan_seconds / (2 * RESCAN_SLICES)``; a row whose txid the
-        application wrote is found within that time).  An idle relay claims once
+        """Whether the next claim may begin a pass of the safety net or reads its
+        next slice (``outbox.db.front.RescanPass``: a pass every ``rescan_seconds``
+        counted from when the last one began, whichever relay ran it, a slice every
+        ``rescan_seconds / (2 * RESCAN_SLICES)``; a row whose txid is not its
+        writer's is found within that time).  An idle relay claims once
         when it is due (``Relay._wait_for_work``): its polls look only where its
         claims do."""
         if self.rescan is None:
@@ -634,6 +764,16 @@ class BatchStore(Session):
         """Rows in the outbox and the oldest one's age, counted where the relays'
         claims look (``queries.sql``, ``front_rows``: from the front they saved)."""
         return self._from_front("backlog", "measuring the backlog")
+
+    def exact_backlog(self) -> Row:
+        """Every row in the outbox and the oldest one's age, by reading the whole table
+        (``outbox status --exact``): also the rows ``backlog`` cannot see (behind the
+        claim front, with a txid that is not their writer's), and every dead row a
+        held horizon keeps."""
+        with self._translated("counting every row of the outbox"):
+            row = self.conn.execute(self.queries["exact_backlog"]).fetchone()
+            assert row is not None
+            return row
 
     def _from_front(self, query: str, what: str, **params: Any) -> Row:
         """One row of ``query``, a statement over ``front_rows``, from the saved front

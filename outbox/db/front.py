@@ -97,9 +97,18 @@ saves its front only for the file its claims began on (``queries.sql``,
 while it ran) starts again from the bottom itself, rather than vouch for the new
 file with a front computed on the old one.
 
+Stamped txids (schema 0008).  A trigger sets ``txid`` to the writing transaction on
+every INSERT and UPDATE, whatever the statement wrote (a reload from a backup of the
+outbox with ``INSERT … SELECT *``, explicit values, ``COPY``; ENABLE ALWAYS, so in a
+logical replication apply worker too).  So a row that appears below W, whatever put
+it there, is found by the sweep of the first claim after its commit, and goes
+through the keyed window as a late row, ahead of the later rows of its key: per-key
+order holds for reloaded rows without any look per key (which would walk each key's
+dead index entries behind a held horizon).
+
 The safety net.  A row below W whose ``txid`` is not its inserting transaction's
-(the application wrote the column: NULL, or copied by ``INSERT … SELECT *`` from a
-copy of the outbox) is invisible to the sweep.  Until schema 0007 the claims of a
+(written with the outbox's triggers off, ``pg_restore --disable-triggers``, or before
+schema 0008) is invisible to the sweep.  Until schema 0007 the claims of a
 session started from the bottom again every ``RESCAN_SECONDS``: one claim walked
 every dead row (what a new session's first claim cost), a latency spike every 10
 minutes per relay behind a held horizon.  Now a pass reads the outbox in slices,
@@ -118,6 +127,18 @@ heap when it began) in at most ``RESCAN_SLICES`` slices of at least
 on a page beyond that, or moved by an UPDATE across the slice being read, waits for
 the next pass.
 
+Its schedule is the table's (schema 0008, ``NetState``): the pass under way and the
+last whole pass are saved in the front's row.  A session follows it (read when it
+resumes and at each save): it begins a pass when none is under way and the last began
+``RESCAN_SECONDS`` ago (``begun``, under the row's lock: one relay begins it), reads
+the pass's next slice, and saves what the slice found (its late ids) with the front
+and the pass's progress in one transaction before its next claim (``recorded``): a
+slice counts only once its finds are saved, whichever relay saves the fresher front
+(late ids of both are kept).  Restarts, reconnects and relays side by side carry one
+pass on; two relays may read a slice twice, never skip one.  Bound: a row written at
+t is found by the first pass that begins after t, so within ``RESCAN_SECONDS`` and a
+pass (at most half of it), 15 minutes by default, plus time when no relay runs.
+
 Counting.  ``outbox status``, the metrics and the console's charts count the backlog
 where the claims look, from the saved front (``queries.sql``, ``front_rows``, composed
 into ``backlog``, ``metrics_snapshot`` and ``chart_sample``): the rows from W by the
@@ -125,7 +146,8 @@ primary key (the backlog, and the dead rows since the front was saved), the late
 and the rows inserted by transactions its snapshot did not see.  By the invariant that is
 every row that exists, but a row whose txid the application wrote, below W, until
 the safety net finds it (it is then a late id of a saved front).  Not an estimate:
-exact, to that exception.
+exact, to that exception, which ``outbox status`` states beside the count (when the
+last whole pass began, the rows it found; ``--exact`` counts every row).
 
 Where it comes from: the sweep is how PgQ (Skype's skytools, ``pgq.batch_event_sql``)
 selects a batch's events between two tick snapshots: a range of txids from the
@@ -163,16 +185,18 @@ BOTTOM = -(2**63)
 LATE_MOST = 1_000
 
 
-# How often a session begins a pass of the safety net (``RescanPass``; an idle
-# relay claims for each slice).  Not the way late rows are found: a row below W
-# whose ``txid`` is not its inserting transaction's (an application that wrote the
-# column, NULL or copied with ``INSERT … SELECT *`` from a copy of the outbox) is
-# invisible to the sweep, and without it would wait below W for good (new sessions
-# start from the saved front).  Such a row waits at most this long and the pass.
+# How often a pass of the safety net begins (``RescanPass``; ``--rescan-interval``
+# sets it per relay), counted from when the last pass began, as saved with the front
+# (``NetState``): whatever the restarts, reconnects and number of relays.  Not the
+# way late rows are found: a row below W whose ``txid`` is not its inserting
+# transaction's (only possible with the stamping trigger of schema 0008 switched off,
+# or written before it) is invisible to the sweep, and without a pass would wait
+# below W for good.  Such a row waits at most this long and a pass (up to half of
+# it): 15 minutes by default, plus any time no relay runs.
 RESCAN_SECONDS = 600.0
 
 # A pass reads the outbox's heap in this many slices at most (more pages per slice
-# on a larger table), one claim carrying a slice every
+# on a larger table), a relay's claim carrying a slice every
 # RESCAN_SECONDS / (2 * RESCAN_SLICES) (1 s): a pass takes at most 5 minutes.
 RESCAN_SLICES = 300
 # And at least this many pages per slice (1 MB of 8 kB pages).
@@ -277,3 +301,76 @@ class RescanPass:
 def tid(page: int) -> str:
     """The first tuple id of a page, as ``tid`` text."""
     return f"({page},0)"
+
+
+@dataclasses.dataclass(frozen=True)
+class NetState:
+    """The safety net's schedule, as saved with the front in ``<table>_claim_front``
+    (schema 0008; module docstring, "The safety net"): the pass under way (its end,
+    the first page not yet read, when it began, the rows it found so far) and the
+    last whole pass (when it began, the rows it found).  Times are PostgreSQL's,
+    as text, and read back as ages (seconds before the read)."""
+
+    pass_end: int | None = None
+    pass_at: int = 0
+    pass_began: str | None = None
+    pass_found: int = 0
+    pass_age: float | None = None
+    last_pass_at: str | None = None
+    last_pass_found: int | None = None
+    last_pass_age: float | None = None
+
+    def rescan(self) -> RescanPass | None:
+        """The pass under way, from its next slice on."""
+        return None if self.pass_end is None else RescanPass(self.pass_end, self.pass_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceRead:
+    """A slice of a pass that a claim read: the pass (when it began), its pages
+    [first, last) and the rows below W it found that their txid did not reveal."""
+
+    pass_began: str
+    first: int
+    last: int
+    found: int
+
+
+def recorded(state: NetState, reads: tuple[SliceRead, ...]) -> NetState:
+    """The schedule once these slice reads are saved with the front that holds what
+    they found.  A read counts if it is the pass's next slice (another relay may
+    have read it first: it then counts once); the last slice ends the pass."""
+    for read in reads:
+        if (
+            state.pass_end is None
+            or read.pass_began != state.pass_began
+            or read.first != state.pass_at
+        ):
+            continue
+        found = state.pass_found + read.found
+        if read.last < state.pass_end:
+            state = dataclasses.replace(state, pass_at=read.last, pass_found=found)
+            continue
+        state = NetState(
+            last_pass_at=state.pass_began, last_pass_found=found, last_pass_age=state.pass_age
+        )
+    return state
+
+
+def begun(state: NetState, interval: float, pages: int, now: str) -> NetState:
+    """The schedule with a pass begun now over ``pages`` if none is under way and the
+    last one began at least ``interval`` seconds ago (or never)."""
+    if state.pass_end is not None:
+        return state
+    if state.last_pass_age is not None and state.last_pass_age < interval:
+        return state
+    return dataclasses.replace(
+        state, pass_end=pages, pass_at=0, pass_began=now, pass_found=0, pass_age=0.0
+    )
+
+
+def next_pass_in(state: NetState, interval: float) -> float:
+    """Seconds until a pass is due (0: one is under way, or due now)."""
+    if state.pass_end is not None or state.last_pass_age is None:
+        return 0.0
+    return max(0.0, interval - state.last_pass_age)

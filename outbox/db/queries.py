@@ -43,7 +43,8 @@ class Queries:
         # ``{front_rows}``: the rows where the claims look, in backlog;
         # ``{backlog}``: the backlog counted over them, in chart_sample and metrics_snapshot.
         # ``{front_rows_saved}``: the same rows with the front read in the statement
-        # (its CTE ``front``), in scaler_backlog, which takes no parameter.
+        # (its CTE ``front``), in scaler_backlog, which takes no parameter;
+        # ``{net_columns}``: the safety net's schedule, in saved_front and locked_front.
         front_rows = sql.SQL(raw["front_rows"]).format(**ids)
         front_rows_saved = raw["front_rows"]
         for name in ("low_water", "late", "seen"):
@@ -57,6 +58,7 @@ class Queries:
             "front_rows": front_rows,
             "front_rows_saved": sql.SQL(front_rows_saved).format(**ids),
             "backlog": sql.SQL(raw["backlog"]).format(**ids, front_rows=front_rows),
+            "net_columns": sql.SQL(raw["net_columns"]),
         }
         self._composed = {name: sql.SQL(body).format(**parts) for name, body in raw.items()}
 

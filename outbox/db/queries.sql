@@ -32,8 +32,10 @@
 -- front start there (none when it is NULL: no row at or after W is visible).
 -- The last row of the result is not a row but the next front (`id` NULL): the
 -- smallest id visible now at or after W (`start`), the late ids that still
--- exist (claimed now included: a batch rolled back puts them back) and this
--- statement's snapshot.  Every part of the statement sees the one snapshot it
+-- exist (claimed now included: a batch rolled back puts them back), this
+-- statement's snapshot, and `found`: the rows below W of the slice that only the
+-- slice revealed (neither late already nor found by their txid: rows whose txid
+-- is not their writer's), for the safety net's record (``front.NetState``).  Every part of the statement sees the one snapshot it
 -- was started with, from before its own delete.
 --
 -- The locking sub-selects are MATERIALIZED CTEs inside one ARRAY(…) InitPlan:
@@ -181,14 +183,17 @@ WITH committed_since AS MATERIALIZED (
 )
 SELECT id, message_id, exchange, routing_key, payload, headers, content_type, created_at,
        ordering_key, held_by,
-       NULL::bigint AS low_water, NULL::bigint[] AS late, NULL::text AS seen
+       NULL::bigint AS low_water, NULL::bigint[] AS late, NULL::text AS seen, NULL::bigint AS found
 FROM claimed
 UNION ALL
 SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::bytea, NULL::jsonb, NULL::text,
        NULL::timestamptz, NULL::text, NULL::bigint,
        (SELECT id FROM start),
        ARRAY (SELECT id FROM late ORDER BY id),
-       pg_current_snapshot()::text
+       pg_current_snapshot()::text,
+       (SELECT count(*) FROM sliced
+        WHERE id < %(low_water)s AND id NOT IN (SELECT unnest(%(late)s::bigint[]))
+          AND id NOT IN (SELECT id FROM committed_since))
 
 -- has_claimable_rows --
 -- Any row nobody holds, where the claim looks (``claim_batch``): from W, the late
@@ -218,45 +223,90 @@ SELECT coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
 -- with where it was computed, and where this session runs: the cluster, its
 -- timeline, the outbox table's file and the xmax of a snapshot taken now.  A new
 -- session starts from it only if it is this cluster's, on this timeline, for this
--- table's file, and not ahead (``front.resumed``).
+-- table's file, and not ahead (``front.resumed``).  And the safety net's schedule
+-- saved with it (``net_columns``, ``front.NetState``).
 SELECT s.system_identifier AS here_system_identifier, c.timeline_id AS here_timeline,
        pg_relation_filenode(to_regclass(%(table)s))::bigint AS here_filenode,
        pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS here_xmax,
        f.low_water, f.late, f.seen::text AS seen, f.system_identifier, f.timeline,
-       f.filenode::bigint AS filenode, pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax
+       f.filenode::bigint AS filenode, pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax,
+       {net_columns}
 FROM pg_control_system() AS s
 CROSS JOIN pg_control_checkpoint() AS c
 LEFT JOIN {claim_front} AS f ON true
 
--- save_front --
--- Save a session's front, with where it was computed, unless the one saved is
--- fresher (its snapshot's xmax higher) on the same cluster and timeline: every
--- saved front is valid, a fresher one costs a new session less.  In autocommit,
--- never inside a claim (a claim is prepared, and the row lock would then be held
--- until its COMMIT PREPARED, serialising the relays).
--- Only if the outbox's file is still %(filenode)s, the one the session's claims
--- began on: a table rewritten since (truncated and reloaded from a copy, whose
--- rows keep its txids) must not be vouched for by a front computed on the old
--- file.  Returns the file now; the session starts again from the bottom if it
--- changed (``BatchStore.save_front``).
-WITH here AS MATERIALIZED (
-    SELECT pg_relation_filenode(to_regclass(%(table)s)) AS filenode
-), saved AS (
-    INSERT INTO {claim_front} AS f
-        (low_water, late, seen, system_identifier, timeline, filenode)
-    SELECT %(low_water)s, %(late)s::bigint[], %(seen)s::pg_snapshot, s.system_identifier,
-           c.timeline_id, h.filenode
-    FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c CROSS JOIN here AS h
-    WHERE h.filenode = %(filenode)s::bigint::oid
-    ON CONFLICT (slot) DO UPDATE
-    SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
-        system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
-        filenode = EXCLUDED.filenode, saved_at = now()
-    WHERE (f.system_identifier, f.timeline, f.filenode)
-          IS DISTINCT FROM (EXCLUDED.system_identifier, EXCLUDED.timeline, EXCLUDED.filenode)
-       OR pg_snapshot_xmax(f.seen) < pg_snapshot_xmax(EXCLUDED.seen)
-)
-SELECT filenode::bigint AS filenode FROM here
+-- net_columns --
+-- The safety net's schedule as saved with the front (``front.NetState``; schema
+-- 0008), its times as text and as ages; composed into ``saved_front`` and
+-- ``locked_front`` over the row `f`.
+f.pass_end, f.pass_at, f.pass_began_at::text AS pass_began, f.pass_found,
+extract(epoch FROM now() - f.pass_began_at)::float8 AS pass_age,
+f.last_pass_at::text AS last_pass_at, f.last_pass_found,
+extract(epoch FROM now() - f.last_pass_at)::float8 AS last_pass_age
+
+-- locked_front --
+-- The saved front's row, locked until this session's save commits
+-- (``BatchStore.save_front``), with where it was computed and where this session
+-- runs now, the outbox's heap pages (a pass begun now reads them) and the time now
+-- (when such a pass began).  No row: none was saved yet.  In a transaction of its
+-- own, never inside a claim (a claim is prepared: the lock would be held until its
+-- COMMIT PREPARED, serialising the relays).
+SELECT f.low_water, f.late, f.seen::text AS seen, f.system_identifier, f.timeline,
+       f.filenode::bigint AS filenode, pg_snapshot_xmax(f.seen)::text::bigint AS seen_xmax,
+       {net_columns},
+       pg_relation_filenode(to_regclass(%(table)s))::bigint AS here_filenode,
+       s.system_identifier AS here_system_identifier, c.timeline_id AS here_timeline,
+       coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
+           / current_setting('block_size')::bigint AS pages,
+       now()::text AS now
+FROM {claim_front} AS f
+CROSS JOIN pg_control_system() AS s
+CROSS JOIN pg_control_checkpoint() AS c
+FOR UPDATE OF f
+
+-- here --
+-- Where this session runs now (``locked_front`` found no saved front).
+SELECT pg_relation_filenode(to_regclass(%(table)s))::bigint AS here_filenode,
+       s.system_identifier AS here_system_identifier, c.timeline_id AS here_timeline,
+       coalesce(pg_relation_size(to_regclass(%(table)s)), 0)
+           / current_setting('block_size')::bigint AS pages,
+       now()::text AS now
+FROM pg_control_system() AS s CROSS JOIN pg_control_checkpoint() AS c
+
+-- write_front --
+-- Save a front and the safety net's schedule (``BatchStore.save_front`` decided
+-- them under ``locked_front``'s lock): the row if there is none, else replaced.
+-- The late ids are those of both fronts that still exist below the W saved (a
+-- slice's finds stay saved whichever relay's front is fresher; ids gone are
+-- dropped so the list does not grow), looked up by id under the claim's planner
+-- settings (never a scan of the dead rows).
+INSERT INTO {claim_front} AS f
+    (low_water, late, seen, system_identifier, timeline, filenode, saved_at,
+     pass_end, pass_at, pass_began_at, pass_found, last_pass_at, last_pass_found)
+VALUES (
+    %(low_water)s,
+    ARRAY (SELECT id FROM {outbox}
+           WHERE id = ANY (%(late)s::bigint[]) AND id < %(low_water)s ORDER BY id),
+    %(seen)s::pg_snapshot, %(system_identifier)s, %(timeline)s, %(filenode)s::bigint::oid, now(),
+    %(pass_end)s, %(pass_at)s, %(pass_began)s::timestamptz, %(pass_found)s,
+    %(last_pass_at)s::timestamptz, %(last_pass_found)s)
+ON CONFLICT (slot) DO UPDATE
+SET low_water = EXCLUDED.low_water, late = EXCLUDED.late, seen = EXCLUDED.seen,
+    system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
+    filenode = EXCLUDED.filenode, saved_at = EXCLUDED.saved_at, pass_end = EXCLUDED.pass_end,
+    pass_at = EXCLUDED.pass_at, pass_began_at = EXCLUDED.pass_began_at,
+    pass_found = EXCLUDED.pass_found, last_pass_at = EXCLUDED.last_pass_at,
+    last_pass_found = EXCLUDED.last_pass_found
+
+-- exact_backlog --
+-- Every row of the outbox, counted by reading the whole table (``outbox status
+-- --exact``): the rows the cheap count (``backlog``) cannot see are included, and so
+-- is every dead row a held horizon keeps (a scan of the table: seconds on a large
+-- one, on demand only).
+SELECT count(*) AS rows,
+       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE isfinite(created_at))),
+                0)::float8 AS oldest_age_seconds
+FROM {outbox}
 
 -- record_dead_letters --
 -- Keyed by the outbox row's id: rows sharing a message_id stay separate dead

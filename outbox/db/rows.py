@@ -41,7 +41,7 @@ CLAIM_COLUMNS = (
 )
 # The columns of the claim's last record, which is not a row but where the next
 # claim starts (``outbox.db.front``); NULL in the rows' records.
-FRONT_COLUMNS = ("low_water", "late", "seen")
+FRONT_COLUMNS = ("low_water", "late", "seen", "found")
 _CLAIM_NAMES = tuple(name.encode() for name in (*CLAIM_COLUMNS, *FRONT_COLUMNS))
 # The columns of the claim whose types ``claim_cursor`` loads tolerantly
 # (timestamptz, jsonb): the only ones that can hold a value Python could not load.
@@ -72,9 +72,9 @@ def claimed_rows(
     front = None
     for record in cur.fetchall():
         (id_, message_id, exchange, routing_key, payload, headers, content_type, created_at,
-         ordering_key, held_by, low_water, late, seen) = record  # fmt: skip
+         ordering_key, held_by, low_water, late, seen, found) = record  # fmt: skip
         if id_ is None:
-            front = (low_water, late, seen)
+            front = (low_water, late, seen, found)
             continue
         if type(headers) is _Unloaded or type(created_at) is _Unloaded:
             rows.append(_partly_loaded(conn, record[: len(CLAIM_COLUMNS)]))

@@ -31,6 +31,13 @@ class Observation:
     dead_letter_ordering_keys: int
     replication_warning: str | None
     horizon: Horizon | None = None
+    # The backlog counted by reading every row (``--exact``), or where the claims look.
+    backlog_exact: bool = False
+    # The safety net (``outbox.db.front.NetState``): how long ago its last full pass
+    # began and how many rows it found that the cheap count could not see (None: no
+    # full pass yet).
+    last_full_pass_age_seconds: float | None = None
+    last_full_pass_found_rows: int | None = None
 
     @property
     def oldest_prepared_age_seconds(self) -> float:
@@ -56,8 +63,9 @@ def open_reader(settings: Settings, application_name: str = "outbox-status") -> 
     )
 
 
-def read(settings: Settings) -> Observation:
-    """Every query ``status`` needs, on one short session; no judgement here."""
+def read(settings: Settings, *, exact: bool = False) -> Observation:
+    """Every query ``status`` needs, on one short session; no judgement here.
+    ``exact``: count the backlog by reading every row of the outbox."""
     store = open_reader(settings)
     try:
         store.check_privileges(privileges.STATUS, "outbox status")
@@ -65,7 +73,12 @@ def read(settings: Settings) -> Observation:
         if version is None:
             store.check_ready()  # raises SchemaNotReady with the hint
         migrate.refuse_newer(version, settings.table)
-        backlog = store.backlog()
+        if exact:
+            backlog = store.exact_backlog()
+            store.saved_front()  # the safety net's record, read with the front
+        else:
+            backlog = store.backlog()
+        net = store.net
         ours: list[dict[str, Any]] = []
         foreign: list[dict[str, Any]] = []
         for batch in store.prepared_batches():
@@ -105,6 +118,11 @@ def read(settings: Settings) -> Observation:
         dead_letter_ordering_keys=dead_keys,
         replication_warning=unsafe,
         horizon=horizon,
+        backlog_exact=exact,
+        last_full_pass_age_seconds=None
+        if net.last_pass_age is None
+        else round(net.last_pass_age, 3),
+        last_full_pass_found_rows=net.last_pass_found,
     )
 
 
@@ -217,6 +235,12 @@ def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
         "schema_version": seen.schema_version,
         "backlog_rows": seen.backlog_rows,
         "oldest_row_age_seconds": seen.oldest_row_age_seconds,
+        # "exact": every row read (--exact); "claim front": counted where the relays'
+        # claims look, which misses a row behind the front whose txid is not its
+        # writer's until a full pass of the safety net finds it.
+        "backlog_counted": "exact" if seen.backlog_exact else "claim front",
+        "last_full_pass_age_seconds": seen.last_full_pass_age_seconds,
+        "last_full_pass_found_rows": seen.last_full_pass_found_rows,
         "prepared_batches": seen.prepared_batches,
         "oldest_prepared_age_seconds": round(seen.oldest_prepared_age_seconds, 3),
         "foreign_prepared_transactions": seen.foreign_prepared_transactions,
@@ -227,8 +251,22 @@ def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
         "horizon": horizon_report(seen.horizon),
         "attention": problems,
         # Worth knowing, not a failure of the relay: does not change the exit code.
-        "warnings": [seen.replication_warning] if seen.replication_warning else [],
+        "warnings": [w for w in (seen.replication_warning, found_warning(seen)) if w is not None],
     }
+
+
+def found_warning(seen: Observation) -> str | None:
+    """The last full pass of the safety net found rows that the claims and the cheap
+    count could not see: something wrote the outbox with its triggers off."""
+    if not seen.last_full_pass_found_rows:
+        return None
+    return (
+        f"the last full pass of the safety net found {seen.last_full_pass_found_rows} "
+        f"rows of {seen.table} behind the claim front whose txid was not their writer's "
+        "(written with the outbox's triggers off, e.g. pg_restore --disable-triggers); "
+        "they wait for a pass and may follow later rows of their ordering key: "
+        "reload rows with INSERT … SELECT, triggers on"
+    )
 
 
 def horizon_report(horizon: Horizon | None) -> dict[str, Any] | None:
@@ -259,12 +297,13 @@ def horizon_report(horizon: Horizon | None) -> dict[str, Any] | None:
 def collect(
     settings: Settings,
     *,
+    exact: bool = False,
     max_prepared_age: float,
     max_backlog_age: float = 300.0,
     max_horizon_age: float = 600.0,
 ) -> dict[str, Any]:
     """Read, judge, report: what ``outbox status`` prints."""
-    seen = read(settings)
+    seen = read(settings, exact=exact)
     problems = judge(
         seen,
         max_prepared_age=max_prepared_age,
@@ -274,11 +313,29 @@ def collect(
     return report(seen, problems)
 
 
+def unseen_note(report: dict[str, Any]) -> str:
+    """What the cheap count of the backlog cannot know, said beside it."""
+    if report["backlog_counted"] == "exact":
+        return " (exact: every row read)"
+    age = report["last_full_pass_age_seconds"]
+    if age is None:
+        last = "no full pass of the safety net yet"
+    else:
+        last = (
+            f"last full pass of the safety net {age:.0f}s ago found "
+            f"{report['last_full_pass_found_rows']}"
+        )
+    return (
+        f"\n                   not counted: rows behind the claim front whose txid is not "
+        f"their writer's ({last}); --exact reads every row"
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"outbox table       {report['table']} (schema version {report['schema_version']})",
         f"backlog            {report['backlog_rows']} rows, oldest "
-        f"{report['oldest_row_age_seconds']:.1f}s",
+        f"{report['oldest_row_age_seconds']:.1f}s" + unseen_note(report),
         f"prepared batches   {len(report['prepared_batches'])}, oldest "
         f"{report['oldest_prepared_age_seconds']:.1f}s",
         f"foreign prepared   {len(report['foreign_prepared_transactions'])} (never touched)",

@@ -15,6 +15,7 @@ values: aggregate them with ``max`` in alerts, never ``sum``.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -99,6 +100,11 @@ class DatabaseFigures:
                         statement_timeout=METRICS_STATEMENT_TIMEOUT,
                     )
                 figures = dict(self._store.metrics_snapshot())
+                # What the backlog cannot count: rows behind the claim front whose
+                # txid is not their writer's, found only by the safety net's passes.
+                net = self._store.net
+                figures["full_pass_age_seconds"] = _or_nan(net.last_pass_age)
+                figures["full_pass_found_rows"] = _or_nan(net.last_pass_found)
                 horizon = self._store.horizon(limit=1)
                 figures["dead_rows"] = horizon.dead_rows or 0
                 figures["horizon_age_seconds"] = horizon.age_seconds
@@ -117,6 +123,11 @@ class DatabaseFigures:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def _or_nan(value: float | None) -> float:
+    """A figure not known yet (no full pass of the safety net so far) as NaN."""
+    return math.nan if value is None else float(value)
 
 
 class RelayCollector(Collector):
@@ -189,7 +200,25 @@ class RelayCollector(Collector):
         if figures is None:
             return
         for name, key, doc in (
-            ("outbox_backlog_rows", "backlog_rows", "Rows in the outbox table."),
+            (
+                "outbox_backlog_rows",
+                "backlog_rows",
+                "Rows in the outbox table, counted where the relays' claims look; a row "
+                "behind the claim front whose txid is not its writer's is counted once "
+                "a full pass of the safety net found it (outbox_full_pass_*).",
+            ),
+            (
+                "outbox_full_pass_age_seconds",
+                "full_pass_age_seconds",
+                "Seconds since the last full pass of the safety net began (NaN: none yet); "
+                "rows the backlog cannot count are at most this old, plus a pass.",
+            ),
+            (
+                "outbox_full_pass_found_rows",
+                "full_pass_found_rows",
+                "Rows the last full pass of the safety net found behind the claim front "
+                "that their txid did not reveal (NaN: no pass yet); 0 in normal operation.",
+            ),
             (
                 "outbox_backlog_oldest_age_seconds",
                 "oldest_row_age_seconds",

@@ -156,6 +156,7 @@ class Relay:
             connect_timeout=s.connect_timeout,
             statement_timeout=s.statement_timeout,
             note_backend=True,
+            rescan_seconds=s.rescan_interval,
         )
 
     def _connect_database(self) -> None:

@@ -462,6 +462,8 @@ def exported_metric_names() -> set[str]:
             "dead_rows",
             "horizon_age_seconds",
             "horizon_age_xids",
+            "full_pass_age_seconds",
+            "full_pass_found_rows",
         ),
         0,
     )

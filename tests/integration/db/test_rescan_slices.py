@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from outbox.db import batches, front
+from tests.fixtures.faults import stamping
 from tests.integration.db.test_claim_front import (
     BATCH,
     _dead_rows,
@@ -37,7 +38,7 @@ def test_rescan__finds_a_row_with_a_written_txid_in_slices_each_claim_bounded(
     store = batches.BatchStore(dsn, "outbox", statement_timeout=60)
     # A slice every millisecond; the pass begins when the test says.
     store.rescan_seconds = 2 * front.RESCAN_SLICES / 1000
-    store._rescan_at = time.monotonic() + 3600
+    stamping(dsn, on=False)  # the row keeps the txid it is written with
     try:
         [(late_id,)] = app.execute(
             "INSERT INTO outbox (exchange, routing_key, payload, txid)"
@@ -46,9 +47,11 @@ def test_rescan__finds_a_row_with_a_written_txid_in_slices_each_claim_bounded(
         with psycopg.connect(dsn, autocommit=True) as conn:
             early = _insert(conn, BATCH)
         first, claimed = claim_cost(dsn, store, "first")  # from the bottom
+        store._rescan_at = time.monotonic() + 3600  # the pass begins when the test says
         assert claimed == early
         assert first > 5_000, first
         app.commit()
+        stamping(dsn, on=True)
         steady, claimed = claim_cost(dsn, store, "steady")
         assert claimed == [] and store.rescan is None
         store._rescan_at = 0.0

@@ -1,4 +1,5 @@
-"""Which saved front a new session starts from (``outbox.db.front.resumed``)."""
+"""Which saved front a new session starts from (``outbox.db.front.resumed``), and the
+safety net's schedule (``NetState``: ``begun``, ``recorded``)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,19 @@ import itertools
 
 import pytest
 
+from outbox.db.batches import chosen_front
 from outbox.db.front import (
     RESCAN_SLICES,
     SLICE_PAGES_MIN,
     ClaimFront,
     Cluster,
+    NetState,
     RescanPass,
     SavedFront,
+    SliceRead,
+    begun,
+    next_pass_in,
+    recorded,
     resumed,
 )
 
@@ -57,3 +64,37 @@ def test_rescan_pass__covers_every_page_once_in_bounded_slices() -> None:
         assert len(slices) <= RESCAN_SLICES
         widths = [last - first for first, last in slices]
         assert max(widths) <= max(SLICE_PAGES_MIN, -(-end // RESCAN_SLICES))
+
+
+def test_net__a_slice_counts_once_and_the_last_one_ends_the_pass() -> None:
+    began = "2026-01-01 00:00:00+00"
+    state = begun(NetState(), 600, 300, began)
+    assert state.rescan() == RescanPass(300, 0)
+    first = SliceRead(began, 0, 128, 2)
+    again = recorded(recorded(state, (first,)), (first,))  # read by two relays
+    assert (again.pass_at, again.pass_found) == (128, 2)
+    stale = SliceRead("2025-01-01 00:00:00+00", 128, 256, 9)  # a pass that ended
+    assert recorded(again, (stale,)) == again
+    done = recorded(again, (SliceRead(began, 128, 256, 0), SliceRead(began, 256, 300, 1)))
+    assert done.pass_end is None and done.last_pass_at == began and done.last_pass_found == 3
+
+
+def test_net__a_pass_begins_only_when_none_is_under_way_and_the_last_is_old() -> None:
+    recent = NetState(last_pass_at="t", last_pass_found=0, last_pass_age=10.0)
+    assert begun(recent, 600, 5, "now") == recent
+    assert next_pass_in(recent, 600) == 590
+    old = NetState(last_pass_at="t", last_pass_found=0, last_pass_age=700.0)
+    assert begun(old, 600, 5, "now").pass_began == "now"
+    assert next_pass_in(old, 600) == 0
+    under_way = begun(NetState(), 600, 5, "then")
+    assert begun(under_way, 600, 9, "now") == under_way
+    assert next_pass_in(NetState(), 600) == 0  # never: due now
+
+
+def test_save__the_fresher_front_is_kept() -> None:
+    older = ClaimFront(10, (3,), "5:8:")
+    newer = ClaimFront(20, (4,), "9:12:")
+    assert chosen_front(older, 8, newer) == newer
+    assert chosen_front(newer, 12, older) == newer
+    assert chosen_front(None, None, ClaimFront()) is None
+    assert chosen_front(older, 8, ClaimFront()) == older
