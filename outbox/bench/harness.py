@@ -189,7 +189,10 @@ def bare_publish_span(
 class BenchTopology:
     """A private exchange and queue for one bench run, deleted afterwards."""
 
-    def __init__(self, amqp_url: str, suffix: str) -> None:
+    def __init__(
+        self, amqp_url: str, suffix: str, *, arguments: dict[str, Any] | None = None
+    ) -> None:
+        """``arguments``: the queue's (``x-queue-type``, ``x-delivery-limit``...)."""
         self.amqp_url = amqp_url
         self.exchange = f"outbox.bench.{suffix}"
         self.queue = f"outbox.bench.{suffix}"
@@ -197,7 +200,7 @@ class BenchTopology:
         self._conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
         self._channel = self._conn.channel()
         self._channel.exchange_declare(self.exchange, "topic", durable=True)
-        self._channel.queue_declare(self.queue, durable=True)
+        self._channel.queue_declare(self.queue, durable=True, arguments=arguments)
         self._channel.queue_bind(self.queue, self.exchange, "#")
 
     def depth(self) -> int:
