@@ -197,7 +197,12 @@ class BenchTopology:
         self.exchange = f"outbox.bench.{suffix}"
         self.queue = f"outbox.bench.{suffix}"
         self.ledger = f"outbox.bench.ledger.{suffix}"
-        self._conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        # No heartbeats: a blocking connection sends them only when used, and this
+        # one may sit idle for minutes while a long run goes on (the broker would
+        # close it after two missed intervals).
+        params = pika.URLParameters(amqp_url)
+        params.heartbeat = 0
+        self._conn = pika.BlockingConnection(params)
         self._channel = self._conn.channel()
         self._channel.exchange_declare(self.exchange, "topic", durable=True)
         self._channel.queue_declare(self.queue, durable=True, arguments=arguments)

@@ -244,7 +244,7 @@ def test_bench_consume_returned__reports_custody_against_redelivered_and_first_d
         "--amqp-url",
         amqp_url,
         "--rows",
-        "100",
+        "50",
         "--payload",
         "64",
         "--repeats",
@@ -258,7 +258,7 @@ def test_bench_consume_returned__reports_custody_against_redelivered_and_first_d
     assert report["every_message_once"] is True
     cases = report["cases"]
     assert [cases[c]["traced"]["custody_taken"] for c in ("custody", "redelivered", "first")] == [
-        100,
+        50,
         0,
         0,
     ]
