@@ -1,8 +1,9 @@
 """``outbox bench``: the relay and the consumer measured against bare clients.
 
-``run`` is the entry point; ``load``, ``ordering``, ``memory``, ``consume`` and
-``commits`` (what the wake-up trigger costs the applications' commits) are the
-scenarios, ``deadrows`` the claim's cost behind the dead rows a held horizon keeps,
+``run`` is the entry point; ``load``, ``ordering``, ``memory``, ``consume``,
+``returned`` (what custody costs the consumer per message) and ``commits`` (what
+the wake-up trigger costs the applications' commits) are the scenarios, ``deadrows``
+the claim's cost behind the dead rows a held horizon keeps,
 ``drain`` one relay draining a backlog behind them against a fresh table,
 ``horizon`` the relay while a snapshot, a slot or a prepared transaction holds the
 horizon, ``autovacuum`` what the outbox table's own autovacuum parameters do once it

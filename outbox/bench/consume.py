@@ -108,19 +108,23 @@ class ConsumeBench:
         with open(os.path.join(self.folder, "bench_handler.py"), "w") as handler:
             handler.write(HANDLER)
 
-    def fill(self) -> list[str]:
-        ids = [str(uuid.uuid4()) for _ in self.bodies]
-        self.broker.purge()
+    def fill(self, broker: BenchTopology | None = None, count: int | None = None) -> list[str]:
+        """``count`` (all: ``--rows``) new messages on ``broker``'s queue (the
+        bench's own by default), emptied first; their ids."""
+        broker = broker or self.broker
+        bodies = self.bodies[:count] if count is not None else self.bodies
+        ids = [str(uuid.uuid4()) for _ in bodies]
+        broker.purge()
         bare_publish(
             self.o.amqp_url,
-            self.broker.exchange,
+            broker.exchange,
             "bench.consume",
-            self.bodies,
+            bodies,
             ids,
             window=self.o.window,
         )
-        if self.broker.depth() != len(ids):
-            raise OutboxError(f"the bench queue holds {self.broker.depth()} of {len(ids)}")
+        if broker.depth() != len(ids):
+            raise OutboxError(f"the bench queue holds {broker.depth()} of {len(ids)}")
         return ids
 
     def bare(self) -> dict[str, Any]:
@@ -200,7 +204,7 @@ class ConsumeBench:
                 consumer.cancel()
         finally:
             db.close()
-        result = self._effects(len(ids))
+        result = self.effects(len(ids))
         result.update(_cpu_window(cpu, handled[0] - 1))
         return result
 
@@ -208,9 +212,9 @@ class ConsumeBench:
         """``outbox consume`` with the trivial handler: effects/s, first to last effect."""
         ids = self.fill()
         self.conn.execute("TRUNCATE bench_effects")
-        with self._consume_process(handler) as process:
-            cpu = self._wait_for_effects(len(ids), process)
-        result = self._effects(len(ids))
+        with self.consume_process(handler) as process:
+            cpu = self.wait_for_effects(len(ids), process)
+        result = self.effects(len(ids))
         result.update(cpu)
         self.conn.execute("TRUNCATE bench_inbox")
         return result
@@ -233,7 +237,7 @@ class ConsumeBench:
         count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
         published: dict[str, float] = {}
         try:
-            with self._consume_process() as process, Connection(self.o.amqp_url) as connection:
+            with self.consume_process() as process, Connection(self.o.amqp_url) as connection:
                 producer = Producer(connection.channel())
                 # One message first: the consumer is subscribed once its effect commits.
                 warm_up = str(uuid.uuid4())
@@ -271,13 +275,16 @@ class ConsumeBench:
         return result
 
     @contextlib.contextmanager
-    def _consume_process(self, handler: str = SYNC_HANDLER) -> Iterator[subprocess.Popen[bytes]]:
-        """``outbox consume`` with the bench handler, stopped with SIGTERM."""
+    def consume_process(
+        self, handler: str = SYNC_HANDLER, queue: str | None = None
+    ) -> Iterator[subprocess.Popen[bytes]]:
+        """``outbox consume`` with the bench handler on ``queue`` (the bench's own by
+        default), stopped with SIGTERM."""
         env = dict(
             os.environ,
             OUTBOX_DSN=self.db.dsn,
             OUTBOX_AMQP_URL=self.o.amqp_url,
-            OUTBOX_QUEUE=self.broker.queue,
+            OUTBOX_QUEUE=queue or self.broker.queue,
             OUTBOX_INBOX_TABLE="bench_inbox",
             OUTBOX_PREFETCH=str(self.o.prefetch),
             OUTBOX_LOG_LEVEL="warning",
@@ -303,7 +310,7 @@ class ConsumeBench:
                     process.kill()
                     process.wait()
 
-    def _effects(self, expected: int) -> dict[str, Any]:
+    def effects(self, expected: int) -> dict[str, Any]:
         row = self.conn.execute(
             "SELECT count(*) AS effects, count(DISTINCT message_id) AS distinct_ids, "
             "extract(epoch FROM max(at) - min(at))::float8 AS seconds FROM bench_effects"
@@ -317,7 +324,7 @@ class ConsumeBench:
             "rate": _rate(int(row["effects"]), seconds),
         }
 
-    def _wait_for_effects(
+    def wait_for_effects(
         self, count: int, process: subprocess.Popen[bytes]
     ) -> dict[str, float | None]:
         """Wait until ``count`` effects are in; the CPU per 10,000 effects of the
@@ -358,6 +365,7 @@ class ConsumeBench:
                 "bench_effects",
                 "bench_inbox",
                 "bench_inbox_attempts",
+                "bench_inbox_custody",
                 "bench_handwritten_inbox",
             ):
                 self.conn.execute(f"DROP TABLE IF EXISTS {table}")
@@ -499,10 +507,10 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
             ),
             # CPU seconds per 10,000 messages (/proc, medians): the consumer's process
             # and its PostgreSQL backend (None: not measured, or not on this machine).
-            **_cpu_medians("bare", bare_runs),
-            **_cpu_medians("handwritten", handwritten_runs),
-            **_cpu_medians("inbox", inbox_runs),
-            **_cpu_medians("async", async_runs),
+            **cpu_medians("bare", bare_runs),
+            **cpu_medians("handwritten", handwritten_runs),
+            **cpu_medians("inbox", inbox_runs),
+            **cpu_medians("async", async_runs),
         },
         "latency": latency,
         "every_message_once": all(r["messages"] == options.rows for r in bare_runs)
@@ -511,7 +519,7 @@ def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any
     }
 
 
-def _cpu_medians(kind: str, runs: list[dict[str, Any]]) -> dict[str, float | None]:
+def cpu_medians(kind: str, runs: list[dict[str, Any]]) -> dict[str, float | None]:
     def median(key: str) -> float | None:
         values = [r.get(key) for r in runs]
         known = [v for v in values if v is not None]

@@ -189,15 +189,23 @@ def bare_publish_span(
 class BenchTopology:
     """A private exchange and queue for one bench run, deleted afterwards."""
 
-    def __init__(self, amqp_url: str, suffix: str) -> None:
+    def __init__(
+        self, amqp_url: str, suffix: str, *, arguments: dict[str, Any] | None = None
+    ) -> None:
+        """``arguments``: the queue's (``x-queue-type``, ``x-delivery-limit``...)."""
         self.amqp_url = amqp_url
         self.exchange = f"outbox.bench.{suffix}"
         self.queue = f"outbox.bench.{suffix}"
         self.ledger = f"outbox.bench.ledger.{suffix}"
-        self._conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        # No heartbeats: a blocking connection sends them only when used, and this
+        # one may sit idle for minutes while a long run goes on (the broker would
+        # close it after two missed intervals).
+        params = pika.URLParameters(amqp_url)
+        params.heartbeat = 0
+        self._conn = pika.BlockingConnection(params)
         self._channel = self._conn.channel()
         self._channel.exchange_declare(self.exchange, "topic", durable=True)
-        self._channel.queue_declare(self.queue, durable=True)
+        self._channel.queue_declare(self.queue, durable=True, arguments=arguments)
         self._channel.queue_bind(self.queue, self.exchange, "#")
 
     def depth(self) -> int:

@@ -153,6 +153,14 @@ from outbox.errors import ExitCode
     help="Instead: `outbox consume` (effects/s) against a bare kombu consumer (msg/s).",
 )
 @click.option(
+    "--consume-returned",
+    is_flag=True,
+    help="Instead: what custody costs `outbox consume` per message: --rows messages the "
+    "broker returned once, on a quorum queue with x-delivery-limit (custody) and on one "
+    "without (applied alone), against first deliveries (the batch path); effects/s, CPU, "
+    "and statements and round trips per message (libpq's trace of the consumer's session).",
+)
+@click.option(
     "--commits",
     is_flag=True,
     help="Instead: what the wake-up trigger costs the applications' commits "
@@ -268,6 +276,7 @@ def bench(
     batch_sizes: str,
     as_json: bool,
     consume: bool,
+    consume_returned: bool,
     commits: bool,
     prefetch: int,
     memory_backlogs: str,
@@ -287,7 +296,8 @@ def bench(
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
     (with --consume: the consumer's inbox against a bare kombu consumer; with
-    --commits: the applications' commits under the wake-up trigger)."""
+    --consume-returned: what custody costs it per message; with --commits: the
+    applications' commits under the wake-up trigger)."""
     from outbox.bench.harness import BenchOptions
     from outbox.bench.run import render, run_bench
 
@@ -368,6 +378,28 @@ def bench(
             else bench_commits.render(commits_report)
         )
         sys.exit(0)
+    if consume_returned:
+        from outbox.bench import returned as bench_returned
+        from outbox.bench.consume import ConsumeBenchOptions
+
+        returned_report = bench_returned.run_returned_bench(
+            ConsumeBenchOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                rows=options["rows"],
+                payload=options["payload"],
+                repeats=options["repeats"],
+                prefetch=prefetch,
+                window=options["window"],
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(returned_report, indent=2)
+            if as_json
+            else bench_returned.render(returned_report)
+        )
+        sys.exit(0 if returned_report["every_message_once"] else int(ExitCode.FAILURE))
     if consume:
         from outbox.bench import consume as bench_consume
 

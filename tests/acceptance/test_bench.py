@@ -8,6 +8,7 @@ import shutil
 import psycopg
 import pytest
 
+from outbox.bench.returned import render as render_returned
 from outbox.cli.consume import consume as consume_command
 from tests.fixtures.servers import run_cli
 
@@ -229,6 +230,47 @@ def test_bench_consume__reports_effects_per_second_against_a_bare_consumer(
     assert text.returncode == 0 and "every message had exactly one effect" in text.stdout
     assert "hand-written kombu + psycopg" in text.stdout and "committed effect" in text.stdout
     assert "the same handler `async def`" in text.stdout
+
+
+def test_bench_consume_returned__reports_custody_against_redelivered_and_first_deliveries(
+    pg_server: str, amqp_url: str
+) -> None:
+    result = run_cli(
+        "bench",
+        "--consume-returned",
+        "--json",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--rows",
+        "50",
+        "--payload",
+        "64",
+        "--repeats",
+        "1",
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    # Every case applied each message once, and took the path it names: the
+    # consumer's own count of messages taken into custody.
+    assert report["every_message_once"] is True
+    cases = report["cases"]
+    assert [cases[c]["traced"]["custody_taken"] for c in ("custody", "redelivered", "first")] == [
+        50,
+        0,
+        0,
+    ]
+    for case in cases.values():
+        assert len(case["effects_per_s"]) == 1 and case["median"] > 0
+        assert case["traced"]["statements_per_message"] > 0
+        assert case["traced"]["round_trips_per_message"] > 0
+    expected = cases["custody"]["median"] / cases["redelivered"]["median"]
+    assert report["custody_to_redelivered"] == pytest.approx(expected, rel=0.02, abs=0.01)
+    text = render_returned(report)
+    assert "| returned once; quorum, x-delivery-limit: custody |" in text
+    assert "every message had exactly one effect, custody left empty" in text
 
 
 def test_bench_memory_only__prints_the_peak_rss_of_each_backlog(

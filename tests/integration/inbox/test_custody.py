@@ -160,6 +160,10 @@ def test_custody__a_failure_at_the_last_delivery_survives_a_clean_stop(
     finally:
         second.close()
     assert queue_depth(topology) == 0  # the broker holds nothing of it
+    # It waits in custody for its retry delay (15-30 s with the jitter), which the
+    # third consumer need not wait out: the delay is made over.
+    waiting = f"UPDATE {INBOX}_custody SET not_before = now() RETURNING body"
+    assert [bytes(b) for (b,) in rows(consumer_dsn, waiting)] == [b"die:once"]
     third = Consumer(tmp_path, consumer_dsn, topology, max_attempts=5, env={"HANDLER_FIXED": "1"})
     try:
         third.started()
