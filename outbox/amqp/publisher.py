@@ -70,7 +70,10 @@ class _Wire:
     largest body frame the connection negotiated (``_body_max_length``) and the
     call at the end of pika's own send path (``_output_marshaled_frames``).
     ``tests/unit/amqp/test_pika_private.py`` pins both, so a pika upgrade that changes
-    them fails the suite instead of the relay.
+    them fails the suite instead of the relay; .ci/matrix runs it and
+    ``tests/integration/amqp/test_pika_wire.py`` on the oldest and newest pika allowed.
+    pika has no public equivalent of any member used here: its public calls
+    (``basic_publish``, a pass of the I/O loop) are the slower paths these replace.
     """
 
     @staticmethod

@@ -100,7 +100,8 @@ class _Silence(Exception):
 
 
 class _Overdue(Exception):
-    """Raised inside a wait by ``DeadlineConnection._heard`` (never leaves the wait)."""
+    """Raised inside a wait by ``DeadlineConnection._heard`` or ``_until`` (never
+    leaves the wait)."""
 
 
 RV = TypeVar("RV")
@@ -162,6 +163,10 @@ class DeadlineConnection(psycopg.Connection[Row]):
     # The DSN (password included) the connection was opened with, for the probe.
     probe_dsn: str | None = None
 
+    # psycopg's ``Connection.wait`` (undocumented, every statement's wait goes through
+    # it) is the one place a deadline per wait fits; psycopg has none of its own.
+    # .ci/matrix runs tests/integration/db/test_session_deadline.py on the oldest
+    # and newest psycopg allowed.
     def wait(
         self, gen: PQGen[RV], interval: float = WAIT_INTERVAL, timeout: float | None = None
     ) -> RV:
@@ -171,6 +176,8 @@ class DeadlineConnection(psycopg.Connection[Row]):
             or timeout is not None
             or self.pgconn.pipeline_status != pq.PipelineStatus.OFF
         ):
+            if timeout is None:  # psycopg before 3.3.6 has no ``timeout`` (nor passes one)
+                return super().wait(gen, interval)
             return super().wait(gen, interval, timeout)
         heard = self._heard(gen, silence)
         try:
@@ -274,9 +281,7 @@ class DeadlineConnection(psycopg.Connection[Row]):
             self.cancel_safe(timeout=INTERRUPT_GRACE)
             # The server's answer (57014), which comes once it has cancelled; a
             # second Ctrl-C meanwhile ends the wait, as it should.
-            waiting.wait(
-                gen, pgconn.socket, interval=interval, timeout=max(0.0, ends - time.monotonic())
-            )
+            waiting.wait(_until(gen, ends), pgconn.socket, interval=interval)
         except Exception:  # the interrupt is what gets reported, not this
             pass
         finally:
@@ -285,6 +290,23 @@ class DeadlineConnection(psycopg.Connection[Row]):
                 pq.TransactionStatus.UNKNOWN,
             ):
                 pgconn.finish()
+
+
+def _until(gen: PQGen[RV], ends: float) -> PQGen[RV]:
+    """``gen``, failing with ``_Overdue`` once the monotonic clock has passed ``ends``
+    with nothing ready (the wait wakes up every ``interval``): psycopg's own wait
+    takes a ``timeout`` only from 3.3.6 on."""
+    try:
+        wanted = next(gen)
+        while True:
+            ready = yield wanted
+            if not ready and time.monotonic() >= ends:
+                gen.close()
+                raise _Overdue
+            wanted = gen.send(ready)
+    except StopIteration as done:
+        result: RV = done.value
+        return result
 
 
 @contextlib.contextmanager

@@ -76,7 +76,11 @@ _ROUTE = "x-outbox-route"
 
 
 class _Delivery(amqp.Message):  # type: ignore[misc]
-    """A py-amqp message whose properties never fail to decode."""
+    """A py-amqp message whose properties never fail to decode.
+
+    It overrides py-amqp's private ``GenericContent._load_properties``: py-amqp has
+    no public way to decode a property list other than strictly as UTF-8.
+    tests/integration/inbox/test_library_internals.py pins it (in .ci/matrix too)."""
 
     route: tuple[str, str] | None = None  # set by ``frame_handler`` (``_route``)
 
@@ -135,7 +139,11 @@ class _Channel(pyamqp.Channel):
     consumer.  The consumer has no use for the reopened channel (a closed channel
     is an outage: it reconnects), so the channel is only marked closed; it stays
     registered, so the closes still in the socket are answered while the
-    connection closes."""
+    connection closes.
+
+    ``_do_revive`` is py-amqp's private step that reopens the channel; py-amqp has
+    no option to leave it closed.  tests/integration/inbox/test_library_internals.py
+    pins it (in .ci/matrix too)."""
 
     def _do_revive(self) -> None:
         self.is_open = False
@@ -209,7 +217,9 @@ class BufferedFrames:
 
     def __init__(self, transport: Any) -> None:
         self.transport = transport
-        # Bytes py-amqp has read and not parsed yet come first.
+        # Bytes py-amqp has read and not parsed yet come first: its private buffer,
+        # taken over here (py-amqp has no public read of its own; ``install`` checks
+        # it is there, tests/unit/inbox/test_frames.py pins it, in .ci/matrix too).
         self.buffer: bytes = bytes(transport._read_buffer)
         transport._read_buffer = b""
         self.offset = 0
@@ -694,6 +704,9 @@ class Broker:
 
     def _subscribed(self, consumer: Consumer) -> None:
         """``consumer`` has just subscribed: a new tag, nothing of it in hand."""
+        # kombu's private tag table: its Consumer makes up the tag and tells it
+        # nowhere public; the first delivery would, too late for the window.
+        # tests/integration/inbox/test_library_internals.py pins it (.ci/matrix too).
         self._tag = next(iter(consumer._active_tags.values()), None)
         self._window = []
 
@@ -757,7 +770,9 @@ class Broker:
 
 
 class _RawMessage(amqp.Message):  # type: ignore[misc]
-    """A message sent with a property list given as bytes."""
+    """A message sent with a property list given as bytes, through py-amqp's
+    private ``_serialize_properties`` (no public way to send a list as it arrived;
+    test_parked_retry.py's byte-for-byte retry pins it, in .ci/matrix too)."""
 
     def __init__(self, body: bytes, raw_properties: bytes) -> None:
         super().__init__(body)
@@ -794,7 +809,9 @@ class QueuePublisher:
             with self._bounded(self.conn.connection, connect_timeout):
                 self.channel = self.conn.channel()
                 self.channel.confirm_select()
-                self.channel._confirm_selected = True  # basic_publish_confirm's flag
+                # py-amqp's private flag, else basic_publish_confirm selects confirms
+                # again, waiting unbounded (pinned: test_library_internals.py).
+                self.channel._confirm_selected = True
         except Exception as exc:
             self._stalled = True  # nothing to say goodbye to: the socket just goes
             self.close()

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg import Column, sql
 from psycopg import errors as pgerrors
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
@@ -182,7 +182,12 @@ def render_sql(table: str) -> str:
 
 # psycopg reads a cursor's result on demand for fetch*() in pipeline mode, but not
 # for rowcount, statusmessage, description or rownumber: ``PipelinedCursor`` does,
-# so a handler that reads them sees what it would see without pipelining.
+# so a handler that reads them sees what it would see without pipelining.  It calls
+# the private ``Cursor._fetch_pipeline`` (what fetch*() calls): psycopg has no public
+# "wait for this cursor's result"; the public ways (``Pipeline.sync``, a fetch*())
+# end the pipeline's batch or take a row.  Without it the consumer does not
+# pipeline (``pipelining``): slower, still right.  .ci/matrix runs
+# tests/integration/inbox/test_pipeline.py on the oldest and newest psycopg allowed.
 _FETCH_ON_DEMAND = hasattr(psycopg.Cursor, "_fetch_pipeline")
 
 
@@ -191,7 +196,7 @@ class PipelinedCursor(psycopg.Cursor[Row]):
     properties first waits for that result (a round trip, as without pipelining)."""
 
     def _result(self) -> None:
-        if self._conn._pipeline is not None:
+        if self.connection.pgconn.pipeline_status != PipelineStatus.OFF:
             self._fetch_pipeline()
 
     @property

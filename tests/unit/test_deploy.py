@@ -22,7 +22,6 @@ import click
 import kubernetes_validate
 import psycopg
 import pytest
-import tomllib
 import yaml
 from click.testing import CliRunner
 
@@ -31,6 +30,7 @@ from outbox.cli import cli
 from outbox.config import Settings
 from outbox.probes import LIVENESS_PATH, METRICS_PATH, READINESS_PATH
 from tests.fixtures import kustomize
+from tests.fixtures.pyproject import pyproject
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -300,7 +300,7 @@ def test_deploy__dockerfile_exposes_the_metrics_port_and_copies_existing_sources
     assert re.search(rf"^EXPOSE {port}$", text, re.M)
     for url in re.findall(r"http://127\.0\.0\.1:(\d+)(/\w+)", text):
         assert url[0] == port and url[1] in HEALTH_PATHS
-    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    readme = pyproject()["project"]["readme"]
     for line in re.findall(r"^COPY (.*)$", text, re.M):
         *sources, _target = line.split()
         for source in sources:

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.fixtures.pyproject import pyproject
+
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PROJECT = pyproject()["project"]
 OWN = {"outbox", "resolver"}
 # Where an extra's imports may be, by path prefix; everything else imports only the
 # dependencies.

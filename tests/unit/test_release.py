@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import tomllib
 from click.testing import CliRunner
 
 from outbox.cli import cli
 from outbox.db import migrate
+from tests.fixtures.pyproject import pyproject
 from tests.fixtures.releases import RELEASES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_release__the_package_says_its_version() -> None:
 
 
 def test_release__the_version_is_written_once() -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject()
     assert "version" not in project["project"]
     assert project["project"]["dynamic"] == ["version"]
     attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
