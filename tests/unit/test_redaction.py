@@ -107,6 +107,11 @@ def test_redact__keeps_what_helps_and_user_equal_password_is_not_a_secret() -> N
     assert redactor("batch.committed gid=obx:outbox:ab12:7 rows=1000") == (
         "batch.committed gid=obx:outbox:ab12:7 rows=1000"
     )
+    # A password shorter than MIN_REMEMBERED is masked by its shape only: by value,
+    # "re" would cut "refused" apart in every message.
+    redactor.remember("amqp://obx:re@localhost:5672/%2F")
+    assert redactor("ACCESS_REFUSED - Login was refused") == "ACCESS_REFUSED - Login was refused"
+    assert redactor("amqp://obx:re@localhost/%2F") == "amqp://obx:***@localhost/%2F"
 
 
 def test_secrets_in__every_reading_and_encoding_of_the_password() -> None:
