@@ -11,7 +11,7 @@ lines, tracebacks and the health endpoints' bodies.  It masks two ways:
 - by value: every password of the connection settings this process was given
   (``remember``, called by ``Settings`` and the CLI's option types, which also
   remember the pieces of a setting they refuse) is masked
-  wherever it shows up, in every form ``renderings`` lists: as written,
+  wherever it shows up, in every form ``_renderings`` lists: as written,
   percent-decoded or -encoded, as UTF-8 bytes (``b'\\xce\\xb2'``), escaped by
   ``repr`` (with either quote) or JSON (ASCII or not), and escaped twice (an
   exception's ``repr`` of a message that already quoted it).  Drivers quote a
@@ -82,10 +82,10 @@ def secrets_in(setting: str, *, refused: bool = False) -> set[str]:
             found.add(value[1:-1])
             value = re.sub(r"\\(.)", r"\1", value[1:-1])
         found.add(value)
-    return {form for secret in found for form in renderings(secret) if len(form) >= MIN_REMEMBERED}
+    return {form for secret in found for form in _renderings(secret) if len(form) >= MIN_REMEMBERED}
 
 
-def renderings(secret: str) -> set[str]:
+def _renderings(secret: str) -> set[str]:
     """``secret`` as a driver, an exception or a log line may print it."""
     texts = {secret, unquote(secret)}
     octets = {*map(_utf8, texts), unquote_to_bytes(_utf8(secret))}
@@ -100,7 +100,7 @@ def renderings(secret: str) -> set[str]:
 
 def _escaped(text: str) -> Iterator[str]:
     # repr() escapes a ' only in a text that also holds a '"', so the same password
-    # comes out two ways; JSON writes non-ASCII as \\uXXXX or as it is.
+    # comes out two ways; JSON writes non-ASCII as \uXXXX or as it is.
     yield repr(text)[1:-1]
     yield repr("'\"" + text)[4:-1]
     yield json.dumps(text)[1:-1]
@@ -134,7 +134,7 @@ def _shape_spans(text: str) -> Iterator[tuple[int, int]]:
             yield match.span("secret")
 
 
-def masked(text: str, spans: Iterable[tuple[int, int]]) -> str:
+def _masked(text: str, spans: Iterable[tuple[int, int]]) -> str:
     """``text`` with each run of overlapping or touching spans replaced by one MASK
     (an empty span, the password of ``amqp://u:@h``, still shows where one was)."""
     pieces: list[str] = []
@@ -161,10 +161,10 @@ class Redactor:
 
     def remembered(self, text: str) -> str:
         """``text`` with the remembered passwords masked (by value only, no shapes)."""
-        return masked(text, _spans(text, self._secrets))
+        return _masked(text, _spans(text, self._secrets))
 
     def __call__(self, text: str) -> str:
-        return masked(text, [*_spans(text, self._secrets), *_shape_spans(text)])
+        return _masked(text, [*_spans(text, self._secrets), *_shape_spans(text)])
 
 
 _default = Redactor()
