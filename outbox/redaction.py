@@ -11,14 +11,24 @@ lines, tracebacks and the health endpoints' bodies.  It masks two ways:
 - by value: every password of the connection settings this process was given
   (``remember``, called by ``Settings`` and the CLI's option types, which also
   remember the pieces of a setting they refuse) is masked
-  wherever it shows up: as written, percent-decoded or -encoded, or escaped by
-  ``repr`` or JSON.  Drivers
-  quote a password without its URL around it (``invalid percent-encoded token:
+  wherever it shows up, in every form ``_renderings`` lists: as written,
+  percent-decoded or -encoded, as UTF-8 bytes (``b'\\xce\\xb2'``), escaped by
+  ``repr`` (with either quote) or JSON (ASCII or not), and escaped twice (an
+  exception's ``repr`` of a message that already quoted it).  Drivers quote a
+  password without its URL around it (``invalid percent-encoded token:
   "S3cr%tPG"``); only the value says it is one.
 
+Every match, by value and by shape, is found in the text as it came, and each run of
+overlapping or adjacent matches becomes one mask.  Replacing one password after
+another would not do: two passwords that overlap in a text (``x 'k3y`` and ``k3y:pw``
+in ``x 'k3y:pw'``), or one that overlaps itself (``abab`` in ``ababab``), lose their
+shared characters to the first replacement, and the rest of the second is printed.
+
 Passwords shorter than ``MIN_REMEMBERED`` characters are masked by shape only:
-replacing every "ab" in a log line would make the log unreadable.  A password
-equal to its user name is not secret from anyone who reads the user name.
+masking every "a" or "ab" by value would cut the words of every message apart
+(``Login w***s refused``), and a password that short falls to a guess anyway.
+Their longer forms (``%CE%B2``, ``\\u03b2``) are still masked.  A password equal to
+its user name is not secret from anyone who reads the user name.
 """
 
 from __future__ import annotations
@@ -26,33 +36,22 @@ from __future__ import annotations
 import json
 import re
 import threading
-from urllib.parse import quote, unquote
+from collections.abc import Iterable, Iterator
+from urllib.parse import quote, unquote, unquote_to_bytes
 
 MASK = "***"
 MIN_REMEMBERED = 3
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 # scheme://user:password@ — the password runs to the last '@' of the word.
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s:@;]*):[^\s;]*@")
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s:@;]*:(?P<secret>[^\s;]*)@")
 _KEY = r"(?i:\b(?:\w*password|\w*secret|scram_\w+_key))"
 # libpq key=value (and URL query) form; a quoted value may hold escaped quotes.
-_KV_PASSWORD = re.compile(r"(?P<key>" + _KEY + r"\s*=\s*)(?:'(?:[^'\\]|\\.)*(?:'|$)|\S+)")
+_KV_PASSWORD = re.compile(_KEY + r"\s*=\s*(?P<secret>'(?:[^'\\]|\\.)*(?:'|$)|\S+)")
 # Python/JSON dict form, e.g. pika's ssl_options={'password': '…'}.
 _DICT_PASSWORD = re.compile(
-    r"""(?P<key>['"]""" + _KEY + r"""['"]\s*:\s*)(?P<q>['"])(?:\\.|(?!(?P=q)).)*(?P=q)?"""
+    r"""['"]""" + _KEY + r"""['"]\s*:\s*(?P<q>['"])(?P<secret>(?:\\.|(?!(?P=q)).)*)"""
 )
-
-
-def _mask_url(match: re.Match[str]) -> str:
-    return f"{match.group('head')}:{MASK}@"
-
-
-def _mask_kv(match: re.Match[str]) -> str:
-    return match.group("key") + MASK
-
-
-def _mask_dict(match: re.Match[str]) -> str:
-    return f"{match.group('key')}{match.group('q')}{MASK}{match.group('q')}"
 
 
 def secrets_in(setting: str, *, refused: bool = False) -> set[str]:
@@ -83,14 +82,70 @@ def secrets_in(setting: str, *, refused: bool = False) -> set[str]:
             found.add(value[1:-1])
             value = re.sub(r"\\(.)", r"\1", value[1:-1])
         found.add(value)
-    variants = set()
-    for secret in found:
-        for form in (secret, unquote(secret)):
-            # As written, percent-encoded, and escaped the way repr() and JSON
-            # quote it inside an exception's message or a log field.
-            variants.update({form, quote(form, safe=""), quote(form)})
-            variants.update({repr(form)[1:-1], json.dumps(form)[1:-1]})
-    return {s for s in variants if len(s) >= MIN_REMEMBERED}
+    return {form for secret in found for form in _renderings(secret) if len(form) >= MIN_REMEMBERED}
+
+
+def _renderings(secret: str) -> set[str]:
+    """``secret`` as a driver, an exception or a log line may print it."""
+    texts = {secret, unquote(secret)}
+    octets = {*map(_utf8, texts), unquote_to_bytes(_utf8(secret))}
+    once = texts | {escaped for text in texts for escaped in _escaped(text)}
+    for raw in octets:
+        once.update({quote(raw, safe=""), quote(raw)})
+        # bytes' repr() picks its quote the way str's does (see _escaped).
+        once.update({repr(raw)[2:-1], repr(b"'\"" + raw)[5:-1]})
+    # Escaped once more: the repr() of an exception whose message holds a repr().
+    return once | {twice for form in once for twice in _escaped(form)}
+
+
+def _escaped(text: str) -> Iterator[str]:
+    # repr() escapes a ' only in a text that also holds a '"', so the same password
+    # comes out two ways; JSON writes non-ASCII as \uXXXX or as it is.
+    yield repr(text)[1:-1]
+    yield repr("'\"" + text)[4:-1]
+    yield json.dumps(text)[1:-1]
+    yield json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _utf8(text: str) -> bytes:
+    """The bytes a driver sends for ``text``: an environment variable or argument
+    that was not UTF-8 holds its bytes as surrogates (PEP 383), and they go back to
+    those bytes; a lone surrogate from anywhere else is kept as its own three bytes."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _spans(text: str, secrets: Iterable[str]) -> Iterator[tuple[int, int]]:
+    """Where each secret occurs in ``text``, overlapping occurrences included."""
+    for secret in secrets:
+        start = text.find(secret)
+        while start != -1:
+            yield start, start + len(secret)
+            start = text.find(secret, start + 1)
+
+
+def _shape_spans(text: str) -> Iterator[tuple[int, int]]:
+    """Where ``text`` holds a password by its shape (a URL's, libpq's, a dict's)."""
+    patterns = (_KV_PASSWORD, _DICT_PASSWORD)
+    for pattern in (_URL_PASSWORD, *patterns) if "://" in text else patterns:
+        for match in pattern.finditer(text):
+            yield match.span("secret")
+
+
+def _masked(text: str, spans: Iterable[tuple[int, int]]) -> str:
+    """``text`` with each run of overlapping or touching spans replaced by one MASK
+    (an empty span, the password of ``amqp://u:@h``, still shows where one was)."""
+    pieces: list[str] = []
+    done = 0  # text[:done] is in pieces
+    end = -1  # where the current run of spans ends
+    for start, stop in sorted(spans):
+        if start > end:
+            pieces += [text[done:start], MASK]
+        end = max(end, stop)
+        done = max(done, stop)
+    return "".join(pieces) + text[done:]
 
 
 class Redactor:
@@ -102,23 +157,14 @@ class Redactor:
         """Mask the passwords of these connection settings from now on, everywhere."""
         new = set().union(*(secrets_in(s, refused=refused) for s in settings))
         with self._lock:
-            merged = set(self._secrets) | new
-            # Longest first, so a password is masked before any shorter one inside it.
-            self._secrets = tuple(sorted(merged, key=len, reverse=True))
+            self._secrets = tuple(sorted(set(self._secrets) | new))
 
     def remembered(self, text: str) -> str:
         """``text`` with the remembered passwords masked (by value only, no shapes)."""
-        for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, MASK)
-        return text
+        return _masked(text, _spans(text, self._secrets))
 
     def __call__(self, text: str) -> str:
-        text = self.remembered(text)
-        if "://" in text:
-            text = _URL_PASSWORD.sub(_mask_url, text)
-        text = _KV_PASSWORD.sub(_mask_kv, text)
-        return _DICT_PASSWORD.sub(_mask_dict, text)
+        return _masked(text, [*_spans(text, self._secrets), *_shape_spans(text)])
 
 
 _default = Redactor()

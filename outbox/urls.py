@@ -81,6 +81,7 @@ def parse_amqp_urls(text: str) -> list[AmqpUrl]:
     """Every URL of a ``;``-separated list, checked; raises ``InvalidUrl``."""
     if not text.strip():
         raise InvalidUrl("it is empty: give an amqp:// or amqps:// URL")
+    _check_utf8(text)
     pieces = text.split(";")
     urls = []
     for number, piece in enumerate(pieces, start=1):
@@ -229,6 +230,7 @@ def check_dsn(dsn: str) -> dict[str, str]:
 
     An empty DSN is valid: libpq then takes everything from ``PG*`` variables.
     """
+    _check_utf8(dsn)
     match = _SCHEME.match(dsn)
     if match:
         if match.group(1).lower() not in _PG_SCHEMES:
@@ -256,6 +258,18 @@ def check_dsn(dsn: str) -> dict[str, str]:
     if "sslmode" in settings and settings["sslmode"] not in _SSLMODES:
         raise InvalidUrl(f"sslmode must be one of {', '.join(_SSLMODES)}")
     return settings
+
+
+def _check_utf8(setting: str) -> None:
+    """Bytes that are not UTF-8 (an environment variable or argument written in
+    another encoding) reach Python as surrogates (PEP 383), which neither psycopg nor
+    pika can encode: both would raise a traceback."""
+    try:
+        setting.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidUrl(
+            "it holds bytes that are not UTF-8 (written in another encoding?): write it in UTF-8"
+        ) from None
 
 
 def _libpq_reason(exc: Exception) -> str:

@@ -92,6 +92,10 @@ def test_relay__interval_relations_are_checked_too() -> None:
         (["--amqp-url", "amqp://guest:guest@127.0.0.1:5672/%2F?heartbeat=abc"], "heartbeat"),
         (["--amqp-url", "http://guest:guest@127.0.0.1:5672/"], "'http' is not amqp"),
         (["--amqp-url", ""], "empty"),
+        # A Latin-1 'é' (byte 0xE9) where UTF-8 is expected: it reaches Python as a
+        # surrogate (PEP 383), which no driver can encode.
+        (["--dsn", "host=127.0.0.1 password=S3cr\udce9tPG"], "bytes that are not UTF-8"),
+        (["--amqp-url", "amqp://u:S3cr\udce9tXQ@127.0.0.1/%2F"], "bytes that are not UTF-8"),
         (["--connect-timeout", "0"], "0<x<=3600"),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else "",

@@ -77,6 +77,8 @@ def test_parse_amqp_urls__a_semicolon_list_is_several_brokers_in_order() -> None
         ("amqp://u:p@h/v;", "URL 2 of 2: an empty URL"),
         ("amqp://u:p@h/v;127.0.0.1", "URL 2 of 2: it must start with amqp://"),
         ("amqp://u:p@h/v;ab://x@h", "URL 2 of 2: the scheme is not amqp or amqps"),
+        # A Latin-1 byte from the environment (PEP 383), where pika would traceback.
+        ("amqp://u:S3cr\udce9tXQ@127.0.0.1:5672/x", "bytes that are not UTF-8"),
     ],
 )
 def test_parse_amqp_urls__refuses_what_pika_would_traceback_on_or_misread(
@@ -120,6 +122,7 @@ def test_check_dsn__accepts_what_libpq_accepts(dsn: str) -> None:
         ("host=h connect_timeout=soon", "connect_timeout must be a whole number"),
         ("http://u:S3cr@h/x", "'http' is not postgresql"),
         ("amqp://u:S3cr@h/x", "'amqp' is not postgresql"),
+        ("host=127.0.0.1 password=S3cr\udce9tPG", "bytes that are not UTF-8"),
     ],
 )
 def test_check_dsn__refuses_without_quoting_the_dsn(dsn: str, says: str) -> None:
