@@ -666,6 +666,13 @@ class Processor:
                 if failed is None and in_hand is not None:
                     sealed = store.send_seal() if pipelined else _done(store.seal())
         except (DatabaseUnavailable, StatementRefused) as exc:
+            if in_hand is None and ahead and isinstance(exc, StatementRefused):
+                # The ids recorded ahead were refused before any handler ran (an id
+                # applied before: psycopg may read that result while the block's
+                # first statements are still being sent): run again, ids first.
+                self._reset(before)
+                emit(log, "consumer.batch_again", logging.DEBUG, size=len(messages))
+                return None
             # The session ended in a handler's time, or (pipelined) a handler's
             # statement failed at the sync; the transaction is over either way.
             if in_hand is None or (isinstance(exc, StatementRefused) and not pipelined):
@@ -767,6 +774,18 @@ class Processor:
                 raise
             return Broken(message, reason, lost=True)
         return Broken(message, reason)
+
+    def _reset(self, before: SessionState) -> None:
+        """Roll back and put the session back as it was (a new one if it is gone;
+        ``DatabaseUnavailable`` if none can be had: an outage)."""
+        store = self.store
+        try:
+            if store.broken:
+                raise DatabaseUnavailable("the session was lost")
+            store.rollback()
+            store.restore(before)
+        except DatabaseUnavailable:
+            store.reconnect()
 
     def renew_session(self) -> None:
         """A new session, with the same settings, before messages that failed are

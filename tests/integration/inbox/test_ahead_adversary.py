@@ -219,12 +219,14 @@ def test_ahead__a_copy_of_an_applied_id_is_rolled_back_and_the_batch_runs_again(
         assert run(p, batch) == expected
         if body == "read":
             # The ids' INSERT failed on the copy (a unique violation), the first
-            # handler's read meets that error and the run ahead stops there; then
-            # ids first: the fresh ones once more; nobody a third time.
-            ahead = [str(batch[0].message_id)]
-            assert calls.n == {
-                i: ahead.count(i) + (i in fresh) for i in [old, *fresh] if i in ahead or i in fresh
-            }
+            # handler's read meets that error and the run ahead stops there (or,
+            # psycopg having read that error while the block's first statements
+            # went out, no handler runs ahead at all); then ids first: the fresh
+            # ones once more; nobody a third time.
+            first = str(batch[0].message_id)
+            assert calls.n.get(old, 0) <= (1 if first == old else 0)
+            assert all(calls.n[f] == 1 or (f == first and calls.n[f] == 2) for f in fresh)
+            assert set(calls.n) <= {old, *fresh}
         else:
             # Nothing read: every call runs ahead (the copy's once) and is rolled
             # back, unless the INSERT's error came back before a handler's statement
