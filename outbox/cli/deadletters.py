@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,9 +14,8 @@ from outbox.cli.common import (
     server_options,
     settings_from,
 )
-from outbox.cli.options import LIST_LIMIT, Age
+from outbox.cli.quarantine import echo_list, fail_if_missing, list_options, purge_age, purge_options
 from outbox.db import deadletters
-from outbox.errors import ExitCode
 
 
 @click.group("dead-letters")
@@ -44,30 +41,18 @@ def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any
 @dead_letters.command("list")
 @server_options
 @operator_session_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option(
-    "--limit",
-    default=1000,
-    show_default=True,
-    type=LIST_LIMIT,
-    help="Show at most this many.",
-)
+@list_options
 @known_errors
 def dead_letters_list(
     as_json: bool, limit: int, log_level: str, log_format: str, **options: Any
 ) -> None:
     """Dead letters, oldest first: message id, reason, when, and where it was going."""
-    from outbox.ops.deadletters import as_dict, render
+    from outbox.ops.deadletters import DEAD_LETTERS
+    from outbox.ops.quarantine import opened
 
-    dl_store = _dead_letter_store(options)
-    try:
-        rows = dl_store.entries(limit)
-    finally:
-        dl_store.close()
-    if as_json:
-        click.echo(json.dumps({"dead_letters": [as_dict(r) for r in rows]}, indent=2))
-    else:
-        click.echo(render(rows))
+    with opened(lambda: _dead_letter_store(options)) as store:
+        rows = store.entries(limit)
+    echo_list(DEAD_LETTERS, rows, as_json=as_json)
 
 
 @dead_letters.command("retry")
@@ -97,35 +82,24 @@ def dead_letters_retry(
         raise click.UsageError(
             "give either --all or one or more MESSAGE_IDs (or row ids, or --ordering-key)"
         )
-    dl_store = _dead_letter_store(options)
-    try:
-        moved = dl_store.retry(
+    from outbox.ops.deadletters import DEAD_LETTERS
+    from outbox.ops.quarantine import opened
+
+    with opened(lambda: _dead_letter_store(options)) as store:
+        moved = store.retry(
             everything=everything,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
             ordering_keys=selection.ordering_keys,
         )
-    finally:
-        dl_store.close()
-    click.echo(f"{len(moved)} dead letters moved back to the outbox")
-    missing = selection.not_found(moved)
-    if missing:
-        click.echo("not dead letters: " + " ".join(missing), err=True)
-        sys.exit(int(ExitCode.FAILURE))
+    click.echo(DEAD_LETTERS.retry_done(len(moved)))
+    fail_if_missing(DEAD_LETTERS.not_found, selection.not_found(moved))
 
 
 @dead_letters.command("purge")
 @server_options
 @operator_session_options
-@click.option("--all", "everything", is_flag=True, help="Delete every dead letter.")
-@click.option(
-    "--older-than",
-    envvar="OUTBOX_DEAD_LETTERS_MAX_AGE",
-    show_envvar=True,
-    default=None,
-    type=Age(),
-    help="Only those that failed longer ago than this (e.g. 30d, 12h, 900s).",
-)
+@purge_options(noun="dead letter", envvar="OUTBOX_DEAD_LETTERS_MAX_AGE", which="that failed")
 @ORDERING_KEY_OPTION
 @click.argument("message_ids", nargs=-1)
 @known_errors
@@ -144,34 +118,20 @@ def dead_letters_purge(
     Exits 1 if a given id was not purged (not a dead letter, or younger than
     --older-than).
     """
-    from outbox.ops.deadletters import parse_age
+    from outbox.ops.deadletters import DEAD_LETTERS
+    from outbox.ops.quarantine import opened
 
     named = bool(message_ids or ordering_keys)
-    if everything and named:
-        raise click.UsageError("give --all or MESSAGE_IDs (or --ordering-key), not both")
-    if not (everything or named or older_than):
-        raise click.UsageError(
-            "say what to purge: --all, --older-than AGE, MESSAGE_IDs or --ordering-key"
-        )
-    try:
-        age = parse_age(older_than) if older_than else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    age = purge_age(everything, named, older_than, ("MESSAGE_IDs", "--ordering-key"))
     selection = _message_ids(message_ids, ordering_keys)
-    dl_store = _dead_letter_store(options)
-    try:
-        purged = dl_store.purge(
+    with opened(lambda: _dead_letter_store(options)) as store:
+        purged = store.purge(
             everything=not named,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
             ordering_keys=selection.ordering_keys,
             older_than=age,
         )
-    finally:
-        dl_store.close()
-    click.echo(f"{len(purged)} dead letters purged")
-    missing = selection.not_found(purged)
-    if missing:
-        why = "not dead letters" if age is None else "not dead letters, or younger than that"
-        click.echo(f"{why}: " + " ".join(missing), err=True)
-        sys.exit(int(ExitCode.FAILURE))
+    click.echo(DEAD_LETTERS.purge_done(len(purged)))
+    why = DEAD_LETTERS.not_found + ("" if age is None else ", or younger than that")
+    fail_if_missing(why, selection.not_found(purged))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,9 +14,12 @@ from outbox.cli.common import (
     known_errors,
     operator_session_options,
 )
-from outbox.cli.options import LIST_LIMIT, Age, limited
+from outbox.cli.options import limited
+from outbox.cli.quarantine import echo_list, fail_if_missing, list_options, purge_age, purge_options
 from outbox.config import Settings
-from outbox.errors import ExitCode
+
+if TYPE_CHECKING:
+    from outbox.inbox.store import ParkedStore
 
 
 @click.group("parked")
@@ -24,35 +27,33 @@ def parked() -> None:
     """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
 
 
+@contextlib.contextmanager
 def _parked_store(
     dsn: str,
     inbox_table: str,
     connect_timeout: float,
     statement_timeout: float,
     lock_timeout: float,
-) -> Any:
-    from outbox.inbox.store import ParkedStore
+) -> Iterator[ParkedStore]:
+    from outbox.ops.parked import open_store
+    from outbox.ops.quarantine import opened
 
-    return ParkedStore(
-        dsn,
-        inbox_table,
-        connect_timeout=connect_timeout,
-        statement_timeout=statement_timeout,
-        lock_timeout=lock_timeout,
-    )
+    with opened(
+        lambda: open_store(
+            dsn,
+            inbox_table,
+            connect_timeout=connect_timeout,
+            statement_timeout=statement_timeout,
+            lock_timeout=lock_timeout,
+        )
+    ) as store:
+        yield store
 
 
 @parked.command("list")
 @consumer_server_options
 @operator_session_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option(
-    "--limit",
-    default=1000,
-    show_default=True,
-    type=LIST_LIMIT,
-    help="Show at most this many.",
-)
+@list_options
 @known_errors
 def parked_list(
     as_json: bool,
@@ -65,17 +66,11 @@ def parked_list(
     lock_timeout: float,
 ) -> None:
     """Parked messages, oldest first: message id, error, attempts, queue and origin."""
-    from outbox.inbox.parked import as_dict, render
+    from outbox.ops.parked import PARKED
 
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
-        rows = parked_store.entries(limit)
-    finally:
-        parked_store.close()
-    if as_json:
-        click.echo(json.dumps({"parked": [as_dict(r) for r in rows]}, indent=2, default=str))
-    else:
-        click.echo(render(rows))
+    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
+        rows = store.entries(limit)
+    echo_list(PARKED, rows, as_json=as_json)
 
 
 @parked.command("retry")
@@ -117,15 +112,15 @@ def parked_retry(
     is gone) stays parked, named with why on stderr, and the others are sent.  Exits
     1 if a message stayed parked so, or a MESSAGE_ID is not parked."""
     from outbox.inbox.parked import NotSent, retry
+    from outbox.ops.parked import PARKED
 
     if everything == bool(message_ids):
         raise click.UsageError("give either --all or one or more MESSAGE_IDs")
     ids = None if everything else list(message_ids)
     not_sent: list[NotSent] = []
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
+    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
         retried = retry(
-            parked_store,
+            store,
             amqp_url,
             ids,
             connect_timeout=connect_timeout,
@@ -133,30 +128,17 @@ def parked_retry(
             max_bytes=batch_max_bytes,
             not_sent=not_sent,
         )
-    finally:
-        parked_store.close()
-    click.echo(f"{len(retried)} parked messages sent back to their queues")
+    click.echo(PARKED.retry_done(len(retried)))
     for message_id, why in not_sent:
         click.echo(f"not retried, still parked: {message_id!r}: {why}", err=True)
     missing = sorted(set(ids or []) - set(retried) - {n.message_id for n in not_sent})
-    if missing:
-        click.echo("not parked: " + " ".join(missing), err=True)
-    if not_sent or missing:
-        sys.exit(int(ExitCode.FAILURE))
+    fail_if_missing(PARKED.not_found, missing, failed=bool(not_sent))
 
 
 @parked.command("purge")
 @consumer_server_options
 @operator_session_options
-@click.option("--all", "everything", is_flag=True, help="Delete every parked message.")
-@click.option(
-    "--older-than",
-    envvar="OUTBOX_PARKED_MAX_AGE",
-    show_envvar=True,
-    default=None,
-    type=Age(),
-    help="Only those parked longer ago than this (e.g. 30d, 12h, 900s).",
-)
+@purge_options(noun="parked message", envvar="OUTBOX_PARKED_MAX_AGE", which="parked")
 @click.argument("message_ids", nargs=-1)
 @known_errors
 def parked_purge(
@@ -172,19 +154,9 @@ def parked_purge(
 ) -> None:
     """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
     Their ids stay in the inbox until retention, so a late copy is still skipped."""
-    from outbox.ops.deadletters import parse_age
+    from outbox.ops.parked import PARKED
 
-    if everything and message_ids:
-        raise click.UsageError("give --all or MESSAGE_IDs, not both")
-    if not (everything or message_ids or older_than):
-        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
-    try:
-        age = parse_age(older_than) if older_than else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
-        purged = parked_store.purge(list(message_ids) if message_ids else None, age)
-    finally:
-        parked_store.close()
-    click.echo(f"{purged} parked messages purged")
+    age = purge_age(everything, bool(message_ids), older_than, ("MESSAGE_IDs",))
+    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
+        purged = store.purge(list(message_ids) if message_ids else None, age)
+    click.echo(PARKED.purge_done(purged))

@@ -19,6 +19,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.db.deadletters import DeadLetterStore
+from outbox.ops.quarantine import Kind
 from outbox.terminal import cut
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
@@ -126,3 +127,15 @@ def open_store(settings: Settings) -> DeadLetterStore:
         statement_timeout=settings.statement_timeout,
         lock_timeout=settings.lock_timeout,
     )
+
+
+DEAD_LETTERS = Kind(
+    noun="dead letter",
+    title="Dead letters",
+    json_key="dead_letters",
+    retried="moved back to the outbox",
+    not_found="not dead letters",
+    downloads=("payload", "headers"),
+    as_dict=as_dict,
+    render=render,
+)
