@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import click
@@ -14,8 +15,10 @@ from outbox.cli.common import (
     server_options,
     settings_from,
 )
-from outbox.cli.quarantine import echo_list, fail_if_missing, list_options, purge_age, purge_options
-from outbox.db import deadletters
+from outbox.cli.quarantine import fail_if_missing, list_command, purge_age, purge_options
+from outbox.db.deadletters import DeadLetterStore
+from outbox.ops.deadletters import DEAD_LETTERS, open_store
+from outbox.ops.quarantine import opened
 
 
 @click.group("dead-letters")
@@ -23,10 +26,10 @@ def dead_letters() -> None:
     """Rows that can never be published as they are: list, retry after a fix, purge."""
 
 
-def _dead_letter_store(options: dict[str, Any]) -> deadletters.DeadLetterStore:
-    from outbox.ops.deadletters import open_store
-
-    return open_store(settings_from(**options))
+def _dead_letter_store(options: dict[str, Any]) -> AbstractContextManager[DeadLetterStore]:
+    """The store the command's options name (its log options are not the store's)."""
+    named = {k: v for k, v in options.items() if k not in ("log_level", "log_format")}
+    return opened(lambda: open_store(settings_from(**named)))
 
 
 def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any:
@@ -38,21 +41,13 @@ def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any
         raise click.UsageError(str(exc)) from exc
 
 
-@dead_letters.command("list")
-@server_options
-@operator_session_options
-@list_options
-@known_errors
-def dead_letters_list(
-    as_json: bool, limit: int, log_level: str, log_format: str, **options: Any
-) -> None:
-    """Dead letters, oldest first: message id, reason, when, and where it was going."""
-    from outbox.ops.deadletters import DEAD_LETTERS
-    from outbox.ops.quarantine import opened
-
-    with opened(lambda: _dead_letter_store(options)) as store:
-        rows = store.entries(limit)
-    echo_list(DEAD_LETTERS, rows, as_json=as_json)
+list_command(
+    dead_letters,
+    server_options,
+    _dead_letter_store,
+    DEAD_LETTERS,
+    "Dead letters, oldest first: message id, reason, when, and where it was going.",
+)
 
 
 @dead_letters.command("retry")
@@ -66,8 +61,6 @@ def dead_letters_retry(
     everything: bool,
     ordering_keys: tuple[str, ...],
     message_ids: tuple[str, ...],
-    log_level: str,
-    log_format: str,
     **options: Any,
 ) -> None:
     """Put dead letters back into the outbox (same row id and message_id) once the cause
@@ -82,10 +75,7 @@ def dead_letters_retry(
         raise click.UsageError(
             "give either --all or one or more MESSAGE_IDs (or row ids, or --ordering-key)"
         )
-    from outbox.ops.deadletters import DEAD_LETTERS
-    from outbox.ops.quarantine import opened
-
-    with opened(lambda: _dead_letter_store(options)) as store:
+    with _dead_letter_store(options) as store:
         moved = store.retry(
             everything=everything,
             message_ids=selection.message_ids,
@@ -108,8 +98,6 @@ def dead_letters_purge(
     older_than: str | None,
     ordering_keys: tuple[str, ...],
     message_ids: tuple[str, ...],
-    log_level: str,
-    log_format: str,
     **options: Any,
 ) -> None:
     """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs (every
@@ -118,13 +106,10 @@ def dead_letters_purge(
     Exits 1 if a given id was not purged (not a dead letter, or younger than
     --older-than).
     """
-    from outbox.ops.deadletters import DEAD_LETTERS
-    from outbox.ops.quarantine import opened
-
     named = bool(message_ids or ordering_keys)
     age = purge_age(everything, named, older_than, ("MESSAGE_IDs", "--ordering-key"))
     selection = _message_ids(message_ids, ordering_keys)
-    with opened(lambda: _dead_letter_store(options)) as store:
+    with _dead_letter_store(options) as store:
         purged = store.purge(
             everything=not named,
             message_ids=selection.message_ids,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any
 
 import click
 
@@ -15,11 +14,12 @@ from outbox.cli.common import (
     operator_session_options,
 )
 from outbox.cli.options import limited
-from outbox.cli.quarantine import echo_list, fail_if_missing, list_options, purge_age, purge_options
+from outbox.cli.quarantine import fail_if_missing, list_command, purge_age, purge_options
 from outbox.config import Settings
-
-if TYPE_CHECKING:
-    from outbox.inbox.store import ParkedStore
+from outbox.db.session import OperatorBounds
+from outbox.inbox.store import ParkedStore
+from outbox.ops.parked import PARKED
+from outbox.ops.quarantine import opened
 
 
 @click.group("parked")
@@ -27,50 +27,21 @@ def parked() -> None:
     """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
 
 
-@contextlib.contextmanager
-def _parked_store(
-    dsn: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
-) -> Iterator[ParkedStore]:
-    from outbox.ops.parked import open_store
-    from outbox.ops.quarantine import opened
-
-    with opened(
-        lambda: open_store(
-            dsn,
-            inbox_table,
-            connect_timeout=connect_timeout,
-            statement_timeout=statement_timeout,
-            lock_timeout=lock_timeout,
-        )
-    ) as store:
-        yield store
+def _parked_store(options: dict[str, Any]) -> AbstractContextManager[ParkedStore]:
+    """The store the command's options name."""
+    bounds = OperatorBounds(
+        options["connect_timeout"], options["statement_timeout"], options["lock_timeout"]
+    )
+    return opened(lambda: ParkedStore(options["dsn"], options["inbox_table"], bounds))
 
 
-@parked.command("list")
-@consumer_server_options
-@operator_session_options
-@list_options
-@known_errors
-def parked_list(
-    as_json: bool,
-    limit: int,
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
-) -> None:
-    """Parked messages, oldest first: message id, error, attempts, queue and origin."""
-    from outbox.ops.parked import PARKED
-
-    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
-        rows = store.entries(limit)
-    echo_list(PARKED, rows, as_json=as_json)
+list_command(
+    parked,
+    consumer_server_options,
+    _parked_store,
+    PARKED,
+    "Parked messages, oldest first: message id, error, attempts, queue and origin.",
+)
 
 
 @parked.command("retry")
@@ -100,30 +71,26 @@ def parked_retry(
     publish_timeout: float,
     batch_max_bytes: int,
     message_ids: tuple[str, ...],
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
+    **options: Any,
 ) -> None:
     """Send parked messages back to the queue they came from (same message_id), once
     the handler or the data is fixed.  A message the broker does not take (its queue
     is gone) stays parked, named with why on stderr, and the others are sent.  Exits
     1 if a message stayed parked so, or a MESSAGE_ID is not parked."""
+    # Not at the top: the publisher imports kombu, which imports Django when it is
+    # installed; only a retry needs it.
     from outbox.inbox.parked import NotSent, retry
-    from outbox.ops.parked import PARKED
 
     if everything == bool(message_ids):
         raise click.UsageError("give either --all or one or more MESSAGE_IDs")
     ids = None if everything else list(message_ids)
     not_sent: list[NotSent] = []
-    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
+    with _parked_store(options) as store:
         retried = retry(
             store,
-            amqp_url,
+            options["amqp_url"],
             ids,
-            connect_timeout=connect_timeout,
+            connect_timeout=options["connect_timeout"],
             confirm_timeout=publish_timeout,
             max_bytes=batch_max_bytes,
             not_sent=not_sent,
@@ -145,18 +112,11 @@ def parked_purge(
     everything: bool,
     older_than: str | None,
     message_ids: tuple[str, ...],
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
+    **options: Any,
 ) -> None:
     """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
     Their ids stay in the inbox until retention, so a late copy is still skipped."""
-    from outbox.ops.parked import PARKED
-
     age = purge_age(everything, bool(message_ids), older_than, ("MESSAGE_IDs",))
-    with _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout) as store:
+    with _parked_store(options) as store:
         purged = store.purge(list(message_ids) if message_ids else None, age)
     click.echo(PARKED.purge_done(purged))

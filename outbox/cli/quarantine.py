@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from outbox.cli.common import apply
+from outbox.cli.common import apply, known_errors, operator_session_options
 from outbox.cli.options import LIST_LIMIT, Age
 from outbox.errors import ExitCode
 
 if TYPE_CHECKING:
-    from outbox.ops.quarantine import Kind
+    from contextlib import AbstractContextManager
+
+    from outbox.ops.quarantine import Kind, Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -61,10 +63,27 @@ def purge_options(*, noun: str, envvar: str, which: str) -> Callable[[F], F]:
     return decorate
 
 
-def echo_list(kind: Kind, rows: Sequence[Row], *, as_json: bool) -> None:
-    from outbox.ops.quarantine import listed
+def list_command(
+    group: click.Group,
+    server_options: Callable[[Callable[..., Any]], Callable[..., Any]],
+    store: Callable[[dict[str, Any]], AbstractContextManager[Store]],
+    kind: Kind,
+    help: str,
+) -> None:
+    """``list``, in ``group``: the oldest entries of ``store`` (opened from the
+    command's options), as ``kind`` lists them."""
 
-    click.echo(listed(kind, rows, as_json=as_json))
+    @group.command("list", help=help)
+    @server_options
+    @operator_session_options
+    @list_options
+    @known_errors
+    def list_entries(as_json: bool, limit: int, **options: Any) -> None:
+        from outbox.ops.quarantine import listed
+
+        with store(options) as opened:
+            rows = opened.entries(limit)
+        click.echo(listed(kind, rows, as_json=as_json))
 
 
 def purge_age(

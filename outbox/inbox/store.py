@@ -53,10 +53,17 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from outbox.config import Settings
 from outbox.db.migrate import SAY_HOLDERS, Holder, describe_holder, retry_pause
 from outbox.db.queries import LISTED, load_blocks, search_terms
-from outbox.db.session import Hints, connect, first_line, hint_for, translated
+from outbox.db.session import (
+    OPERATOR_BOUNDS,
+    Hints,
+    OperatorBounds,
+    connect,
+    first_line,
+    hint_for,
+    translated,
+)
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
 from outbox.inbox.message import Parking
 
@@ -911,23 +918,15 @@ class ParkedStore(InboxStore):
     # that is not involved.
     hints = Hints.operator(PARKED_SESSION_LOST)
 
-    def __init__(
-        self,
-        dsn: str,
-        table: str,
-        *,
-        connect_timeout: float = 10.0,
-        statement_timeout: float = Settings.statement_timeout,
-        lock_timeout: float = Settings.lock_timeout,
-    ) -> None:
+    def __init__(self, dsn: str, table: str, bounds: OperatorBounds = OPERATOR_BOUNDS) -> None:
         super().__init__(
             dsn,
             table,
             "",
             application_name="outbox-parked",
-            connect_timeout=connect_timeout,
-            lock_timeout=lock_timeout,
-            statement_timeout=statement_timeout,
+            connect_timeout=bounds.connect_timeout,
+            lock_timeout=bounds.lock_timeout,
+            statement_timeout=bounds.statement_timeout,
         )
         with self._reading("looking for the inbox tables") as conn:
             row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from outbox.inbox.store import ParkedStore
 from outbox.ops.quarantine import Kind
 from outbox.terminal import cut, shown
 
@@ -60,27 +59,11 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 PARKED = Kind(
     noun="parked message",
     title="Parked messages",
-    json_key="parked",
+    name="parked",
+    command="parked",
     retried="sent back to their queues",
     not_found="not parked",
     downloads=("body", "headers", "properties"),
     as_dict=as_dict,
     render=render,
 )
-
-
-def open_store(
-    dsn: str,
-    table: str,
-    *,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
-) -> ParkedStore:
-    return ParkedStore(
-        dsn,
-        table,
-        connect_timeout=connect_timeout,
-        statement_timeout=statement_timeout,
-        lock_timeout=lock_timeout,
-    )

@@ -26,6 +26,8 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from outbox.db.session import OperatorBounds
+
 Row = dict[str, Any]
 
 
@@ -52,6 +54,21 @@ class Store(Protocol):
 S = TypeVar("S", bound=Store)
 
 
+class Bounded(Protocol):
+    """What knows an operator's bounds: the relay's settings, a console's inbox."""
+
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def statement_timeout(self) -> float: ...
+    @property
+    def lock_timeout(self) -> float: ...
+
+
+def bounds_of(where: Bounded) -> OperatorBounds:
+    return OperatorBounds(where.connect_timeout, where.statement_timeout, where.lock_timeout)
+
+
 @contextlib.contextmanager
 def opened(open_store: Callable[[], S]) -> Iterator[S]:
     """A store for one command or one request: closed after it, whatever happened."""
@@ -68,7 +85,8 @@ class Kind:
 
     noun: str  # one entry: "dead letter"
     title: str  # a page's: "Dead letters"
-    json_key: str  # the list's JSON document: {json_key: [...]}
+    name: str  # the list's JSON key ({name: [...]}), the console's audit events'
+    command: str  # its command, and its pages' path: "dead-letters"
     retried: str  # what a retry did to the entries: "moved back to the outbox"
     not_found: str  # before names that matched none: "not dead letters"
     downloads: tuple[str, ...]  # an entry's values a console download sends whole
@@ -91,7 +109,7 @@ class Kind:
 def listed(kind: Kind, rows: Sequence[Row], *, as_json: bool) -> str:
     """``list``'s output: one JSON document, or the lines of ``kind.render``."""
     if as_json:
-        return json.dumps({kind.json_key: [kind.as_dict(r) for r in rows]}, indent=2, default=str)
+        return json.dumps({kind.name: [kind.as_dict(r) for r in rows]}, indent=2, default=str)
     return kind.render(rows)
 
 

@@ -34,8 +34,8 @@ from outbox.db.deadletters import DeadLetterStore
 from outbox.errors import OutboxError
 from outbox.inbox import parked as parked_ops
 from outbox.inbox.store import ParkedStore
-from outbox.ops import deadletters, parked, status
-from outbox.ops.quarantine import Row, Store, opened
+from outbox.ops import deadletters, status
+from outbox.ops.quarantine import Row, Store, bounds_of, opened
 from outbox.redaction import redact
 from resolver import Resolution, run_pass
 
@@ -312,13 +312,7 @@ def _parked(target: InboxTarget) -> contextlib.AbstractContextManager[ParkedStor
 
 
 def parked_store(target: InboxTarget) -> ParkedStore:
-    return parked.open_store(
-        target.dsn,
-        target.table,
-        connect_timeout=target.connect_timeout,
-        statement_timeout=target.statement_timeout,
-        lock_timeout=target.lock_timeout,
-    )
+    return ParkedStore(target.dsn, target.table, bounds_of(target))
 
 
 def parked_listing(target: InboxTarget, text: str, offset: int, limit: int) -> Listing:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from starlette.datastructures import FormData
@@ -49,6 +50,16 @@ W = TypeVar("W", Settings, InboxTarget)
 
 
 @dataclasses.dataclass(frozen=True)
+class Reads(Generic[W]):
+    """How the console reads one quarantine (``console``): a page of the list, one
+    entry with its views, one of its values whole."""
+
+    listing: Callable[[W, str, int, int], console.Listing]
+    entry: Callable[[W, int], Row | None]
+    value: Callable[[W, int, str], console.Download | None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Done:
     """What an action did: how many, the rows to list, those the broker did not
     take (a retry of parked messages), and the audit entry's own fields."""
@@ -64,12 +75,15 @@ class Pages(abc.ABC, Generic[W]):
     settings, an inbox target), named in links and forms by ``field``."""
 
     kind: Kind
-    path: str  # "/dead-letters"
     field: str  # the query or form field that names the table: "table"
-    audited_as: str  # the audit events' and refusals' name: "dead_letters"
-    templates: tuple[str, str, str]  # the list, its listing alone, one entry
+    entry_template: str  # one entry's page ("{kind.name}.html" is the list's)
+    reads: Reads[W]
+    missing: str  # the 404's text for an entry that is not there ({number}, {table})
     files: str  # how a download's file name starts: "dead-letter"
-    downloads_are: str  # the 404's text for a download that is not one
+
+    @property
+    def path(self) -> str:
+        return f"/{self.kind.command}"
 
     def __init__(self, site: Site) -> None:
         self.site = site
@@ -93,19 +107,6 @@ class Pages(abc.ABC, Generic[W]):
         """What its templates call the table."""
 
     @abc.abstractmethod
-    def read_listing(self, where: W, text: str, offset: int, limit: int) -> console.Listing: ...
-
-    @abc.abstractmethod
-    def read_entry(self, where: W, number: int) -> Row | None: ...
-
-    @abc.abstractmethod
-    def read_value(self, where: W, number: int, what: str) -> console.Download | None: ...
-
-    @abc.abstractmethod
-    def missing(self, where: W, number: int) -> str:
-        """The 404's text for an entry that is not there."""
-
-    @abc.abstractmethod
     async def confirm(self, request: Request) -> Response: ...
 
     @abc.abstractmethod
@@ -119,11 +120,11 @@ class Pages(abc.ABC, Generic[W]):
         where = self.where(request)
         query = search_text(request)
         offset = page_offset(request)
-        listing = await site.calls(self.read_listing, where, query, offset, site.cfg.list_limit)
-        page, partial, _ = self.templates
+        listing = await site.calls(self.reads.listing, where, query, offset, site.cfg.list_limit)
+        listing_alone = request.headers.get("hx-request")
         return site.pages.render(
             request,
-            partial if request.headers.get("hx-request") else page,
+            f"_{self.kind.name}_listing.html" if listing_alone else f"{self.kind.name}.html",
             **self.names(where),
             q=console.shown(query),
             q_link=urllib.parse.urlencode({"q": query}) if query == console.shown(query) else "",
@@ -134,29 +135,31 @@ class Pages(abc.ABC, Generic[W]):
     async def entry(self, request: Request) -> Response:
         where = self.where(request)
         number = one_row_number(request.path_params["number"], f"a {self.kind.noun}")
-        found = await self.site.calls(self.read_entry, where, number)
+        found = await self.site.calls(self.reads.entry, where, number)
         if found is None:
-            raise HTTPException(404, self.missing(where, number))
-        return self.site.pages.render(request, self.templates[2], **self.names(where), **found)
+            raise HTTPException(404, self.missing.format(number=number, table=where.table))
+        return self.site.pages.render(request, self.entry_template, **self.names(where), **found)
 
     async def download(self, request: Request) -> Response:
         where = self.where(request)
         number = one_row_number(request.path_params["number"], f"a {self.kind.noun}")
         what = request.path_params["what"]
         if what not in self.kind.downloads:
-            raise HTTPException(404, self.downloads_are)
+            raise HTTPException(
+                404, f"a {self.kind.noun}'s downloads are {', '.join(self.kind.downloads)}"
+            )
         async with self.site.downloads:
-            found = await self.site.calls(self.read_value, where, number, what)
+            found = await self.site.calls(self.reads.value, where, number, what)
         return download(found, f"{self.files}-{number}-{what}", where.table)
 
     async def act(self, request: Request) -> Response:
         action = action_of(request.path_params["action"])
-        form = await self.site.checked_form(request, f"{self.audited_as}.{action}")
+        form = await self.site.checked_form(request, f"{self.kind.name}.{action}")
         expected = expected_count(form)
         where = self.where(request, form)
         done = await self.apply(request, where, action, form, expected)
         audit(
-            f"web.{self.audited_as}_{'retried' if action == 'retry' else 'purged'}",
+            f"web.{self.kind.name}_{'retried' if action == 'retry' else 'purged'}",
             who=request.state.who,
             client=client_of(request),
             **done.audited,
@@ -192,30 +195,17 @@ class DeadLetterPages(Pages[Settings]):
     (named by one of its rows); a retry moves them back into the outbox."""
 
     kind = DEAD_LETTERS
-    path = "/dead-letters"
     field = "table"
-    audited_as = "dead_letters"
-    templates = ("dead_letters.html", "_dead_letter_listing.html", "dead_letter.html")
+    entry_template = "dead_letter.html"
+    reads = Reads(console.dead_letter_listing, console.dead_letter, console.dead_letter_value)
+    missing = "no dead letter with row id {number} in {table}"
     files = "dead-letter"
-    downloads_are = "a dead letter's downloads are its payload and headers"
 
     def where(self, request: Request, form: FormData | None = None) -> Settings:
         return self.site.outbox_of(request, form)
 
     def names(self, where: Settings) -> dict[str, Any]:
         return {"table": where.table}
-
-    def read_listing(self, where: Settings, text: str, offset: int, limit: int) -> console.Listing:
-        return console.dead_letter_listing(where, text, offset, limit)
-
-    def read_entry(self, where: Settings, number: int) -> Row | None:
-        return console.dead_letter(where, number)
-
-    def read_value(self, where: Settings, number: int, what: str) -> console.Download | None:
-        return console.dead_letter_value(where, number, what)
-
-    def missing(self, where: Settings, number: int) -> str:
-        return f"no dead letter with row id {number} in {where.table}"
 
     async def confirm(self, request: Request) -> Response:
         site = self.site
@@ -290,32 +280,17 @@ class ParkedPages(Pages[InboxTarget]):
     named by one of its rows); a retry sends them back to their queues."""
 
     kind = PARKED
-    path = "/parked"
     field = "inbox"
-    audited_as = "parked"
-    templates = ("parked.html", "_parked_listing.html", "parked_message.html")
+    entry_template = "parked_message.html"
+    reads = Reads(console.parked_listing, console.parked_message, console.parked_value)
+    missing = "no parked message {number} in {table}_parked"
     files = "parked"
-    downloads_are = "a parked message's downloads are body, headers, properties"
 
     def where(self, request: Request, form: FormData | None = None) -> InboxTarget:
         return self.site.inbox_of(request, form)
 
     def names(self, where: InboxTarget) -> dict[str, Any]:
         return {"inbox": where.table, "inbox_where": where_dsn(where.dsn)}
-
-    def read_listing(
-        self, where: InboxTarget, text: str, offset: int, limit: int
-    ) -> console.Listing:
-        return console.parked_listing(where, text, offset, limit)
-
-    def read_entry(self, where: InboxTarget, number: int) -> Row | None:
-        return console.parked_message(where, number)
-
-    def read_value(self, where: InboxTarget, number: int, what: str) -> console.Download | None:
-        return console.parked_value(where, number, what)
-
-    def missing(self, where: InboxTarget, number: int) -> str:
-        return f"no parked message {number} in {where.table}_parked"
 
     async def confirm(self, request: Request) -> Response:
         site = self.site
