@@ -124,10 +124,10 @@ def consume(
     records message.message_id in the inbox (awaited, with a psycopg AsyncConnection,
     if it is an async def); a message already there is acked and skipped.  Runs until
     SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox.db.inbox import render_sql
     from outbox.inbox import aio
     from outbox.inbox.handlers import load_handler
     from outbox.inbox.process import Inbox, serve
-    from outbox.inbox.store import render_sql
     from outbox.ops.deadletters import parse_age
 
     if print_sql:

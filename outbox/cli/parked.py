@@ -16,8 +16,8 @@ from outbox.cli.common import (
 from outbox.cli.options import limited
 from outbox.cli.quarantine import fail_if_missing, list_command, purge_age, purge_options
 from outbox.config import Settings
+from outbox.db.inbox import ParkedStore
 from outbox.db.session import OperatorBounds
-from outbox.inbox.store import ParkedStore
 from outbox.ops.parked import PARKED
 from outbox.ops.quarantine import opened
 

@@ -19,7 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from outbox import health
-from outbox.inbox.store import InboxStore
+from outbox.db.inbox import InboxStore
 from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, Figures, histogram
 
 if TYPE_CHECKING:

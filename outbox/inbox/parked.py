@@ -41,6 +41,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from outbox.db.inbox import ParkedStore
 from outbox.errors import BrokerUnavailable, ConfirmTimedOut, NotTaken, OutboxError
 from outbox.inbox.broker import QueuePublisher
 from outbox.inbox.message import (
@@ -48,7 +49,6 @@ from outbox.inbox.message import (
     ORIGINAL_ROUTING_KEY_HEADER,
     key_bytes,
 )
-from outbox.inbox.store import ParkedStore
 
 # The most rows one page of a retry looks at (their sizes only), and the most body
 # bytes a page holds in memory unless one body alone is larger.

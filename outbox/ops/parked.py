@@ -1,7 +1,7 @@
 """``outbox parked``: the consumer's quarantine as its command and the console show it.
 
 A parked message is one ``outbox consume`` gave up on, kept in ``<inbox>_parked``
-(``outbox.inbox.store.ParkedStore``) with its body, its AMQP properties as they
+(``outbox.db.inbox.ParkedStore``) with its body, its AMQP properties as they
 arrived, where it came from, the error and the number of attempts.  Listing,
 purging and the console's pages are the one quarantine's (``outbox.ops.quarantine``);
 a retry sends each message back to the queue it was parked from

@@ -6,7 +6,7 @@ Two stores hold one each and answer the same port (``Store``):
 - the relay's dead letters (``outbox.db.deadletters.DeadLetterStore``, ``outbox
   dead-letters``): outbox rows that could not be published; a retry moves them back
   into the outbox in one statement (``outbox.ops.deadletters``);
-- the consumer's parked messages (``outbox.inbox.store.ParkedStore``, ``outbox
+- the consumer's parked messages (``outbox.db.inbox.ParkedStore``, ``outbox
   parked``): messages the consumer gave up on; a retry sends them back to the queue
   each was parked from (``outbox.inbox.parked``).
 

@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 from outbox import gid as gids
 from outbox.config import Settings
 from outbox.db.deadletters import DeadLetterStore
+from outbox.db.inbox import ParkedStore
 from outbox.errors import OutboxError
 from outbox.inbox import parked as parked_ops
-from outbox.inbox.store import ParkedStore
 from outbox.ops import deadletters, status
 from outbox.ops.quarantine import Row, Store, bounds_of, opened
 from outbox.redaction import redact

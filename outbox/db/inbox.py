@@ -44,7 +44,7 @@ import operator
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
@@ -65,12 +65,44 @@ from outbox.db.session import (
     translated,
 )
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
-from outbox.inbox.message import Parking
-
-if TYPE_CHECKING:
-    from outbox.inbox.custody import Stored
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
+
+
+# What the store writes of a message the consumer parks (``outbox.inbox.message.
+# parking_for``) or takes into custody (``outbox.inbox.custody.stored``).
+@dataclasses.dataclass(frozen=True)
+class Parking:
+    """Everything kept about a parked message, enough to publish it again.
+
+    ``message_id``, ``exchange`` and ``routing_key`` are inbox keys (``inbox_key``:
+    lossless); ``headers``, ``properties`` and ``error`` are for people to read;
+    ``raw_properties`` is what ``outbox parked retry`` sends back.
+    """
+
+    message_id: str | None
+    queue: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    error: str
+    raw_properties: bytes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A message as ``<inbox>_custody`` keeps it: text columns as inbox keys
+    (lossless, ``inbox_key``), the property list as it arrived."""
+
+    message_id: str
+    ordering_key: str | None
+    exchange: str
+    routing_key: str
+    body: bytes
+    raw_properties: bytes
+
 
 # The consumer's lock_timeout (seconds): its handlers' for any lock (a handler's
 # statement that waits longer fails like any other error), and its own statements'.
@@ -168,7 +200,7 @@ def _statements(table: str) -> dict[str, sql.Composed]:
     ids = inbox_identifiers(table)
     return {
         name: sql.SQL(body).format(**ids)
-        for name, body in load_blocks("outbox.inbox", "inbox.sql").items()
+        for name, body in load_blocks("outbox.db", "inbox.sql").items()
     }
 
 
