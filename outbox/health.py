@@ -1,5 +1,6 @@
 """Liveness and readiness of a relay process (pure decisions; the consumer's
-readiness is ``outbox.inbox.metrics``'s, its liveness is this one).
+readiness is ``outbox.inbox.metrics``'s, its liveness is this one), from what both
+processes' loops record (``LoopStats``).
 
 - Liveness (``/healthz``): the relay loop still goes round.  It stays true during
   a database or broker outage (the loop is then backing off, which is progress):
@@ -11,12 +12,25 @@ readiness is ``outbox.inbox.metrics``'s, its liveness is this one).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from outbox.config import Settings
 from outbox.redaction import redact
 
 # Added to the computed worst case of one loop pass before the relay counts as stuck.
 LIVENESS_MARGIN = 60.0
+
+
+@dataclasses.dataclass
+class LoopStats:
+    """What a process's loop records for its probes and metrics, the relay's
+    (``outbox.relay.stats.Stats``) and the consumer's
+    (``outbox.inbox.stats.ConsumerStats``) alike: when it last went round, why its
+    last pass failed, and how often it reconnected after a server failed."""
+
+    reconnects: int = 0
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

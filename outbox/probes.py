@@ -10,11 +10,12 @@ readiness check and how long their loop may take; ``outbox.lifecycle`` starts th
 
 from __future__ import annotations
 
+import abc
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -97,10 +98,67 @@ class PortUnavailable(OutboxError):
 _Served = TypeVar("_Served", bound="Endpoints")
 
 
-class Figures(Protocol):
-    """What an endpoint reads from the database on a connection of its own."""
+class Session(Protocol):
+    """A database session of an endpoint's own: ``broken`` once its connection is lost."""
+
+    @property
+    def broken(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Session)
+V = TypeVar("V")
+
+
+class Figures(abc.ABC, Generic[S, V]):
+    """What an endpoint reads from the database (``read``) on a session of its own
+    (``open``), at most once per ``ttl`` however often it is scraped or probed:
+    ``figures``, or None and ``error`` saying why.  The relay's and the consumer's
+    (``outbox.relay.metrics.DatabaseFigures``, ``outbox.inbox.metrics.ParkedFigure``)
+    only say what they open and read."""
+
+    def __init__(self, ttl: float = DATABASE_CACHE_SECONDS) -> None:
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._store: S | None = None
+        self._expires = 0.0
+        self.figures: V | None = None
+        self.error: str | None = "not read yet"
+
+    @abc.abstractmethod
+    def open(self) -> S: ...
+
+    @abc.abstractmethod
+    def read(self, store: S) -> V: ...
+
+    def failed(self, exc: Exception) -> str:
+        """Why the figures are unknown after ``exc``, an error that is not an
+        ``OutboxError``; by default it is raised to the scrape."""
+        raise exc
+
+    def refresh(self) -> None:
+        """Read the figures unless the last answer is younger than the ttl."""
+        with self._lock:
+            if time.monotonic() < self._expires:
+                return
+            try:
+                if self._store is None or self._store.broken:
+                    self.close()
+                    self._store = self.open()
+                self.figures, self.error = self.read(self._store), None
+            except OutboxError as exc:
+                self.figures, self.error = None, exc.message
+                self.close()
+            except Exception as exc:
+                self.figures, self.error = None, self.failed(exc)
+                self.close()
+            self._expires = time.monotonic() + self._ttl
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 class Endpoints:
@@ -114,7 +172,7 @@ class Endpoints:
     def __init__(
         self,
         collector: Collector,
-        figures: Figures,
+        figures: Figures[Any, Any],
         *,
         liveness_limit: float,
         port: int,

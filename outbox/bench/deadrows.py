@@ -54,7 +54,9 @@ from outbox.tables import table_identifiers
 WAYS = ("0.5", "front", "rescan", "bottom", "restart", "slice")
 
 # The claim statement of outbox-relay 0.5 (``queries.sql``, ``claim_batch``, before
-# schema 0006), the baseline these figures compare with.
+# schema 0006), the baseline these figures compare with.  A copy, because an installed
+# benchmark has no history to read it from; a test compares it, to the letter, with
+# the statement of the commit that shipped 0.5.0 (tests/unit/bench).
 CLAIM_0_5 = """
 DELETE FROM {outbox}
 WHERE id = ANY (ARRAY (

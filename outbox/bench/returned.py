@@ -45,11 +45,11 @@ from psycopg import pq
 
 from outbox.bench.consume import ConsumeBench, ConsumeBenchOptions, cpu_medians
 from outbox.bench.harness import BenchTopology, Echo, bench_database
+from outbox.db.inbox import InboxStore
 from outbox.errors import OutboxError
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import MAX_PREFETCH, ConsumerSettings
-from outbox.inbox.store import InboxStore
 
 # RabbitMQ 4.0's default for quorum queues; any limit above 1 takes the same path.
 DELIVERY_LIMIT = 20

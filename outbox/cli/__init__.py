@@ -13,7 +13,9 @@ redacted one.
 
 One module per command group (``init``, ``relay``, ``resolve``, ``status``,
 ``deadletters``, ``consume``, ``parked``, ``demo``, ``bench``, ``web``), all built
-from the shared options of ``common`` and the option types of ``options``.  A
+from the shared options of ``common`` and the option types of ``options``;
+``deadletters`` and ``parked`` from the one quarantine's options and output
+(``quarantine``).  A
 command only parses its options: what a relay or a consumer does with them, from
 its endpoints to its summary, is the library's (``outbox.lifecycle``).
 

@@ -335,9 +335,9 @@ ORDERING_KEY_OPTION = click.option(
 
 # -- the consumer side: outbox consume, outbox parked ---------------------------------
 def inbox_table_option(func: F) -> F:
-    # inbox.store, not the loop: the CLI must not import kombu (which imports Django
+    # The consumer's store, not its loop: the CLI must not import kombu (which imports Django
     # when it is installed) unless a consumer command runs.
-    from outbox.inbox.store import DEFAULT_INBOX_TABLE
+    from outbox.db.inbox import DEFAULT_INBOX_TABLE
 
     return env_option(
         "--inbox-table",

@@ -22,7 +22,7 @@ from outbox.cli.common import (
     metrics_address_option,
     metrics_port_option,
 )
-from outbox.cli.options import Age, FiniteFloatRange, QueueName
+from outbox.cli.options import Age, FiniteFloatRange, QueueName, age_text
 from outbox.events import configure, emit
 from outbox.inbox.settings import MAX_PREFETCH, MAX_RETRY_DELAY, ConsumerSettings, parse_bindings
 
@@ -42,7 +42,7 @@ log = logging.getLogger("outbox.inbox")
 @env_option(
     "--consumer-name",
     "OUTBOX_CONSUMER_NAME",
-    default=None,
+    default=ConsumerSettings.consumer_name,
     type=QueueName("consumer name", declared=False),
     help="Name the inbox records ids under (default: the queue); consumers of "
     "consistent-hash shard queues share one.",
@@ -50,7 +50,7 @@ log = logging.getLogger("outbox.inbox")
 @env_option(
     "--prefetch",
     "OUTBOX_PREFETCH",
-    default=200,
+    default=ConsumerSettings.prefetch,
     type=click.IntRange(1, MAX_PREFETCH),
     help="Unacked messages the broker hands this consumer at once; a batch takes at most "
     "half, so the next one arrives while a batch commits (1 for ordered queues).",
@@ -58,14 +58,14 @@ log = logging.getLogger("outbox.inbox")
 @env_option(
     "--max-attempts",
     "OUTBOX_MAX_ATTEMPTS",
-    default=5,
+    default=ConsumerSettings.max_attempts,
     type=click.IntRange(1, 1_000_000),
     help="Failed handler calls after which a message is parked.",
 )
 @env_option(
     "--retry-delay",
     "OUTBOX_RETRY_DELAY",
-    default=0.1,
+    default=ConsumerSettings.retry_delay,
     type=FiniteFloatRange(0, MAX_RETRY_DELAY),
     help="Seconds a failed message waits (in hand, the others going on) before its next "
     "attempt; doubles per attempt.",
@@ -73,14 +73,14 @@ log = logging.getLogger("outbox.inbox")
 @env_option(
     "--retry-delay-max",
     "OUTBOX_RETRY_DELAY_MAX",
-    default=5.0,
+    default=ConsumerSettings.retry_delay_max,
     type=FiniteFloatRange(0, MAX_RETRY_DELAY),
     help="Longest retry delay (s), at least --retry-delay.",
 )
 @env_option(
     "--delivery-limit",
     "OUTBOX_DELIVERY_LIMIT",
-    default=None,
+    default=ConsumerSettings.delivery_limit,
     type=click.IntRange(0, None),
     help="The queue's delivery limit when a policy sets it (an x-delivery-limit argument "
     "is read from the queue).",
@@ -88,7 +88,7 @@ log = logging.getLogger("outbox.inbox")
 @env_option(
     "--inbox-retention",
     "OUTBOX_INBOX_RETENTION",
-    default="7d",
+    default=age_text(ConsumerSettings.inbox_retention),
     type=Age(),
     help="Keep message ids this long (e.g. 7d, 12h); an older redelivery is applied again.",
 )
@@ -124,10 +124,10 @@ def consume(
     records message.message_id in the inbox (awaited, with a psycopg AsyncConnection,
     if it is an async def); a message already there is acked and skipped.  Runs until
     SIGTERM/SIGINT, then finishes the message in hand."""
+    from outbox.db.inbox import render_sql
     from outbox.inbox import aio
     from outbox.inbox.handlers import load_handler
     from outbox.inbox.process import Inbox, serve
-    from outbox.inbox.store import render_sql
     from outbox.ops.deadletters import parse_age
 
     if print_sql:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import click
@@ -16,9 +15,10 @@ from outbox.cli.common import (
     server_options,
     settings_from,
 )
-from outbox.cli.options import LIST_LIMIT, Age
-from outbox.db import deadletters
-from outbox.errors import ExitCode
+from outbox.cli.quarantine import fail_if_missing, list_command, purge_age, purge_options
+from outbox.db.deadletters import DeadLetterStore
+from outbox.ops.deadletters import DEAD_LETTERS, open_store
+from outbox.ops.quarantine import opened
 
 
 @click.group("dead-letters")
@@ -26,10 +26,10 @@ def dead_letters() -> None:
     """Rows that can never be published as they are: list, retry after a fix, purge."""
 
 
-def _dead_letter_store(options: dict[str, Any]) -> deadletters.DeadLetterStore:
-    from outbox.ops.deadletters import open_store
-
-    return open_store(settings_from(**options))
+def _dead_letter_store(options: dict[str, Any]) -> AbstractContextManager[DeadLetterStore]:
+    """The store the command's options name (its log options are not the store's)."""
+    named = {k: v for k, v in options.items() if k not in ("log_level", "log_format")}
+    return opened(lambda: open_store(settings_from(**named)))
 
 
 def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any:
@@ -41,33 +41,13 @@ def _message_ids(texts: Sequence[str], ordering_keys: Sequence[str] = ()) -> Any
         raise click.UsageError(str(exc)) from exc
 
 
-@dead_letters.command("list")
-@server_options
-@operator_session_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option(
-    "--limit",
-    default=1000,
-    show_default=True,
-    type=LIST_LIMIT,
-    help="Show at most this many.",
+list_command(
+    dead_letters,
+    server_options,
+    _dead_letter_store,
+    DEAD_LETTERS,
+    "Dead letters, oldest first: message id, reason, when, and where it was going.",
 )
-@known_errors
-def dead_letters_list(
-    as_json: bool, limit: int, log_level: str, log_format: str, **options: Any
-) -> None:
-    """Dead letters, oldest first: message id, reason, when, and where it was going."""
-    from outbox.ops.deadletters import as_dict, render
-
-    dl_store = _dead_letter_store(options)
-    try:
-        rows = dl_store.entries(limit)
-    finally:
-        dl_store.close()
-    if as_json:
-        click.echo(json.dumps({"dead_letters": [as_dict(r) for r in rows]}, indent=2))
-    else:
-        click.echo(render(rows))
 
 
 @dead_letters.command("retry")
@@ -81,8 +61,6 @@ def dead_letters_retry(
     everything: bool,
     ordering_keys: tuple[str, ...],
     message_ids: tuple[str, ...],
-    log_level: str,
-    log_format: str,
     **options: Any,
 ) -> None:
     """Put dead letters back into the outbox (same row id and message_id) once the cause
@@ -97,35 +75,21 @@ def dead_letters_retry(
         raise click.UsageError(
             "give either --all or one or more MESSAGE_IDs (or row ids, or --ordering-key)"
         )
-    dl_store = _dead_letter_store(options)
-    try:
-        moved = dl_store.retry(
+    with _dead_letter_store(options) as store:
+        moved = store.retry(
             everything=everything,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
             ordering_keys=selection.ordering_keys,
         )
-    finally:
-        dl_store.close()
-    click.echo(f"{len(moved)} dead letters moved back to the outbox")
-    missing = selection.not_found(moved)
-    if missing:
-        click.echo("not dead letters: " + " ".join(missing), err=True)
-        sys.exit(int(ExitCode.FAILURE))
+    click.echo(DEAD_LETTERS.retry_done(len(moved)))
+    fail_if_missing(DEAD_LETTERS.not_found, selection.not_found(moved))
 
 
 @dead_letters.command("purge")
 @server_options
 @operator_session_options
-@click.option("--all", "everything", is_flag=True, help="Delete every dead letter.")
-@click.option(
-    "--older-than",
-    envvar="OUTBOX_DEAD_LETTERS_MAX_AGE",
-    show_envvar=True,
-    default=None,
-    type=Age(),
-    help="Only those that failed longer ago than this (e.g. 30d, 12h, 900s).",
-)
+@purge_options(noun="dead letter", envvar="OUTBOX_DEAD_LETTERS_MAX_AGE", which="that failed")
 @ORDERING_KEY_OPTION
 @click.argument("message_ids", nargs=-1)
 @known_errors
@@ -134,8 +98,6 @@ def dead_letters_purge(
     older_than: str | None,
     ordering_keys: tuple[str, ...],
     message_ids: tuple[str, ...],
-    log_level: str,
-    log_format: str,
     **options: Any,
 ) -> None:
     """Delete dead letters for good: --all, --older-than AGE, and/or MESSAGE_IDs (every
@@ -144,34 +106,17 @@ def dead_letters_purge(
     Exits 1 if a given id was not purged (not a dead letter, or younger than
     --older-than).
     """
-    from outbox.ops.deadletters import parse_age
-
     named = bool(message_ids or ordering_keys)
-    if everything and named:
-        raise click.UsageError("give --all or MESSAGE_IDs (or --ordering-key), not both")
-    if not (everything or named or older_than):
-        raise click.UsageError(
-            "say what to purge: --all, --older-than AGE, MESSAGE_IDs or --ordering-key"
-        )
-    try:
-        age = parse_age(older_than) if older_than else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    age = purge_age(everything, named, older_than, ("MESSAGE_IDs", "--ordering-key"))
     selection = _message_ids(message_ids, ordering_keys)
-    dl_store = _dead_letter_store(options)
-    try:
-        purged = dl_store.purge(
+    with _dead_letter_store(options) as store:
+        purged = store.purge(
             everything=not named,
             message_ids=selection.message_ids,
             row_ids=selection.row_ids,
             ordering_keys=selection.ordering_keys,
             older_than=age,
         )
-    finally:
-        dl_store.close()
-    click.echo(f"{len(purged)} dead letters purged")
-    missing = selection.not_found(purged)
-    if missing:
-        why = "not dead letters" if age is None else "not dead letters, or younger than that"
-        click.echo(f"{why}: " + " ".join(missing), err=True)
-        sys.exit(int(ExitCode.FAILURE))
+    click.echo(DEAD_LETTERS.purge_done(len(purged)))
+    why = DEAD_LETTERS.not_found + ("" if age is None else ", or younger than that")
+    fail_if_missing(why, selection.not_found(purged))

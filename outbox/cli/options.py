@@ -105,6 +105,15 @@ class QueueName(_TextType):
         return value
 
 
+def age_text(seconds: float) -> str:
+    """``seconds`` as an ``Age`` option's text: in days, hours or minutes, the
+    largest that divides it, else seconds (``604800.0`` -> ``7d``; pure)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
 class Age(_TextType):
     """``30d``, ``12h``, ``900s``: seconds, at most ``MAX_AGE`` (SQL intervals overflow)."""
 

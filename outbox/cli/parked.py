@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import sys
+from contextlib import AbstractContextManager
 from typing import Any
 
 import click
@@ -14,9 +13,13 @@ from outbox.cli.common import (
     known_errors,
     operator_session_options,
 )
-from outbox.cli.options import LIST_LIMIT, Age, limited
+from outbox.cli.options import limited
+from outbox.cli.quarantine import fail_if_missing, list_command, purge_age, purge_options
 from outbox.config import Settings
-from outbox.errors import ExitCode
+from outbox.db.inbox import ParkedStore
+from outbox.db.session import OperatorBounds
+from outbox.ops.parked import PARKED
+from outbox.ops.quarantine import opened
 
 
 @click.group("parked")
@@ -24,58 +27,21 @@ def parked() -> None:
     """Messages `outbox consume` gave up on: list, retry after a fix, purge."""
 
 
-def _parked_store(
-    dsn: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
-) -> Any:
-    from outbox.inbox.store import ParkedStore
-
-    return ParkedStore(
-        dsn,
-        inbox_table,
-        connect_timeout=connect_timeout,
-        statement_timeout=statement_timeout,
-        lock_timeout=lock_timeout,
+def _parked_store(options: dict[str, Any]) -> AbstractContextManager[ParkedStore]:
+    """The store the command's options name."""
+    bounds = OperatorBounds(
+        options["connect_timeout"], options["statement_timeout"], options["lock_timeout"]
     )
+    return opened(lambda: ParkedStore(options["dsn"], options["inbox_table"], bounds))
 
 
-@parked.command("list")
-@consumer_server_options
-@operator_session_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option(
-    "--limit",
-    default=1000,
-    show_default=True,
-    type=LIST_LIMIT,
-    help="Show at most this many.",
+list_command(
+    parked,
+    consumer_server_options,
+    _parked_store,
+    PARKED,
+    "Parked messages, oldest first: message id, error, attempts, queue and origin.",
 )
-@known_errors
-def parked_list(
-    as_json: bool,
-    limit: int,
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
-) -> None:
-    """Parked messages, oldest first: message id, error, attempts, queue and origin."""
-    from outbox.inbox.parked import as_dict, render
-
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
-        rows = parked_store.entries(limit)
-    finally:
-        parked_store.close()
-    if as_json:
-        click.echo(json.dumps({"parked": [as_dict(r) for r in rows]}, indent=2, default=str))
-    else:
-        click.echo(render(rows))
 
 
 @parked.command("retry")
@@ -105,86 +71,52 @@ def parked_retry(
     publish_timeout: float,
     batch_max_bytes: int,
     message_ids: tuple[str, ...],
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
+    **options: Any,
 ) -> None:
     """Send parked messages back to the queue they came from (same message_id), once
     the handler or the data is fixed.  A message the broker does not take (its queue
     is gone) stays parked, named with why on stderr, and the others are sent.  Exits
     1 if a message stayed parked so, or a MESSAGE_ID is not parked."""
+    # Not at the top: the publisher imports kombu, which imports Django when it is
+    # installed; only a retry needs it.
     from outbox.inbox.parked import NotSent, retry
 
     if everything == bool(message_ids):
         raise click.UsageError("give either --all or one or more MESSAGE_IDs")
     ids = None if everything else list(message_ids)
     not_sent: list[NotSent] = []
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
+    with _parked_store(options) as store:
         retried = retry(
-            parked_store,
-            amqp_url,
+            store,
+            options["amqp_url"],
             ids,
-            connect_timeout=connect_timeout,
+            connect_timeout=options["connect_timeout"],
             confirm_timeout=publish_timeout,
             max_bytes=batch_max_bytes,
             not_sent=not_sent,
         )
-    finally:
-        parked_store.close()
-    click.echo(f"{len(retried)} parked messages sent back to their queues")
+    click.echo(PARKED.retry_done(len(retried)))
     for message_id, why in not_sent:
         click.echo(f"not retried, still parked: {message_id!r}: {why}", err=True)
     missing = sorted(set(ids or []) - set(retried) - {n.message_id for n in not_sent})
-    if missing:
-        click.echo("not parked: " + " ".join(missing), err=True)
-    if not_sent or missing:
-        sys.exit(int(ExitCode.FAILURE))
+    fail_if_missing(PARKED.not_found, missing, failed=bool(not_sent))
 
 
 @parked.command("purge")
 @consumer_server_options
 @operator_session_options
-@click.option("--all", "everything", is_flag=True, help="Delete every parked message.")
-@click.option(
-    "--older-than",
-    envvar="OUTBOX_PARKED_MAX_AGE",
-    show_envvar=True,
-    default=None,
-    type=Age(),
-    help="Only those parked longer ago than this (e.g. 30d, 12h, 900s).",
-)
+@purge_options(noun="parked message", envvar="OUTBOX_PARKED_MAX_AGE", which="parked")
 @click.argument("message_ids", nargs=-1)
 @known_errors
 def parked_purge(
     everything: bool,
     older_than: str | None,
     message_ids: tuple[str, ...],
-    dsn: str,
-    amqp_url: str,
-    inbox_table: str,
-    connect_timeout: float,
-    statement_timeout: float,
-    lock_timeout: float,
+    **options: Any,
 ) -> None:
     """Delete parked messages for good: --all, --older-than AGE, and/or MESSAGE_IDs.
     Their ids stay in the inbox until retention, so a late copy is still skipped."""
-    from outbox.ops.deadletters import parse_age
-
-    if everything and message_ids:
-        raise click.UsageError("give --all or MESSAGE_IDs, not both")
-    if not (everything or message_ids or older_than):
-        raise click.UsageError("say what to purge: --all, --older-than AGE or MESSAGE_IDs")
-    try:
-        age = parse_age(older_than) if older_than else None
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    parked_store = _parked_store(dsn, inbox_table, connect_timeout, statement_timeout, lock_timeout)
-    try:
-        purged = parked_store.purge(list(message_ids) if message_ids else None, age)
-    finally:
-        parked_store.close()
-    click.echo(f"{purged} parked messages purged")
+    age = purge_age(everything, bool(message_ids), older_than, ("MESSAGE_IDs",))
+    with _parked_store(options) as store:
+        purged = store.purge(list(message_ids) if message_ids else None, age)
+    click.echo(PARKED.purge_done(purged))

@@ -10,10 +10,9 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 
-from outbox.config import Settings
 from outbox.db import privileges
 from outbox.db.queries import LISTED, search_terms
-from outbox.db.session import Hints, Session
+from outbox.db.session import OPERATOR_BOUNDS, Hints, OperatorBounds, Session
 from outbox.errors import DatabaseRefused, RowsHeld
 from outbox.message import ORDERING_KEY_MAX_BYTES
 
@@ -37,23 +36,15 @@ class DeadLetterStore(Session):
     # would name a process that is not involved.
     hints = Hints.operator(DEAD_LETTERS_SESSION_LOST)
 
-    def __init__(
-        self,
-        dsn: str,
-        table: str,
-        *,
-        connect_timeout: float = 10.0,
-        statement_timeout: float = Settings.statement_timeout,
-        lock_timeout: float = Settings.lock_timeout,
-    ) -> None:
+    def __init__(self, dsn: str, table: str, bounds: OperatorBounds = OPERATOR_BOUNDS) -> None:
         # Only operators (the CLI, the console) use it: bounded on the client too.
         super().__init__(
             dsn,
             table,
             "outbox-dead-letters",
-            connect_timeout,
-            statement_timeout,
-            lock_timeout,
+            bounds.connect_timeout,
+            bounds.statement_timeout,
+            bounds.lock_timeout,
             client_deadline=True,
         )
 

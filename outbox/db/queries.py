@@ -1,6 +1,6 @@
 """Load ``queries.sql`` into composed statements for one outbox table.
 
-``inbox.sql`` (the consumer's inbox, ``outbox.inbox.store``) uses the same loader.
+``inbox.sql`` (the consumer's inbox, ``outbox.db.inbox``) uses the same loader.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from psycopg.abc import PQGen
 from psycopg.rows import dict_row
 
 from outbox import gid as gids
+from outbox.config import Settings
 from outbox.db import privileges
 from outbox.db.queries import Queries
 from outbox.errors import (
@@ -493,6 +494,19 @@ def _holder(row: Row) -> str:
         f"session pid {row['pid']} ({name}, {row['state']}, transaction open {age}) "
         f"on {row['relation']}: it must commit or roll back"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorBounds:
+    """The bounds (s) of an operator's session (a command, the console's request) on
+    a quarantine's store: connecting, each statement, each wait for a lock."""
+
+    connect_timeout: float = 10.0
+    statement_timeout: float = Settings.statement_timeout
+    lock_timeout: float = Settings.lock_timeout
+
+
+OPERATOR_BOUNDS = OperatorBounds()
 
 
 @dataclasses.dataclass(frozen=True)

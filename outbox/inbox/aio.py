@@ -64,6 +64,7 @@ from psycopg.pq import ExecStatus, PipelineStatus
 from psycopg.rows import Row, tuple_row
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.db.inbox import InboxStore, SessionState, StatementRefused, session_state
 from outbox.db.session import bound_statements, cannot_connect, connect_options, first_line
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.inbox.handlers import Handler, HandlerNotFound
@@ -72,7 +73,6 @@ from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import handler_left, not_run
-from outbox.inbox.store import InboxStore, SessionState, StatementRefused, session_state
 
 T = TypeVar("T")
 TUPLES_OK = ExecStatus.TUPLES_OK

@@ -35,9 +35,9 @@ holding its key (``next_in_custody``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Sequence
 
+from outbox.db.inbox import Stored
 from outbox.inbox import properties as wire
 from outbox.inbox.message import InboxMessage, inbox_key, key_bytes, to_inbox_message
 from outbox.inbox.policy import QueuePolicy, delivery_count
@@ -90,19 +90,6 @@ def may_drop_returned(policy: QueuePolicy) -> bool:
     limit is known, or the queue's type could not be read (no ``configure``
     permission: a quorum queue with a limit set by a policy looks the same)."""
     return policy.delivery_limit is not None or not policy.queue_type
-
-
-@dataclasses.dataclass(frozen=True)
-class Stored:
-    """A message as ``<inbox>_custody`` keeps it: text columns as inbox keys
-    (lossless, ``inbox_key``), the property list as it arrived."""
-
-    message_id: str
-    ordering_key: str | None
-    exchange: str
-    routing_key: str
-    body: bytes
-    raw_properties: bytes
 
 
 def stored(message: InboxMessage) -> Stored:

@@ -21,6 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from outbox.db.inbox import Parking
 from outbox.message import ORDERING_KEY_HEADER
 
 # ``outbox parked retry`` sends a message straight to the queue it was parked from
@@ -186,26 +187,6 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     return text_safe(str(value))
-
-
-@dataclasses.dataclass(frozen=True)
-class Parking:
-    """Everything kept about a parked message, enough to publish it again.
-
-    ``message_id``, ``exchange`` and ``routing_key`` are inbox keys (``inbox_key``:
-    lossless); ``headers``, ``properties`` and ``error`` are for people to read;
-    ``raw_properties`` is what ``outbox parked retry`` sends back.
-    """
-
-    message_id: str | None
-    queue: str
-    exchange: str
-    routing_key: str
-    body: bytes
-    headers: dict[str, Any]
-    properties: dict[str, Any]
-    error: str
-    raw_properties: bytes | None = None
 
 
 def parking_for(message: InboxMessage, error: str) -> Parking:

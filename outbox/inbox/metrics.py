@@ -8,8 +8,6 @@ for ``DATABASE_CACHE_SECONDS``, never from the consumer's connection.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,9 +19,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from outbox import health
-from outbox.errors import OutboxError
-from outbox.inbox.store import InboxStore
-from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, histogram
+from outbox.db.inbox import InboxStore
+from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, Figures, histogram
 
 if TYPE_CHECKING:
     from outbox.inbox.settings import ConsumerSettings
@@ -49,43 +46,25 @@ class Inbox(Protocol):
     def stopping(self) -> bool: ...
 
 
-class ParkedFigure:
+class ParkedFigure(Figures[InboxStore, int]):
     """Parked messages of this consumer, cached; ``error`` says why it is unknown."""
 
     def __init__(self, settings: ConsumerSettings, ttl: float = DATABASE_CACHE_SECONDS) -> None:
+        super().__init__(ttl)
         self._settings = settings
-        self._ttl = ttl
-        self._lock = threading.Lock()
-        self._store: InboxStore | None = None
-        self._expires = 0.0
-        self.parked: int | None = None
-        self.error: str | None = "not read yet"
 
-    def refresh(self) -> None:
-        with self._lock:
-            if time.monotonic() < self._expires:
-                return
-            s = self._settings
-            try:
-                if self._store is None or self._store.broken:
-                    self.close()
-                    self._store = InboxStore(
-                        s.dsn,
-                        s.inbox_table,
-                        s.consumer,
-                        application_name="outbox-consume-metrics",
-                        connect_timeout=min(s.connect_timeout, 3.0),
-                    )
-                self.parked, self.error = self._store.parked_count(), None
-            except OutboxError as exc:
-                self.parked, self.error = None, exc.message
-                self.close()
-            self._expires = time.monotonic() + self._ttl
+    def open(self) -> InboxStore:
+        s = self._settings
+        return InboxStore(
+            s.dsn,
+            s.inbox_table,
+            s.consumer,
+            application_name="outbox-consume-metrics",
+            connect_timeout=min(s.connect_timeout, 3.0),
+        )
 
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+    def read(self, store: InboxStore) -> int:
+        return store.parked_count()
 
 
 class ConsumerCollector(Collector):
@@ -148,13 +127,13 @@ class ConsumerCollector(Collector):
         yield GaugeMetricFamily(
             "outbox_consumer_database_up",
             "1 if the metrics query reached the consumer's PostgreSQL.",
-            value=int(self.parked.parked is not None),
+            value=int(self.parked.figures is not None),
         )
-        if self.parked.parked is not None:
+        if self.parked.figures is not None:
             yield GaugeMetricFamily(
                 "outbox_consumer_parked_messages",
                 "Rows of this consumer in <inbox>_parked.",
-                value=self.parked.parked,
+                value=self.parked.figures,
             )
 
 

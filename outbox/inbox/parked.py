@@ -41,6 +41,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from outbox.db.inbox import ParkedStore
 from outbox.errors import BrokerUnavailable, ConfirmTimedOut, NotTaken, OutboxError
 from outbox.inbox.broker import QueuePublisher
 from outbox.inbox.message import (
@@ -48,52 +49,11 @@ from outbox.inbox.message import (
     ORIGINAL_ROUTING_KEY_HEADER,
     key_bytes,
 )
-from outbox.inbox.store import ParkedStore
-from outbox.terminal import cut, shown
 
 # The most rows one page of a retry looks at (their sizes only), and the most body
 # bytes a page holds in memory unless one body alone is larger.
 RETRY_PAGE_ROWS = 500
 RETRY_MAX_BYTES = 16 * 1024 * 1024
-
-
-def as_dict(row: dict[str, Any]) -> dict[str, Any]:
-    """A parked message as JSON-ready data (the body itself stays in the database).
-    Its text as the list shows it (``queries.LISTED``): the error's first
-    characters (``error_chars``: its length) and the headers unless they are larger
-    (``headers_bytes``: their size as JSON)."""
-    return {
-        "message_id": row["message_id"],
-        "consumer": row["consumer"],
-        "queue": row["queue"],
-        "exchange": row["exchange"],
-        "routing_key": row["routing_key"],
-        "error": row["error"],
-        "error_chars": row["error_chars"],
-        "attempts": row["attempts"],
-        "parked_at": row["parked_at"].isoformat(),
-        "body_bytes": row["body_bytes"],
-        "headers": row["headers"],
-        "headers_bytes": row["headers_bytes"],
-    }
-
-
-def render(rows: Sequence[dict[str, Any]]) -> str:
-    """One line for each message and one for its error, escape sequences and line
-    breaks in them shown escaped (``terminal.shown``)."""
-    if not rows:
-        return "no parked messages"
-    lines = []
-    for row in rows:
-        message_id = shown(row["message_id"]) if row["message_id"] else "(no message_id)"
-        lines.append(
-            f"{message_id}  parked {row['parked_at']:%Y-%m-%d %H:%M:%S%z}  "
-            f"attempts={row['attempts']}  queue={row['queue']!r}  "
-            f"from exchange={row['exchange']!r} routing_key={row['routing_key'][:80]!r}  "
-            f"{row['body_bytes']} bytes"
-        )
-        lines.append(f"    error: {cut(row['error'], row['error_chars'])}")
-    return "\n".join(lines)
 
 
 def retry(

@@ -41,6 +41,7 @@ from typing import Any
 from outbox import backoff, lifecycle
 from outbox import fault_injection as faults
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
+from outbox.db.inbox import InboxStore, SchemaWait
 from outbox.db.migrate import retry_pause
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
@@ -54,7 +55,6 @@ from outbox.inbox.policy import from_stream, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort
-from outbox.inbox.store import InboxStore, SchemaWait
 
 __all__ = ["Inbox", "consume", "serve"]
 

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN, queue_name_problem
-from outbox.inbox.store import DEFAULT_INBOX_TABLE
+from outbox.db.inbox import DEFAULT_INBOX_TABLE
 from outbox.tables import TABLE_NAME
 
 # basic.qos carries the prefetch count in 16 bits.

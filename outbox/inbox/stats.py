@@ -4,9 +4,9 @@ them) and why a message is parked (``PARK_REASONS``, the metric's ``reason``).""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from outbox.durations import Durations
+from outbox.health import LoopStats
 
 # Why a message was parked (``ConsumerStats.parked_by``, the metric's ``reason``):
 # its handler kept failing; its last attempt has no known outcome (``Plan.PARK``: the
@@ -16,7 +16,10 @@ PARK_REASONS = ("failed", "unfinished", "unusable")
 
 
 @dataclasses.dataclass
-class ConsumerStats:
+class ConsumerStats(LoopStats):
+    """Counters of one consumer process; its loop's ``reconnects``,
+    ``last_progress`` and ``last_error`` are ``LoopStats``'."""
+
     handled: int = 0
     duplicates_skipped: int = 0
     handler_failures: int = 0
@@ -25,12 +28,9 @@ class ConsumerStats:
     parked_by: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(PARK_REASONS, 0)
     )
-    reconnects: int = 0
     # Messages taken into custody (``outbox.inbox.custody``), and how many custody
     # held when the loop last looked.
     custody_taken: int = 0
     custody_held: int = 0
     pruned: int = 0
     handler_seconds: Durations = dataclasses.field(default_factory=Durations)
-    last_progress: float = dataclasses.field(default_factory=time.monotonic)
-    last_error: str | None = None

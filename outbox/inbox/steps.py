@@ -186,13 +186,24 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from outbox.db.inbox import (
+    SETTINGS,
+    Failure,
+    InboxRowHeld,
+    InCustody,
+    Parking,
+    SchemaWait,
+    SessionState,
+    Started,
+    StatementRefused,
+    Stored,
+    describe,
+)
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
-from outbox.inbox.custody import Stored
 from outbox.inbox.handlers import Handler
 from outbox.inbox.message import (
     InboxMessage,
-    Parking,
     parking_for,
     text_safe,
 )
@@ -208,17 +219,6 @@ from outbox.inbox.planning import (
 from outbox.inbox.policy import QueuePolicy
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
-from outbox.inbox.store import (
-    SETTINGS,
-    Failure,
-    InboxRowHeld,
-    InCustody,
-    SchemaWait,
-    SessionState,
-    Started,
-    StatementRefused,
-    describe,
-)
 
 log = logging.getLogger("outbox.inbox")
 

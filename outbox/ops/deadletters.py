@@ -19,6 +19,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.db.deadletters import DeadLetterStore
+from outbox.ops.quarantine import Kind, bounds_of
 from outbox.terminal import cut
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
@@ -119,10 +120,17 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def open_store(settings: Settings) -> DeadLetterStore:
-    return DeadLetterStore(
-        settings.dsn,
-        settings.table,
-        connect_timeout=settings.connect_timeout,
-        statement_timeout=settings.statement_timeout,
-        lock_timeout=settings.lock_timeout,
-    )
+    return DeadLetterStore(settings.dsn, settings.table, bounds_of(settings))
+
+
+DEAD_LETTERS = Kind(
+    noun="dead letter",
+    title="Dead letters",
+    name="dead_letters",
+    command="dead-letters",
+    retried="moved back to the outbox",
+    not_found="not dead letters",
+    downloads=("payload", "headers"),
+    as_dict=as_dict,
+    render=render,
+)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,9 +29,8 @@ from prometheus_client.registry import Collector
 from outbox import health
 from outbox.db.batches import BatchStore
 from outbox.db.horizon import HorizonReader
-from outbox.errors import OutboxError
 from outbox.events import emit
-from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, histogram
+from outbox.probes import DATABASE_CACHE_SECONDS, Endpoints, Figures, histogram
 
 if TYPE_CHECKING:
     from outbox.amqp.publisher import Publisher
@@ -67,62 +64,43 @@ log = logging.getLogger("outbox.metrics")
 METRICS_STATEMENT_TIMEOUT = 5.0
 
 
-class DatabaseFigures:
+class DatabaseFigures(Figures[HorizonReader, dict[str, Any]]):
     """The cached result of the ``metrics_snapshot`` query, or why it failed."""
 
     def __init__(
         self, dsn: str, table: str, *, connect_timeout: float, ttl: float = DATABASE_CACHE_SECONDS
     ) -> None:
+        super().__init__(ttl)
         self._dsn, self._table = dsn, table
         self._connect_timeout = min(connect_timeout, 3.0)  # probes time out in seconds
-        self._ttl = ttl
-        self._lock = threading.Lock()
-        self._store: HorizonReader | None = None
-        self._expires = 0.0
-        self.figures: dict[str, Any] | None = None
-        self.error: str | None = "not read yet"
 
-    def refresh(self) -> None:
-        """Query the database unless the last answer is younger than the ttl."""
-        with self._lock:
-            now = time.monotonic()
-            if now < self._expires:
-                return
-            try:
-                if self._store is None or self._store.broken:
-                    self.close()
-                    self._store = HorizonReader(
-                        self._dsn,
-                        self._table,
-                        application_name="outbox-metrics",
-                        connect_timeout=self._connect_timeout,
-                        # A scrape answers in seconds, whatever waits on the server.
-                        statement_timeout=METRICS_STATEMENT_TIMEOUT,
-                    )
-                figures = dict(self._store.metrics_snapshot())
-                # What the backlog cannot count: rows behind the claim front whose
-                # txid is not their writer's, found only by the safety net's passes.
-                net = self._store.net
-                figures["full_pass_age_seconds"] = _or_nan(net.last_pass_age)
-                figures["full_pass_found_rows"] = _or_nan(net.last_pass_found)
-                horizon = self._store.horizon(limit=1)
-                figures["dead_rows"] = horizon.dead_rows or 0
-                figures["horizon_age_seconds"] = horizon.age_seconds
-                figures["horizon_age_xids"] = horizon.age_xids
-                self.figures, self.error = figures, None
-            except OutboxError as exc:
-                self.figures, self.error = None, exc.message
-                self.close()
-            except Exception as exc:  # a scrape must answer, whatever the database says
-                emit(log, "metrics.query_failed", logging.WARNING, error=repr(exc))
-                self.figures, self.error = None, f"metrics query failed: {exc}"
-                self.close()
-            self._expires = time.monotonic() + self._ttl
+    def open(self) -> HorizonReader:
+        return HorizonReader(
+            self._dsn,
+            self._table,
+            application_name="outbox-metrics",
+            connect_timeout=self._connect_timeout,
+            # A scrape answers in seconds, whatever waits on the server.
+            statement_timeout=METRICS_STATEMENT_TIMEOUT,
+        )
 
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+    def read(self, store: HorizonReader) -> dict[str, Any]:
+        figures = dict(store.metrics_snapshot())
+        # What the backlog cannot count: rows behind the claim front whose txid is
+        # not their writer's, found only by the safety net's passes.
+        net = store.net
+        figures["full_pass_age_seconds"] = _or_nan(net.last_pass_age)
+        figures["full_pass_found_rows"] = _or_nan(net.last_pass_found)
+        horizon = store.horizon(limit=1)
+        figures["dead_rows"] = horizon.dead_rows or 0
+        figures["horizon_age_seconds"] = horizon.age_seconds
+        figures["horizon_age_xids"] = horizon.age_xids
+        return figures
+
+    def failed(self, exc: Exception) -> str:
+        # A scrape must answer, whatever the database says.
+        emit(log, "metrics.query_failed", logging.WARNING, error=repr(exc))
+        return f"metrics query failed: {exc}"
 
 
 def _or_nan(value: float | None) -> float:

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 
 from outbox.durations import Durations
+from outbox.health import LoopStats
 
 
 @dataclasses.dataclass
-class Stats:
-    """Counters of one relay process (exported as metrics, shown in logs)."""
+class Stats(LoopStats):
+    """Counters of one relay process (exported as metrics, shown in logs); its
+    loop's ``reconnects``, ``last_progress`` and ``last_error`` are ``LoopStats``'."""
 
     batches_committed: int = 0
     batches_rolled_back: int = 0
     batches_resolved: int = 0
     messages_published: int = 0
     dead_letters: int = 0
-    reconnects: int = 0
     # Messages accepted, or sent and never confirmed, in batches then rolled back.
     duplicates_possible: int = 0
     batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches
@@ -30,9 +30,6 @@ class Stats:
     write_failures: collections.Counter[str] = dataclasses.field(
         default_factory=collections.Counter
     )
-    # For health checks: when the loop last went round, and why its last pass failed.
-    last_progress: float = dataclasses.field(default_factory=time.monotonic)
-    last_error: str | None = None
 
     def summary(self) -> dict[str, object]:
         """The fields of the ``relay.stopped`` event."""

@@ -1,7 +1,10 @@
 """The operator's console in the browser (``outbox web``, the ``web`` extra).
 
-Owns the web application (``app``: Starlette routes, Jinja2 templates, htmx as a
-vendored static file), what it reads and does (``console``: the same store, parked
+Owns the web application (``app``: Starlette, Jinja2 templates, htmx as a
+vendored static file) and its routes by resource (``overview``; ``quarantine``: dead
+letters and parked messages; ``indoubt``: in-doubt batches) over what every page
+shares (``site``: rendering, blocking calls, the request guard, form checks, the
+audit log), what it reads and does (``console``: the same store, parked
 and resolver calls as the CLI), who may use it and the CSRF rules (``security``),
 the last hour's samples shared by every tab (``sampler``) and their charts drawn as
 inline SVG (``charts``), and serving it (``server``: uvicorn).  The click command

@@ -1,9 +1,11 @@
-"""The console's web application (Starlette): pages, actions and the rules of ``security``.
+"""The console's web application (Starlette): the routes of each resource
+(``overview``, ``quarantine``, ``indoubt``) over what they share (``site``), the
+error pages, and the rules of ``security``.
 
 Pages are rendered on the server with Jinja2 (autoescaped); every text they show
 from the database, the broker or a client was masked where it was read
 (``console.shown``), so no password of a connection setting reaches a browser,
-whatever a row or a driver's error message quoted (``Pages``).  htmx refreshes the
+whatever a row or a driver's error message quoted (``site.Pages``).  htmx refreshes the
 overview and filters the lists; every action also works as a plain HTML form.
 
 Reads are GETs and change nothing.  Every change is a POST from a confirmation
@@ -14,329 +16,34 @@ logged with who asked, what and how many (``web.*`` events).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import contextvars
-import dataclasses
-import logging
-import pathlib
-import re
-import threading
-import urllib.parse
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
-import anyio
-import jinja2
 from starlette.applications import Starlette
-from starlette.convertors import Convertor, register_url_convertor
-from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, Response
-from starlette.routing import Mount, Route
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
-from outbox import redaction, urls
-from outbox.config import Settings
+from outbox import redaction
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, RowsHeld
-from outbox.events import emit
 from outbox.redaction import redact
-from outbox.web import console, security
-from outbox.web.console import ConsoleConfig, InboxTarget
+from outbox.web import console, indoubt, overview, quarantine, security
 from outbox.web.sampler import Sampler
-
-log = logging.getLogger("outbox.web")
-
-HERE = pathlib.Path(__file__).parent
-# The most database and broker calls the console runs at once (``Calls``); a request
-# beyond waits, without a thread, for one to end.
-CALLS_AT_ONCE = 16
-T = TypeVar("T")
-
-
-class Calls:
-    """Runs the console's blocking calls (database, broker), each on a thread of its
-    own that ends with it, at most ``most`` at once.
-
-    Every call is bounded (the sessions' client deadline, ``outbox.db.session``; the
-    broker's timeouts), so a request is answered, if only with an error page, within
-    a bounded time, and a slot frees within that time too.  Unlike a thread pool, no
-    idle thread is left behind, and a slot is freed when its thread ends, not when a
-    request that gave up stops waiting for it: there are never more than ``most``
-    call threads, nor more sessions on PostgreSQL.
-    """
-
-    def __init__(self, most: int = CALLS_AT_ONCE) -> None:
-        self.most = most
-        self._slots: asyncio.Semaphore | None = None  # made in the server's loop
-
-    async def __call__(self, call: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.most)
-        slots = self._slots
-        await slots.acquire()
-        answer: asyncio.Future[T] = loop.create_future()
-
-        def settle(result: T | None, error: BaseException | None) -> None:
-            slots.release()
-            if answer.cancelled():
-                return
-            if error is not None:
-                answer.set_exception(error)
-            else:
-                answer.set_result(result)  # type: ignore[arg-type]
-
-        def run(context: contextvars.Context) -> None:
-            result: T | None = None
-            error: BaseException | None = None
-            try:
-                result = context.run(call, *args)
-            except BaseException as exc:  # handed to the request, as the pool would
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the server's loop is closed
-                loop.call_soon_threadsafe(settle, result, error)
-
-        try:
-            threading.Thread(
-                target=run, args=(contextvars.copy_context(),), name="outbox-web-call", daemon=True
-            ).start()
-        except BaseException:
-            slots.release()
-            raise
-        return await answer
-
-
-# The longest form a POST may send: a page of ids (1,000 parked message ids of up to
-# 255 bytes, percent-encoded) fits; a longer body is refused before it is read.
-MAX_FORM_BYTES = 1024 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class WebConfig:
-    """What ``outbox web`` was given: the tables, the broker, who may come in."""
-
-    console: ConsoleConfig
-    amqp_url: str
-    credentials: security.Credentials
-    host: str = "127.0.0.1"
-    # Addresses of reverse proxies whose X-Forwarded-For / -Proto headers are believed
-    # (the audit field ``client=`` then names the proxy's client).  Empty: the headers
-    # are ignored and ``client=`` is the peer address, which no request can forge.
-    trusted_proxies: tuple[str, ...] = ()
-
-
-def where_dsn(dsn: str) -> str:
-    """A DSN without its password: ``user@host:port/dbname``."""
-    try:
-        parts = urls.check_dsn(dsn)
-    except urls.InvalidUrl:
-        return "(a DSN that cannot be read)"
-    user = f"{parts['user']}@" if parts.get("user") else ""
-    port = f":{parts['port']}" if parts.get("port") else ""
-    return f"{user}{parts.get('host') or 'localhost'}{port}/{parts.get('dbname', '')}"
-
-
-def where_amqp(url: str) -> str:
-    try:
-        return " ; ".join(u.describe() for u in urls.parse_amqp_urls(url))
-    except urls.InvalidUrl:
-        return "(a URL that cannot be read)"
-
-
-class Pages:
-    """Renders templates (autoescaped).
-
-    No password reaches a page, and nothing on a page is rewritten after it is
-    rendered: every text a page shows from the database, the broker or a client
-    was masked where it was read (``console.shown``, ``redact``), before it is
-    escaped; links and forms name rows by number only, never by a text that
-    masking would change; what comes from the configuration (table names, the
-    CSRF token, the DSN without its password) is put in as it is.
-    """
-
-    def __init__(self, config: WebConfig) -> None:
-        self.config = config
-        self.env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(HERE / "templates"),
-            autoescape=True,
-            undefined=jinja2.StrictUndefined,
-        )
-        self.env.filters["age"] = _age
-        self.env.filters["short"] = _short
-        self.env.filters["plural"] = plural
-        # For the few values a template gets as objects (a resolver's results).
-        self.env.filters["masked"] = redact
-
-    def render(
-        self, request: Request, name: str, status_code: int = 200, **context: Any
-    ) -> Response:
-        cfg = self.config.console
-        base = {
-            "request": request,
-            "who": getattr(request.state, "who", ""),
-            "csrf": getattr(request.state, "csrf", ""),
-            "read_only": cfg.read_only,
-            "refresh_ms": round(cfg.refresh_seconds * 1000),
-            "outbox_tables": [s.table for s in cfg.outboxes],
-            "inbox_tables": [t.table for t in cfg.inboxes],
-            "outbox_where": where_dsn(cfg.outboxes[0].dsn),
-            "amqp_where": where_amqp(self.config.amqp_url),
-        }
-        html = self.env.get_template(name).render(**base, **context)
-        return HTMLResponse(html, status_code=status_code)
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = float(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.1f}s"
-
-
-def _short(text: object, most: int = 80) -> str:
-    value = "" if text is None else str(text)
-    return value if len(value) <= most else value[: most - 1] + "…"
-
-
-class Guard(BaseHTTPMiddleware):
-    """Authentication, the CSRF cookie, and the headers every response carries."""
-
-    def __init__(
-        self, app: Any, config: WebConfig, keys: security.CsrfKeys, throttle: security.Throttle
-    ) -> None:
-        super().__init__(app)
-        self.config = config
-        self.keys = keys
-        self.throttle = throttle
-
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-        if not self.config.credentials and not security.addressed_locally(
-            request.headers.get("host")
-        ):
-            audit(
-                "web.refused",
-                why="Host is not a loopback name",
-                host=loggable(request.headers.get("host") or ""),
-                client=_client(request),
-                path=loggable(request.scope["path"]),
-            )
-            return _with_headers(
-                PlainTextResponse(
-                    "this console answers only to 127.0.0.1, localhost or [::1] without "
-                    f"credentials: set {security.TOKEN_ENV}, or {security.USER_ENV} and "
-                    f"{security.PASSWORD_ENV}, to reach it by another name",
-                    status_code=421,
-                )
-            )
-        client = _client(request)
-        if self.config.credentials and not self.throttle.allowed(client):
-            # Refused without looking at the credentials: a guess sent now tells nothing.
-            return _with_headers(
-                PlainTextResponse(
-                    "too many failed attempts to authenticate: try again later",
-                    status_code=429,
-                    headers={"Retry-After": str(self.throttle.retry_after(client))},
-                )
-            )
-        authorization = request.headers.get("authorization")
-        who = security.authenticate(authorization, self.config.credentials)
-        if who is None and authorization:  # a guess (no header: a browser's first visit)
-            self.throttle.failed(client)
-            if not self.throttle.allowed(client):
-                audit(
-                    "web.throttled",
-                    client=loggable(client),
-                    retry_after=self.throttle.retry_after(client),
-                )
-        if who is None:
-            audit(
-                "web.refused",
-                why="not authenticated",
-                client=_client(request),
-                path=loggable(request.url.path),
-            )
-            return _with_headers(
-                PlainTextResponse(
-                    "authentication required",
-                    status_code=401,
-                    headers={"WWW-Authenticate": 'Basic realm="outbox console", charset="UTF-8"'},
-                )
-            )
-        request.state.who = who
-        cookie_name = security.csrf_cookie(request.headers.get("host"))
-        cookie = request.cookies.get(cookie_name)
-        fresh = not self.keys.valid(cookie)
-        request.state.csrf = self.keys.issue() if fresh else cookie
-        response = await call_next(request)
-        if fresh:
-            response.set_cookie(
-                cookie_name,
-                request.state.csrf,
-                httponly=True,
-                samesite="strict",
-                secure=request.url.scheme == "https",
-            )
-        return _with_headers(response)
-
-
-def _with_headers(response: Response) -> Response:
-    response.headers["Content-Security-Policy"] = (
-        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
-    )
-    response.headers["X-Frame-Options"] = "DENY"
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "same-origin"
-    response.headers["Cache-Control"] = "no-store"
-    return response
-
-
-def loggable(text: str, most: int = 200) -> str:
-    """Text a client chose, safe for a log line: no newline or control character can
-    forge another entry, and no blank can make one field read as two
-    (``path=/a rows=5000``).  Non-ASCII and backslashes are escaped too, so the
-    escaping cannot be undone by text that imitates it."""
-    return text[:most].encode("unicode_escape").decode("ascii").replace(" ", "\\x20")
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def _one_line(value: Any) -> Any:
-    """Every string of an audit field with its control characters escaped."""
-    if isinstance(value, str):
-        return _CONTROL.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), value)
-    if isinstance(value, list | tuple):
-        return [_one_line(v) for v in value]
-    return value
-
-
-def audit(event: str, **fields: Any) -> None:
-    """A ``web.*`` event (WARNING): who did what, or was refused.  Whatever a field
-    holds, the entry stays one line in both log formats."""
-    emit(log, event, logging.WARNING, **{k: _one_line(v) for k, v in fields.items()})
-
-
-def expected_count(form: FormData) -> int | None:
-    """The ``expected`` field of a confirmation form: how many rows the page showed."""
-    value = form.get("expected")
-    if value is None or value == "":
-        return None
-    if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 10):
-        raise HTTPException(400, "expected is the count of rows the page showed (a number)")
-    return int(value)
-
-
-def _client(request: Request) -> str:
-    """The peer's address, or what a --trusted-proxy forwarded (its client's text)."""
-    return loggable(request.client.host) if request.client else "?"
+from outbox.web.site import (
+    HERE,
+    Guard,
+    Site,
+    WebConfig,
+    audit,
+    loggable,
+    where_amqp,
+    where_dsn,
+    with_headers,
+)
 
 
 def create_app(
@@ -353,387 +60,38 @@ def create_app(
         *(t.dsn for t in config.console.inboxes),
         config.amqp_url,
     )
-    pages = Pages(config)
-    cfg = config.console
-    calls = Calls()
-    sampler = Sampler(cfg)
-    # Two downloads at a time: each may hold DOWNLOAD_MOST bytes.
-    downloads = anyio.Semaphore(2)
+    site = Site(config, keys)
+    sampler = Sampler(config.console)
+    routes: list[BaseRoute] = [
+        *overview.routes(site, sampler),
+        *quarantine.routes(site),
+        *indoubt.routes(site),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
 
-    async def checked_form(request: Request, what: str) -> FormData:
-        """The form of a state-changing POST, after the CSRF and read-only checks.
-
-        Everything that can be checked without the body is checked before a byte of
-        it is read (the Origin, the read-only mode, the CSRF cookie, the size it
-        announces); the body is then read up to ``MAX_FORM_BYTES`` and no further,
-        and only the token it carries is left to compare."""
-        cookie = request.cookies.get(security.csrf_cookie(request.headers.get("host")))
-        why = None
-        if not security.same_origin(request.headers.get("origin"), request.headers.get("host")):
-            why = "the request came from another site (Origin)"
-        elif not keys.valid(cookie):
-            why = "missing or wrong CSRF token: reload the page and try again"
-        elif cfg.read_only:
-            why = "the console runs with --read-only"
-        if why is None:
-            form = await bounded_form(request)
-            submitted = form.get(security.CSRF_FIELD) or request.headers.get(security.CSRF_HEADER)
-            if not keys.request_ok(cookie, submitted if isinstance(submitted, str) else None):
-                why = "missing or wrong CSRF token: reload the page and try again"
-        if why:
-            audit(
-                "web.refused",
-                who=request.state.who,
-                client=_client(request),
-                action=what,
-                why=why,
-            )
-            raise HTTPException(403, why)
-        return form
-
-    async def bounded_form(request: Request) -> FormData:
-        """An ``application/x-www-form-urlencoded`` body of at most ``MAX_FORM_BYTES``
-        (413 before reading a longer one it announces, or as soon as a body without
-        Content-Length grows past it)."""
-        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if kind not in ("", "application/x-www-form-urlencoded"):
-            raise HTTPException(415, "the console's forms are application/x-www-form-urlencoded")
-        announced = request.headers.get("content-length", "")
-        too_long = f"the form is longer than {MAX_FORM_BYTES:,} bytes"
-        if announced and (not announced.isdigit() or len(announced) > 12):
-            raise HTTPException(400, "the Content-Length header is not a number of bytes")
-        if announced and int(announced) > MAX_FORM_BYTES:
-            raise HTTPException(413, too_long)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                raise HTTPException(413, too_long)
-        try:
-            fields: list[tuple[str, str | UploadFile]] = []
-            fields += urllib.parse.parse_qsl(
-                body.decode("ascii"),
-                keep_blank_values=True,
-                strict_parsing=False,
-                encoding="utf-8",
-                errors="strict",
-                # A group's ids come back as fields: room for a whole page of them.
-                max_num_fields=cfg.list_limit + 16,
-            )
-        except (UnicodeDecodeError, ValueError):
-            raise HTTPException(
-                400,
-                "the form cannot be read: not URL-encoded UTF-8, or more fields than a page has",
-            ) from None
-        return FormData(fields)
-
-    def outbox_of(request: Request, form: FormData | None = None) -> Settings:
-        table = (form.get("table") if form else None) or request.query_params.get("table")
-        try:
-            settings = cfg.outbox(str(table) if table else None)
-        except KeyError:
-            raise HTTPException(404, f"no outbox table {table!r} is configured") from None
-        request.scope["outbox_table"] = settings.table
-        return settings
-
-    def inbox_of(request: Request, form: FormData | None = None) -> InboxTarget:
-        table = (form.get("inbox") if form else None) or request.query_params.get("inbox")
-        try:
-            return cfg.inbox(str(table) if table else None)
-        except KeyError:
-            raise HTTPException(
-                404,
-                f"no inbox table {table!r} is configured (--inbox-table)"
-                if table
-                else "no inbox table is configured: start the console with --inbox-table",
-            ) from None
-
-    # -- overview ----------------------------------------------------------------
-    async def overview(request: Request) -> Response:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sampler.start()
-        data = await calls(sampler.overview)
-        return pages.render(request, "overview.html", **data, charts=sampler.charts())
-
-    async def overview_panel(request: Request) -> Response:
-        sampler.start()
-        data = await calls(sampler.overview)
-        return pages.render(request, "_overview_panel.html", **data, charts=sampler.charts())
-
-    # -- dead letters --------------------------------------------------------------
-    async def dead_letters(request: Request) -> Response:
-        settings = outbox_of(request)
-        query = search_text(request)
-        offset = page_offset(request)
-        listing = await calls(console.dead_letter_listing, settings, query, offset, cfg.list_limit)
-        template = "_dead_letter_listing.html" if request.headers.get("hx-request") else None
-        return pages.render(
-            request,
-            template or "dead_letters.html",
-            table=settings.table,
-            q=console.shown(query),
-            q_link=urllib.parse.urlencode({"q": query}) if query == console.shown(query) else "",
-            listing=listing,
-            limit=cfg.list_limit,
-        )
-
-    async def dead_letter(request: Request) -> Response:
-        settings = outbox_of(request)
-        row_id = one_row_number(request.path_params["row_id"], "a dead letter")
-        found = await calls(console.dead_letter, settings, row_id)
-        if found is None:
-            raise HTTPException(404, f"no dead letter with row id {row_id} in {settings.table}")
-        return pages.render(request, "dead_letter.html", table=settings.table, **found)
-
-    async def dead_letter_download(request: Request) -> Response:
-        settings = outbox_of(request)
-        row_id = one_row_number(request.path_params["row_id"], "a dead letter")
-        what = request.path_params["what"]
-        if what not in ("payload", "headers"):
-            raise HTTPException(404, "a dead letter's downloads are its payload and headers")
-        async with downloads:
-            found = await calls(console.dead_letter_value, settings, row_id, what)
-        return download(found, f"dead-letter-{row_id}-{what}", settings.table)
-
-    async def dead_letters_confirm(request: Request) -> Response:
-        settings = outbox_of(request)
-        action = _action(request.query_params.get("action"))
-        params = request.query_params
-        if "key" in params or "reason" in params:
-            raise HTTPException(
-                400, "keys and reasons are selected by one of their rows (key_of=…, reason_of=…)"
-            )
         try:
-            ids = console.row_numbers(params.getlist("id"), "id")
-            reason_of = console.row_numbers(params.getlist("reason_of"), "reason_of")
-            key_of = console.row_numbers(params.getlist("key_of"), "key_of")
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        if len(reason_of) > 1:
-            raise HTTPException(400, "reason_of names one row (a group at a time)")
-        selection = await calls(
-            lambda: console.select_dead_letters(
-                settings,
-                ids,
-                reason_of=reason_of[0] if reason_of else None,
-                key_of=key_of,
-                limit=cfg.list_limit,
-            )
-        )
-        rows = await calls(console.plan_dead_letters, settings, selection) if selection else []
-        # Posted back by number: the rows, and for each key a few of its rows.
-        keyed: dict[str, list[int]] = {}
-        for row in rows:
-            if row["ordering_key"] in selection.ordering_keys:
-                keyed.setdefault(row["ordering_key"], []).append(row["id"])
-        return pages.render(
-            request,
-            "confirm_dead_letters.html",
-            limit=cfg.list_limit,
-            table=settings.table,
-            action=action,
-            row_ids=selection.row_ids,
-            key_of=sorted(i for found in keyed.values() for i in found[:KEY_ROWS_POSTED]),
-            keys=len(selection.ordering_keys),
-            by_reason=bool(reason_of),
-            rows=console.shown(rows),
-        )
+            yield
+        finally:
+            await site.calls(sampler.stop)
 
-    async def dead_letters_act(request: Request) -> Response:
-        action = _action(request.path_params["action"])
-        form = await checked_form(request, f"dead_letters.{action}")
-        expected = expected_count(form)
-        settings = outbox_of(request, form)
-        try:
-            ids = console.row_numbers([str(v) for v in form.getlist("id")], "id")
-            key_of = console.row_numbers([str(v) for v in form.getlist("key_of")], "key_of")
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        if not (ids or key_of):
-            raise HTTPException(400, "nothing selected")
-        selection = await calls(
-            lambda: console.select_dead_letters(settings, ids, key_of=key_of, limit=0)
-        )
-        act = console.retry_dead_letters if action == "retry" else console.purge_dead_letters
-        done = await calls(act, settings, selection)
-        audit(
-            "web.dead_letters_retried" if action == "retry" else "web.dead_letters_purged",
-            who=request.state.who,
-            client=_client(request),
-            table=settings.table,
-            rows=len(done),
-            confirmed=expected,
-            row_ids=list(selection.row_ids),
-            ordering_keys=list(selection.ordering_keys),
-        )
-        verb = "moved back to the outbox" if action == "retry" else "purged"
-        return pages.render(
-            request,
-            "done.html",
-            title="Dead letters",
-            message=f"{plural(len(done), 'dead letter')} {verb}",
-            count=len(done),
-            expected=expected,
-            rows=console.shown(done),
-            back=f"/dead-letters?table={settings.table}",
-        )
+    return Starlette(
+        lifespan=lifespan,
+        routes=routes,
+        middleware=[
+            Middleware(Guard, config=config, keys=keys, throttle=throttle or security.Throttle())
+        ],
+        exception_handlers=_error_pages(site),
+    )
 
-    # -- parked messages ----------------------------------------------------------
-    async def parked(request: Request) -> Response:
-        target = inbox_of(request)
-        query = search_text(request)
-        offset = page_offset(request)
-        listing = await calls(console.parked_listing, target, query, offset, cfg.list_limit)
-        template = "_parked_listing.html" if request.headers.get("hx-request") else None
-        return pages.render(
-            request,
-            template or "parked.html",
-            inbox=target.table,
-            inbox_where=where_dsn(target.dsn),
-            q=console.shown(query),
-            q_link=urllib.parse.urlencode({"q": query}) if query == console.shown(query) else "",
-            listing=listing,
-            limit=cfg.list_limit,
-        )
 
-    async def parked_message(request: Request) -> Response:
-        target = inbox_of(request)
-        parked_id = one_row_number(request.path_params["parked_id"], "a parked message")
-        found = await calls(console.parked_message, target, parked_id)
-        if found is None:
-            raise HTTPException(404, f"no parked message {parked_id} in {target.table}_parked")
-        return pages.render(request, "parked_message.html", inbox=target.table, **found)
-
-    async def parked_download(request: Request) -> Response:
-        target = inbox_of(request)
-        parked_id = one_row_number(request.path_params["parked_id"], "a parked message")
-        what = request.path_params["what"]
-        if what not in ("body", "headers", "properties"):
-            raise HTTPException(404, "a parked message's downloads are body, headers, properties")
-        async with downloads:
-            found = await calls(console.parked_value, target, parked_id, what)
-        return download(found, f"parked-{parked_id}-{what}", target.table)
-
-    async def parked_confirm(request: Request) -> Response:
-        target = inbox_of(request)
-        action = _action(request.query_params.get("action"))
-        if "id" in request.query_params:
-            raise HTTPException(400, "parked messages are selected by row number (row=…)")
-        try:
-            numbers = console.row_numbers(request.query_params.getlist("row"), "row")
-            group_of = console.row_numbers(request.query_params.getlist("group_of"), "group_of")
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        if len(group_of) > 1:
-            raise HTTPException(400, "group_of names one row (a group at a time)")
-        ids = await calls(
-            lambda: console.select_parked(
-                target,
-                numbers,
-                group_of=group_of[0] if group_of else None,
-                limit=cfg.list_limit,
-            )
-        )
-        rows = await calls(console.plan_parked, target, ids) if ids else []
-        return pages.render(
-            request,
-            "confirm_parked.html",
-            limit=cfg.list_limit,
-            inbox=target.table,
-            action=action,
-            rows=console.shown(rows),
-            by_group=bool(group_of),
-        )
-
-    async def parked_act(request: Request) -> Response:
-        action = _action(request.path_params["action"])
-        form = await checked_form(request, f"parked.{action}")
-        expected = expected_count(form)
-        target = inbox_of(request, form)
-        try:
-            numbers = console.row_numbers([str(v) for v in form.getlist("row")], "row")
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        if not numbers:
-            raise HTTPException(400, "nothing selected")
-        ids = await calls(lambda: console.select_parked(target, numbers, limit=cfg.list_limit))
-        not_sent: list[Any] = []
-        if action == "retry":
-            retried, not_sent = await calls(console.retry_parked, target, config.amqp_url, ids)
-            count, rows = len(retried), [{"message_id": m} for m in retried]
-        else:
-            count = await calls(console.purge_parked, target, ids) if ids else 0
-            rows = []
-        audit(
-            "web.parked_retried" if action == "retry" else "web.parked_purged",
-            who=request.state.who,
-            client=_client(request),
-            inbox_table=target.table,
-            messages=count,
-            confirmed=expected,
-            message_ids=list(ids),
-            not_taken=len(not_sent),
-        )
-        verb = "sent back to their queues" if action == "retry" else "purged"
-        return pages.render(
-            request,
-            "done.html",
-            title="Parked messages",
-            message=f"{plural(count, 'parked message')} {verb}",
-            count=count,
-            expected=expected,
-            rows=console.shown(rows),
-            not_taken=console.shown([{"message_id": m, "why": why} for m, why in not_sent]),
-            back=f"/parked?inbox={target.table}",
-        )
-
-    # -- in-doubt batches -----------------------------------------------------------
-    async def in_doubt(request: Request) -> Response:
-        # What the database says, and nothing more: the resolver's dry run appends a
-        # probe record to the ledger stream (to know where it ends), and a GET must
-        # not write (an <img> on any web page can send one).  The dry run is a POST.
-        settings = outbox_of(request)
-        report = await calls(console.status_report, settings, cfg)
-        return pages.render(
-            request,
-            "in_doubt.html",
-            table=settings.table,
-            batches=report["prepared_batches"],
-            results=None,
-            applied=False,
-        )
-
-    async def dry_run(request: Request) -> Response:
-        form = await checked_form(request, "resolve_dry_run")
-        settings = outbox_of(request, form)
-        results = await calls(lambda: console.resolve_pass(settings, dry_run=True))
-        return pages.render(
-            request, "in_doubt.html", table=settings.table, results=results, applied=False
-        )
-
-    async def resolve(request: Request) -> Response:
-        form = await checked_form(request, "resolve")
-        settings = outbox_of(request, form)
-        results = await calls(lambda: console.resolve_pass(settings, dry_run=False))
-        finished = [r for r in results if r.finished]
-        audit(
-            "web.resolved",
-            who=request.state.who,
-            client=_client(request),
-            table=settings.table,
-            batches=len(results),
-            committed=sum(1 for r in results if r.outcome == "committed"),
-            rolled_back=sum(1 for r in results if r.outcome == "rolled_back"),
-            gids=[r.gid for r in finished],
-        )
-        return pages.render(
-            request, "in_doubt.html", table=settings.table, results=results, applied=True
-        )
-
-    # -- errors ---------------------------------------------------------------------
+def _error_pages(site: Site) -> dict[Any, Callable[[Request, Exception], Awaitable[Response]]]:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _with_headers(
-            pages.render(
+        return with_headers(
+            site.pages.render(
                 request,
                 "error.html",
                 status_code=exc.status_code,
@@ -752,127 +110,19 @@ def create_app(
         else:
             status = 500
         audit("web.error", path=loggable(request.url.path), error=exc.message)
-        return _with_headers(
-            pages.render(
+        return with_headers(
+            site.pages.render(
                 request,
                 "error.html",
                 status_code=status,
                 message=console.describe(exc),
                 # The button that releases the rows, for the table the action was on.
                 held_by=exc.gids if isinstance(exc, RowsHeld) else [],
-                table=request.scope.get("outbox_table", cfg.outboxes[0].table),
+                table=request.scope.get("outbox_table", site.cfg.outboxes[0].table),
             )
         )
 
-    routes = [
-        Route("/", overview),
-        Route("/overview/panel", overview_panel),
-        Route("/dead-letters", dead_letters),
-        Route("/dead-letters/confirm", dead_letters_confirm),
-        Route("/dead-letters/{row_id:outbox_digits}", dead_letter),
-        Route("/dead-letters/{row_id:outbox_digits}/{what}", dead_letter_download),
-        Route("/dead-letters/{action}", dead_letters_act, methods=["POST"]),
-        Route("/parked", parked),
-        Route("/parked/confirm", parked_confirm),
-        Route("/parked/{parked_id:outbox_digits}", parked_message),
-        Route("/parked/{parked_id:outbox_digits}/{what}", parked_download),
-        Route("/parked/{action}", parked_act, methods=["POST"]),
-        Route("/in-doubt", in_doubt),
-        Route("/in-doubt/dry-run", dry_run, methods=["POST"]),
-        Route("/in-doubt/resolve", resolve, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sampler.start()
-        try:
-            yield
-        finally:
-            await calls(sampler.stop)
-
-    return Starlette(
-        lifespan=lifespan,
-        routes=routes,
-        middleware=[
-            Middleware(Guard, config=config, keys=keys, throttle=throttle or security.Throttle())
-        ],
-        exception_handlers={HTTPException: http_error, OutboxError: outbox_error},
-    )
-
-
-class _Digits(Convertor[str]):
-    """A path segment of digits, however many: the handler says why a number is not
-    a row number (400) instead of Python's int() failing on 5,000 digits (500)."""
-
-    regex = "[0-9]+"
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("outbox_digits", _Digits())
-
-# How many rows of each ordering key a confirmation posts back to name the key.
-KEY_ROWS_POSTED = 10
-# The longest filter text: ids, keys and reasons are shorter than this.
-SEARCH_MOST = 500
-
-
-def one_row_number(text: str, what: str) -> int:
-    try:
-        [number] = console.row_numbers([text], what)
-    except ValueError as exc:
-        raise HTTPException(400, str(exc)) from None
-    return number
-
-
-def search_text(request: Request) -> str:
-    """The filter text of a list (``q``): 400 for what no row can contain."""
-    text = request.query_params.get("q", "").strip()
-    if "\x00" in text:
-        raise HTTPException(400, "the filter cannot contain NUL (no text in PostgreSQL does)")
-    if len(text) > SEARCH_MOST:
-        raise HTTPException(400, f"the filter is longer than {SEARCH_MOST} characters")
-    return text
-
-
-def page_offset(request: Request) -> int:
-    """Where a list's page starts (``offset``, a row count)."""
-    text = request.query_params.get("offset", "0")
-    if not (text.isascii() and text.isdigit() and len(text) <= 12):
-        raise HTTPException(400, "offset is a number of rows to skip (a whole number)")
-    return int(text)
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 dead letter``, ``2 dead letters``."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def download(found: console.Download | None, name: str, table: str) -> Response:
-    if found is None:
-        raise HTTPException(404, f"no such row in {table}")
-    if found.value is None:
-        raise HTTPException(
-            413,
-            f"{found.size:,} bytes is more than the console sends at once "
-            f"({console.DOWNLOAD_MOST:,}): read it with psql",
-        )
-    return Response(
-        found.value,
-        media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{name}.bin"'},
-    )
-
-
-def _action(value: str | None) -> str:
-    if value not in ("retry", "purge"):
-        raise HTTPException(404, "the action is retry or purge")
-    return value
+    return {HTTPException: http_error, OutboxError: outbox_error}
 
 
 __all__: Sequence[str] = ["WebConfig", "create_app", "where_amqp", "where_dsn"]

@@ -19,19 +19,23 @@ left open holds no connection and no lock.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox import gid as gids
 from outbox.config import Settings
+from outbox.db.deadletters import DeadLetterStore
+from outbox.db.inbox import ParkedStore
 from outbox.errors import OutboxError
 from outbox.inbox import parked as parked_ops
-from outbox.inbox.store import ParkedStore
 from outbox.ops import deadletters, status
+from outbox.ops.quarantine import Row, Store, bounds_of, opened
 from outbox.redaction import redact
 from resolver import Resolution, run_pass
 
@@ -104,6 +108,9 @@ class ConsoleConfig:
         raise KeyError(table)
 
 
+S = TypeVar("S", bound=Store)
+
+
 # -- reading ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Group:
@@ -147,11 +154,8 @@ def overview(config: ConsoleConfig) -> dict[str, Any]:
         section: dict[str, Any] = {"table": settings.table, "error": None}
         try:
             report = status_report(settings, config)
-            store = deadletters.open_store(settings)
-            try:
+            with _dead_letters(settings) as store:
                 reasons = _groups(store.groups("", "reason", GROUPS_SHOWN))
-            finally:
-                store.close()
             section["status"] = shown(report)
             section["dead_letter_reasons"] = reasons
         except OutboxError as exc:
@@ -217,23 +221,21 @@ def describe(exc: OutboxError) -> str:
     return redact(f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
 
 
-def dead_letter_listing(settings: Settings, text: str, offset: int, limit: int) -> Listing:
-    """The page of dead letters matching ``text`` (over the whole table) that starts
-    at ``offset``, and their groups by reason and by ordering key."""
-    store = deadletters.open_store(settings)
-    try:
-        rows = store.search(text, limit, offset)
-        total = _total(rows, offset, lambda: store.search(text, 1, 0))
-        reasons = _groups(store.groups(text, "reason", GROUPS_SHOWN))
-        keys = _groups(store.groups(text, "key", GROUPS_SHOWN))
-    finally:
-        store.close()
-    return Listing(shown(rows), total, offset, reasons, keys)
+def _listing(
+    store: S,
+    text: str,
+    offset: int,
+    limit: int,
+    groups: Callable[[S], tuple[list[Group], list[Group]]],
+) -> Listing:
+    """The page of a quarantine's entries matching ``text`` (over the whole table)
+    that starts at ``offset``, and their ``groups`` (one or two groupings)."""
+    rows = store.search(text, limit, offset)
+    total = _total(rows, offset, lambda: store.search(text, 1, 0))
+    return Listing(shown(rows), total, offset, *groups(store))
 
 
-def _total(
-    rows: Sequence[dict[str, Any]], offset: int, first: Callable[[], list[dict[str, Any]]]
-) -> int:
+def _total(rows: Sequence[Row], offset: int, first: Callable[[], list[Row]]) -> int:
     """How many rows match: every row of a page carries it; a page past the end (or
     an empty result) asks again from the start."""
     if rows:
@@ -242,20 +244,38 @@ def _total(
     return int(again[0]["total"]) if again else 0
 
 
-def dead_letter(settings: Settings, row_id: int) -> dict[str, Any] | None:
-    """One dead letter, masked for showing, with ``body`` and ``headers`` views."""
-    store = deadletters.open_store(settings)
-    try:
-        row = store.entry(row_id, BODY_SHOWN)
-    finally:
-        store.close()
+def _detail(store: Store, number: int, views: Callable[[Row], dict[str, Any]]) -> Row | None:
+    """One entry, masked for showing, with its ``views`` (taken out of the row)."""
+    row = store.entry(number, BODY_SHOWN)
     if row is None:
         return None
-    views = {
-        "body": body_views(bytes(row.pop("payload")), row["payload_bytes"]),
-        "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
-    }
-    return {"row": shown(row), **views}
+    taken = views(row)  # before the row is shown: they take its values out of it
+    return {"row": shown(row), **taken}
+
+
+def dead_letter_listing(settings: Settings, text: str, offset: int, limit: int) -> Listing:
+    """The page of dead letters matching ``text`` that starts at ``offset``, and
+    their groups by reason and by ordering key."""
+
+    def groups(store: DeadLetterStore) -> tuple[list[Group], list[Group]]:
+        reasons = _groups(store.groups(text, "reason", GROUPS_SHOWN))
+        return reasons, _groups(store.groups(text, "key", GROUPS_SHOWN))
+
+    with _dead_letters(settings) as store:
+        return _listing(store, text, offset, limit, groups)
+
+
+def dead_letter(settings: Settings, row_id: int) -> Row | None:
+    """One dead letter, masked for showing, with ``body`` and ``headers`` views."""
+
+    def views(row: Row) -> dict[str, Any]:
+        return {
+            "body": body_views(bytes(row.pop("payload")), row["payload_bytes"]),
+            "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
+        }
+
+    with _dead_letters(settings) as store:
+        return _detail(store, row_id, views)
 
 
 # The most a download holds in memory: a larger value is left to psql.
@@ -268,7 +288,9 @@ class Download:
     value: bytes | None  # None: larger than DOWNLOAD_MOST; passwords masked
 
 
-def _download(row: dict[str, Any] | None) -> Download | None:
+def whole_value(store: Store, number: int, what: str) -> Download | None:
+    """The whole of one of an entry's values (``Kind.downloads``), for a download."""
+    row = store.value(number, what, DOWNLOAD_MOST)
     if row is None or row["size"] is None:
         return None
     value = None if row["value"] is None else _masked(bytes(row["value"]))
@@ -277,63 +299,52 @@ def _download(row: dict[str, Any] | None) -> Download | None:
 
 def dead_letter_value(settings: Settings, row_id: int, what: str) -> Download | None:
     """The whole payload or headers of a dead letter, for a download."""
-    store = deadletters.open_store(settings)
-    try:
-        return _download(store.value(row_id, what, DOWNLOAD_MOST))
-    finally:
-        store.close()
+    with _dead_letters(settings) as store:
+        return whole_value(store, row_id, what)
+
+
+def _dead_letters(settings: Settings) -> contextlib.AbstractContextManager[DeadLetterStore]:
+    return opened(functools.partial(deadletters.open_store, settings))
+
+
+def _parked(target: InboxTarget) -> contextlib.AbstractContextManager[ParkedStore]:
+    return opened(functools.partial(parked_store, target))
 
 
 def parked_store(target: InboxTarget) -> ParkedStore:
-    return ParkedStore(
-        target.dsn,
-        target.table,
-        connect_timeout=target.connect_timeout,
-        statement_timeout=target.statement_timeout,
-        lock_timeout=target.lock_timeout,
-    )
+    return ParkedStore(target.dsn, target.table, bounds_of(target))
 
 
 def parked_listing(target: InboxTarget, text: str, offset: int, limit: int) -> Listing:
     """The page of parked messages matching ``text`` that starts at ``offset``, and
     their groups by consumer and error."""
-    store = parked_store(target)
-    try:
-        rows = store.search(text, limit, offset)
-        total = _total(rows, offset, lambda: store.search(text, 1, 0))
-        groups = [
-            {**g, "label": f"{g['consumer']}: {g['error']}"}
-            for g in store.groups(text, GROUPS_SHOWN)
-        ]
-    finally:
-        store.close()
-    return Listing(shown(rows), total, offset, _groups(groups))
+
+    def groups(store: ParkedStore) -> tuple[list[Group], list[Group]]:
+        found = store.groups(text, GROUPS_SHOWN)
+        return _groups({**g, "label": f"{g['consumer']}: {g['error']}"} for g in found), []
+
+    with _parked(target) as store:
+        return _listing(store, text, offset, limit, groups)
 
 
-def parked_message(target: InboxTarget, parked_id: int) -> dict[str, Any] | None:
+def parked_message(target: InboxTarget, parked_id: int) -> Row | None:
     """One parked message, masked for showing, with its views."""
-    store = parked_store(target)
-    try:
-        row = store.entry(parked_id, BODY_SHOWN)
-    finally:
-        store.close()
-    if row is None:
-        return None
-    views = {
-        "body": body_views(bytes(row.pop("body")), row["body_bytes"]),
-        "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
-        "properties": capped_json(row.pop("properties"), row.pop("properties_chars")),
-    }
-    return {"row": shown(row), **views}
+
+    def views(row: Row) -> dict[str, Any]:
+        return {
+            "body": body_views(bytes(row.pop("body")), row["body_bytes"]),
+            "headers": capped_json(row.pop("headers"), row.pop("headers_chars")),
+            "properties": capped_json(row.pop("properties"), row.pop("properties_chars")),
+        }
+
+    with _parked(target) as store:
+        return _detail(store, parked_id, views)
 
 
 def parked_value(target: InboxTarget, parked_id: int, what: str) -> Download | None:
     """The whole body, headers or properties of a parked message, for a download."""
-    store = parked_store(target)
-    try:
-        return _download(store.value(parked_id, what, DOWNLOAD_MOST))
-    finally:
-        store.close()
+    with _parked(target) as store:
+        return whole_value(store, parked_id, what)
 
 
 # -- a body as text, JSON or hex ----------------------------------------------------
@@ -473,51 +484,44 @@ def select_dead_letters(
     have to carry): these rows, the oldest ``limit`` with row ``reason_of``'s reason,
     and every dead letter with the ordering key of a row of ``key_of``."""
     chosen = set(row_ids)
-    store = deadletters.open_store(settings)
-    try:
+    with _dead_letters(settings) as store:
         if reason_of is not None:
             chosen.update(store.sharing_reason(reason_of, limit))
         keys = store.keys_of(key_of) if key_of else []
-    finally:
-        store.close()
     return DeadLetterSelection(tuple(sorted(chosen)), tuple(keys))
 
 
 def plan_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[dict[str, Any]]:
     """The dead letters a retry or purge of ``selection`` would touch, as of now."""
-    store = deadletters.open_store(settings)
-    try:
+    with _dead_letters(settings) as store:
         return store.matching(row_ids=selection.row_ids, ordering_keys=selection.ordering_keys)
-    finally:
-        store.close()
 
 
-def retry_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[dict[str, Any]]:
+def retry_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[Row]:
     """``outbox dead-letters retry ID… --ordering-key KEY…``: the rows moved back."""
-    store = deadletters.open_store(settings)
-    try:
-        return store.retry(
-            everything=False,
-            row_ids=selection.row_ids,
-            ordering_keys=selection.ordering_keys,
-            lock_timeout=ACTION_LOCK_TIMEOUT,
-        )
-    finally:
-        store.close()
+    return _act_on_dead_letters(settings, selection, DeadLetterStore.retry)
 
 
-def purge_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[dict[str, Any]]:
+def purge_dead_letters(settings: Settings, selection: DeadLetterSelection) -> list[Row]:
     """``outbox dead-letters purge ID… --ordering-key KEY…``: the rows deleted."""
-    store = deadletters.open_store(settings)
-    try:
-        return store.purge(
+    return _act_on_dead_letters(settings, selection, DeadLetterStore.purge)
+
+
+def _act_on_dead_letters(
+    settings: Settings,
+    selection: DeadLetterSelection,
+    action: Callable[..., list[Row]],
+) -> list[Row]:
+    # Not waiting for an in-doubt batch's rows (``ACTION_LOCK_TIMEOUT``): the request
+    # says who holds them instead.
+    with _dead_letters(settings) as store:
+        return action(
+            store,
             everything=False,
             row_ids=selection.row_ids,
             ordering_keys=selection.ordering_keys,
             lock_timeout=ACTION_LOCK_TIMEOUT,
         )
-    finally:
-        store.close()
 
 
 def select_parked(
@@ -528,19 +532,13 @@ def select_parked(
     row ``group_of``'s group (its consumer and error)."""
     if not parked_ids and group_of is None:
         return ()
-    store = parked_store(target)
-    try:
+    with _parked(target) as store:
         return tuple(store.message_ids(parked_ids, group_of, limit))
-    finally:
-        store.close()
 
 
-def plan_parked(target: InboxTarget, message_ids: Sequence[str]) -> list[dict[str, Any]]:
-    store = parked_store(target)
-    try:
+def plan_parked(target: InboxTarget, message_ids: Sequence[str]) -> list[Row]:
+    with _parked(target) as store:
         return store.matching(message_ids)
-    finally:
-        store.close()
 
 
 def retry_parked(
@@ -548,9 +546,8 @@ def retry_parked(
 ) -> tuple[list[str], list[parked_ops.NotSent]]:
     """``outbox parked retry ID…``: the message ids sent back to their queues, and
     those the broker did not take (still parked), with why."""
-    store = parked_store(target)
     not_sent: list[parked_ops.NotSent] = []
-    try:
+    with _parked(target) as store:
         retried = parked_ops.retry(
             store,
             amqp_url,
@@ -559,18 +556,13 @@ def retry_parked(
             confirm_timeout=target.publish_timeout,
             not_sent=not_sent,
         )
-    finally:
-        store.close()
     return retried, not_sent
 
 
 def purge_parked(target: InboxTarget, message_ids: Sequence[str]) -> int:
     """``outbox parked purge ID…``: how many rows were deleted."""
-    store = parked_store(target)
-    try:
+    with _parked(target) as store:
         return store.purge(list(message_ids), None)
-    finally:
-        store.close()
 
 
 def resolve_pass(settings: Settings, *, dry_run: bool) -> list[Resolution]:

@@ -1,6 +1,6 @@
 """Who may use the console, and proof that a POST came from one of its own pages.
 
-The rules (pure functions; ``app.py`` applies them to every request):
+The rules (pure functions; ``site.py`` applies them to every request):
 
 - **Bind.** The console listens on 127.0.0.1 unless told otherwise.  Any other
   address (``0.0.0.0``, a LAN address, ``::``) requires credentials from the

@@ -82,3 +82,18 @@ def test_settings__accepts_the_documented_forms() -> None:
         poll_interval=0.05,
     )
     assert dataclasses.replace(settings, ledger_max_age="1Y").ledger_max_age == "1Y"
+
+
+@pytest.mark.parametrize(
+    "seconds, text", [(604800.0, "7d"), (5 * 3600, "5h"), (60.0, "1m"), (90, "90s"), (0.5, "0.5s")]
+)
+def test_age_text__says_a_settings_default_as_the_option_reads_it(
+    seconds: float, text: str
+) -> None:
+    """``outbox consume --inbox-retention``'s default is read from ``ConsumerSettings``
+    (seconds) and shown as an age the option takes back unchanged."""
+    from outbox.cli.options import age_text
+    from outbox.ops.deadletters import parse_age
+
+    assert age_text(seconds) == text
+    assert parse_age(text) == seconds

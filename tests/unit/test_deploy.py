@@ -485,7 +485,7 @@ def consumer_metric_names() -> set[str]:
     settings = ConsumerSettings(queue="q")
     parked = ParkedFigure(settings, ttl=3600)
     parked._expires = float("inf")  # never query: this is the answer
-    parked.parked = 0
+    parked.figures = 0
     inbox = SimpleNamespace(
         settings=settings, stats=ConsumerStats(), broker=SimpleNamespace(connected=True)
     )

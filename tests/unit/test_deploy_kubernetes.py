@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 
 from outbox.db.queries import scaler_statement
-from outbox.web.app import CALLS_AT_ONCE
+from outbox.web.site import CALLS_AT_ONCE
 from tests.fixtures import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,7 @@ import datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.inbox import parked
-from outbox.ops import deadletters
+from outbox.ops import deadletters, parked
 from outbox.terminal import cut, shown
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import psycopg
 
-from outbox.inbox.message import Parking
-from outbox.inbox.store import InboxStore
+from outbox.db.inbox import InboxStore, Parking
 
 # The inbox tables as `outbox consume` created them before raw properties and the
 # guard (0.1.0).

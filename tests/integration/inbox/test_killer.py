@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.db.inbox import InboxStore, ParkedStore
 from outbox.errors import DatabaseUnavailable
 from outbox.inbox import parked
 from outbox.inbox.message import InboxMessage
@@ -27,7 +28,6 @@ from outbox.inbox.planning import Disposition
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import Processor
-from outbox.inbox.store import InboxStore, ParkedStore
 from tests.fixtures.faults import TcpProxy, proxied_dsn
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (

@@ -21,10 +21,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.inbox import store as inbox_store
+from outbox.db import inbox as inbox_store
+from outbox.db.inbox import ParkedStore
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
-from outbox.inbox.store import ParkedStore
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (

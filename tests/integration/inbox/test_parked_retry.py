@@ -13,8 +13,8 @@ import pika
 import psycopg
 import pytest
 
+from outbox.db.inbox import InboxStore, ParkedStore
 from outbox.inbox import parked
-from outbox.inbox.store import InboxStore, ParkedStore
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (

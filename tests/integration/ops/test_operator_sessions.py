@@ -23,7 +23,7 @@ import pytest
 
 import outbox.web.server
 from outbox.cli import cli, main
-from outbox.inbox.store import InboxStore
+from outbox.db.inbox import InboxStore
 from outbox.web import console
 from tests.fixtures.servers import Topology
 

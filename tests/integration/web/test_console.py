@@ -43,7 +43,7 @@ if not shutil.which(CHROMIUM):
 
 from playwright.sync_api import Browser, Page, sync_playwright  # noqa: E402
 
-from outbox.inbox.store import render_sql  # noqa: E402
+from outbox.db.inbox import render_sql  # noqa: E402
 from outbox.web.app import WebConfig  # noqa: E402
 from outbox.web.console import ConsoleConfig, InboxTarget  # noqa: E402
 from outbox.web.security import Credentials  # noqa: E402

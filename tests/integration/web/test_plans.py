@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from outbox.config import Settings
-from outbox.inbox.store import render_sql
+from outbox.db.inbox import render_sql
 from outbox.web import console
 from outbox.web.console import DeadLetterSelection, InboxTarget
 

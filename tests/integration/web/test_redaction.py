@@ -16,7 +16,7 @@ import pytest
 
 from outbox import redaction
 from outbox.config import Settings
-from outbox.inbox.store import render_sql
+from outbox.db.inbox import render_sql
 from outbox.web.app import WebConfig
 from outbox.web.console import ConsoleConfig, InboxTarget
 from outbox.web.security import Credentials

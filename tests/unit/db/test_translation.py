@@ -10,6 +10,7 @@ import pytest
 from psycopg import errors as pgerrors
 from psycopg import pq
 
+from outbox.db.inbox import InboxStore, StatementRefused
 from outbox.db.session import Hints, translated
 from outbox.errors import (
     DatabaseRefused,
@@ -18,7 +19,6 @@ from outbox.errors import (
     OutboxError,
     StatementTimedOut,
 )
-from outbox.inbox.store import InboxStore, StatementRefused
 
 
 @dataclass

@@ -19,19 +19,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
-from outbox.inbox.custody import Stored
-from outbox.inbox.message import InboxMessage, Parking
-from outbox.inbox.policy import QueuePolicy
-from outbox.inbox.store import (
+from outbox.db.inbox import (
     SETTINGS,
     Failure,
     InboxRowHeld,
     InCustody,
+    Parking,
     SchemaWait,
     SessionState,
     Started,
+    Stored,
 )
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
+from outbox.inbox.message import InboxMessage
+from outbox.inbox.policy import QueuePolicy
 
 Journal = list[str]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.inbox.store import describe
+from outbox.db.inbox import describe
 
 
 class _StrRaises(Exception):

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from outbox.db.inbox import InboxRowHeld, Started
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import ROW_HELD_DELAY_MAX, Disposition, row_held_delay
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import Processor
-from outbox.inbox.store import InboxRowHeld, Started
 from tests.unit.inbox.fakes import FakeBroker, FakeStore, message
 from tests.unit.inbox.test_loop import act, passes
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outbox.db.inbox import describe, render_sql
 from outbox.errors import ExitCode
 from outbox.inbox.handlers import HandlerNotFound, load_handler
 from outbox.inbox.message import (
@@ -24,7 +25,6 @@ from outbox.inbox.message import (
 from outbox.inbox.metrics import liveness_limit, readiness
 from outbox.inbox.planning import retry_delay
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
-from outbox.inbox.store import describe, render_sql
 
 DELIVERY = {"exchange": "orders", "routing_key": "order.created", "redelivered": False}
 

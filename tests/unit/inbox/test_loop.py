@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outbox.db.inbox import SETTINGS, SessionState, StatementRefused
 from outbox.errors import DatabaseUnavailable
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
@@ -26,7 +27,6 @@ from outbox.inbox.steps import (
     needs_sync_mode,
     record_ahead,
 )
-from outbox.inbox.store import SETTINGS, SessionState, StatementRefused
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 
 SETTINGS_FOR_TESTS = ConsumerSettings(queue="q", max_attempts=2, retry_delay=0.0)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from outbox.db.inbox import InboxRowHeld
 from outbox.inbox.custody import to_take
 from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
@@ -23,7 +24,6 @@ from outbox.inbox.process import HAND_MOST, Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import Processor
-from outbox.inbox.store import InboxRowHeld
 from tests.unit.inbox.fakes import FakeBroker, FakeConnection, FakeStore, message
 from tests.unit.inbox.test_loop import act, passes
 

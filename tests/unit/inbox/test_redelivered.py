@@ -286,7 +286,7 @@ def test_metrics__parked_messages_are_counted_by_reason() -> None:
     assert p.process(message(None)) == (Disposition.PARKED, 0.0)
     assert p.process(message("failing again")) == (Disposition.PARKED, 0.0)
     inbox = SimpleNamespace(stats=stats, broker=SimpleNamespace(connected=True))
-    figure = SimpleNamespace(refresh=lambda: None, parked=None)
+    figure = SimpleNamespace(refresh=lambda: None, figures=None)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ConsumerCollector(inbox, figure))  # type: ignore[arg-type]
     [family] = [

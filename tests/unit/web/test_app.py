@@ -11,9 +11,10 @@ from starlette.requests import Request
 
 from outbox.config import Settings
 from outbox.web import console
-from outbox.web.app import MAX_FORM_BYTES, Pages, WebConfig, create_app
+from outbox.web.app import WebConfig, create_app
 from outbox.web.console import ConsoleConfig
 from outbox.web.security import Credentials, CsrfKeys
+from outbox.web.site import MAX_FORM_BYTES, Pages
 
 
 def call(

@@ -1,4 +1,4 @@
-"""``outbox.web.app.Calls``: the console's blocking calls, each on a thread that ends
+"""``outbox.web.site.Calls``: the console's blocking calls, each on a thread that ends
 with it, never more than ``most`` at once, even when requests give up waiting."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from outbox.web.app import Calls
+from outbox.web.site import Calls
 
 
 def call_threads() -> int:

@@ -66,8 +66,8 @@ def test_where__connection_settings_are_shown_without_their_password() -> None:
 def test_shown__a_remembered_password_is_masked_before_html_escaping() -> None:
     from outbox import redaction
     from outbox.config import Settings
-    from outbox.web.app import Pages, WebConfig
     from outbox.web.security import Credentials
+    from outbox.web.site import Pages, WebConfig
 
     secret = "Pw<&\"'>x9"
     redaction.remember(f"host=db password='{secret}'")
@@ -84,7 +84,7 @@ def test_shown__a_remembered_password_is_masked_before_html_escaping() -> None:
 
 
 def testloggable__a_path_chosen_by_a_client_cannot_forge_a_log_line() -> None:
-    from outbox.web.app import loggable
+    from outbox.web.site import loggable
 
     assert loggable("/x\nweb.resolved who=admin") == "/x\\nweb.resolved\\x20who=admin"
     assert len(loggable("/" + "a" * 500)) == 200
@@ -133,8 +133,8 @@ def test_sampler__charts_the_outboxs_dead_rows_and_the_horizons_age_from_its_one
     one-statement sample as the backlog (levels: the last sample of each minute)."""
     from outbox.config import Settings
     from outbox.web import sampler as sampler_module
-    from outbox.web.app import Pages, WebConfig
     from outbox.web.security import Credentials
+    from outbox.web.site import Pages, WebConfig
 
     rows = iter(
         [

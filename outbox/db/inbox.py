@@ -44,7 +44,7 @@ import operator
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import Column, sql
@@ -53,17 +53,56 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import Row, dict_row, tuple_row
 from psycopg.types.json import Jsonb
 
-from outbox.config import Settings
 from outbox.db.migrate import SAY_HOLDERS, Holder, describe_holder, retry_pause
 from outbox.db.queries import LISTED, load_blocks, search_terms
-from outbox.db.session import Hints, connect, first_line, hint_for, translated
+from outbox.db.session import (
+    OPERATOR_BOUNDS,
+    Hints,
+    OperatorBounds,
+    connect,
+    first_line,
+    hint_for,
+    translated,
+)
 from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, StatementTimedOut
-from outbox.inbox.message import Parking
-
-if TYPE_CHECKING:
-    from outbox.inbox.custody import Stored
 
 DEFAULT_INBOX_TABLE = "outbox_inbox"
+
+
+# What the store writes of a message the consumer parks (``outbox.inbox.message.
+# parking_for``) or takes into custody (``outbox.inbox.custody.stored``).
+@dataclasses.dataclass(frozen=True)
+class Parking:
+    """Everything kept about a parked message, enough to publish it again.
+
+    ``message_id``, ``exchange`` and ``routing_key`` are inbox keys (``inbox_key``:
+    lossless); ``headers``, ``properties`` and ``error`` are for people to read;
+    ``raw_properties`` is what ``outbox parked retry`` sends back.
+    """
+
+    message_id: str | None
+    queue: str
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    error: str
+    raw_properties: bytes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A message as ``<inbox>_custody`` keeps it: text columns as inbox keys
+    (lossless, ``inbox_key``), the property list as it arrived."""
+
+    message_id: str
+    ordering_key: str | None
+    exchange: str
+    routing_key: str
+    body: bytes
+    raw_properties: bytes
+
 
 # The consumer's lock_timeout (seconds): its handlers' for any lock (a handler's
 # statement that waits longer fails like any other error), and its own statements'.
@@ -161,7 +200,7 @@ def _statements(table: str) -> dict[str, sql.Composed]:
     ids = inbox_identifiers(table)
     return {
         name: sql.SQL(body).format(**ids)
-        for name, body in load_blocks("outbox.inbox", "inbox.sql").items()
+        for name, body in load_blocks("outbox.db", "inbox.sql").items()
     }
 
 
@@ -916,23 +955,15 @@ class ParkedStore(InboxStore):
     # that is not involved.
     hints = Hints.operator(PARKED_SESSION_LOST)
 
-    def __init__(
-        self,
-        dsn: str,
-        table: str,
-        *,
-        connect_timeout: float = 10.0,
-        statement_timeout: float = Settings.statement_timeout,
-        lock_timeout: float = Settings.lock_timeout,
-    ) -> None:
+    def __init__(self, dsn: str, table: str, bounds: OperatorBounds = OPERATOR_BOUNDS) -> None:
         super().__init__(
             dsn,
             table,
             "",
             application_name="outbox-parked",
-            connect_timeout=connect_timeout,
-            lock_timeout=lock_timeout,
-            statement_timeout=statement_timeout,
+            connect_timeout=bounds.connect_timeout,
+            lock_timeout=bounds.lock_timeout,
+            statement_timeout=bounds.statement_timeout,
         )
         with self._reading("looking for the inbox tables") as conn:
             row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f"{table}_parked"])
