@@ -18,6 +18,7 @@ class Stats:
     batches_resolved: int = 0
     messages_published: int = 0
     dead_letters: int = 0
+    scheduled_moved: int = 0  # scheduled rows this relay moved into the outbox when due
     reconnects: int = 0
     # Messages accepted, or sent and never confirmed, in batches then rolled back.
     duplicates_possible: int = 0
