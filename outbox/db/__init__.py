@@ -8,7 +8,7 @@ translation, with a daemon's or an operator's hints), the relay's
 batch store (``batches``), where its claims start (``front``: the low-water mark
 and the late rows), how claimed rows load
 (``rows``), the dead letters (``deadletters``), the relay registry and wake-ups
-(``relays``), the SQL
+(``relays``), the mover of scheduled rows (``scheduled``), the SQL
 (``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and
 ``schema/*.sql``), the privileges each command needs (``privileges``), the
 replication check (``replication``), what holds the MVCC horizon and the outbox's

@@ -790,11 +790,15 @@ SELECT (SELECT count(*) FROM inserted)::integer AS moved,
 
 -- scheduled_status --
 -- The scheduled rows (schema 0009) for ``outbox status`` and the metrics: how many
--- (counted: an index-only scan of the due index), the next due time, and the
--- oldest row overdue (due, not yet moved: no relay runs, or the movers are behind).
-SELECT (SELECT count(*) FROM {scheduled})::bigint AS scheduled,
-       (SELECT deliver_at FROM {scheduled} WHERE deliver_at > now()
-        ORDER BY deliver_at, id LIMIT 1) AS next_due,
-       (SELECT deliver_at FROM {scheduled} WHERE deliver_at <= now()
-        ORDER BY deliver_at, id LIMIT 1) AS oldest_overdue,
-       now() AS now
+-- (counted over the due index), seconds until the next is due (NULL: none), and how
+-- long the oldest due row has waited to be moved (0: none; no relay runs, or the
+-- movers are behind).  Both looks start at now() in the due index: the overdue one
+-- walks the moved rows' dead entries too, which a held horizon keeps.
+SELECT (SELECT count(*) FROM {scheduled})::bigint AS scheduled_rows,
+       extract(epoch FROM (SELECT deliver_at FROM {scheduled} WHERE deliver_at > now()
+                           ORDER BY deliver_at, id LIMIT 1) - now())::float8
+           AS next_due_seconds,
+       coalesce(extract(epoch FROM now() - (SELECT deliver_at FROM {scheduled}
+                                            WHERE deliver_at <= now()
+                                            ORDER BY deliver_at, id LIMIT 1)), 0)::float8
+           AS overdue_seconds

@@ -11,7 +11,7 @@
 -- diverted row itself.  It is the one way in for every writer: plain SQL, the
 -- Python API, the integrations, COPY.  The statement-level wake-up trigger still
 -- fires (an idle relay re-reads the next due time).
--- Online: a new table; ADD COLUMN without a default rewrites nothing; CREATE
+-- Online: a new table (its indexes built concurrently); ADD COLUMN without a default rewrites nothing; CREATE
 -- TRIGGER takes SHARE ROW EXCLUSIVE on the outbox for a moment, last.  Relays of
 -- 0.7 ignore the column and never see a diverted row: they publish nothing
 -- scheduled, early or late, until a relay of this version runs.
@@ -28,8 +28,6 @@ CREATE TABLE IF NOT EXISTS {scheduled} (
     txid         xid8        NOT NULL,
     deliver_at   timestamptz NOT NULL
 );
-CREATE INDEX IF NOT EXISTS {scheduled_due} ON {scheduled} (deliver_at, id);
-CREATE INDEX IF NOT EXISTS {scheduled_message_id} ON {scheduled} (message_id);
 ALTER TABLE {scheduled} SET (
     autovacuum_vacuum_scale_factor = 0.0,
     autovacuum_vacuum_threshold = 5000,
@@ -111,3 +109,8 @@ BEGIN
     END IF;
 END
 $schedule$;
+-- The due order, for the mover; message ids, for cancel.  Built concurrently, as
+-- every index (the table fills from the moment the trigger exists).
+-- outside a transaction --
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {scheduled_due} ON {scheduled} (deliver_at, id);
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {scheduled_message_id} ON {scheduled} (message_id);
