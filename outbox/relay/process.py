@@ -12,9 +12,11 @@ the process around it, in the spirit of dramatiq's ``Worker``:
 - ``run`` goes round: reconnect what is broken (ending a lost work session's
   backend, which may still be running a cut-off PREPARE, before anything is
   looked up: ``_end_predecessors``), settle batches in doubt, resolve
-  dead relays' batches now and then, take one step of the batches, and when
-  a step neither claimed nor committed anything wait for a NOTIFY (or the
-  fallback poll);
+  dead relays' batches now and then, move the scheduled rows that came due into
+  the outbox (``_move_due``, on the wake-up session; when
+  ``outbox.relay.scheduling`` says), take one step of the batches, and when
+  a step neither claimed nor committed anything wait for a NOTIFY, the fallback
+  poll or the next scheduled row's due time;
 - a failure (``batches.RETRYABLE``) is logged (naming the write that failed),
   backed off and retried forever; the backoff grows until a batch is committed
   again, whichever write fails, so a failure that lets a batch be claimed and
@@ -26,7 +28,8 @@ Sessions: the work connection (claims, 2PC, resolver passes; every statement
 bounded by ``statement_timeout``, and the server checks every 2 s that we are
 still there), the control session (advisory lock and heartbeat, on a thread of
 its own: ``outbox.relay.liveness``, so a slow statement here cannot make the relay look
-partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
+partitioned) and the wake-up session (LISTEN, the fallback poll and the mover of
+scheduled rows).  "resolver"
 is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
 only once the owner's control session is gone, or its heartbeat is older than
 ``relay_timeout`` (partition).  A control session lost while the process lives (a
