@@ -174,7 +174,7 @@ def test_relay__due_rows_go_out_within_1s_while_100k_future_rows_wait(
             )
             for i in range(20)
         ]
-        dues = dict(
+        dues: dict[str, datetime.datetime] = dict(
             app.execute(
                 "SELECT message_id::text, deliver_at FROM outbox_scheduled"
                 " WHERE routing_key = 'due'"
