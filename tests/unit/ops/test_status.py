@@ -61,7 +61,7 @@ def test_status__an_old_backlog_says_whether_any_relay_runs() -> None:
 
 
 def test_status__scheduled_rows_show_the_next_due_and_an_overdue_one_needs_a_relay() -> None:
-    waiting = dataclasses.replace(CALM, scheduled_rows=12, next_due_seconds=3.25)
+    waiting = dataclasses.replace(CALM, relays=[], scheduled_rows=12, next_due_seconds=3.25)
     assert problems(waiting) == []
     assert "scheduled          12 rows, next due in 3.2s" in render(report(waiting, []))
     overdue = dataclasses.replace(waiting, scheduled_overdue_seconds=400.0)
