@@ -491,8 +491,11 @@ class Relay:
                 self._next_resolve = now + self.settings.resolve_interval
                 if any(r.finished for r in self._resolve_dead_relays()):
                     return  # rolled-back rows are claimable again, without a NOTIFY
-            if now >= self._moves.idle_until(now) and self._move_due():
-                return  # scheduled rows came due
+            if now >= self._moves.idle_until(now):
+                # Rows came due: move them, and claim whether this relay moved them or
+                # another one did (its move does not notify: it would wake everyone).
+                self._move_due()
+                return
             if now >= deadline:
                 # Also takes the lock if someone held it exclusively before.
                 if wakeups.want_wakeups(self._front()):

@@ -17,7 +17,7 @@ import pytest
 import outbox
 from outbox.config import Settings
 from outbox.relay.process import Relay
-from tests.fixtures.faults import RelayProcess, arrived, check_delivery, wait_for
+from tests.fixtures.faults import RelayProcess, arrived, check_delivery, rows_left, wait_for
 from tests.fixtures.servers import Topology
 
 
@@ -219,7 +219,7 @@ def test_ordering__a_keys_scheduled_rows_go_out_in_due_order(
 
 def test_relay__crash_at_the_due_time_loses_nothing(settings: Settings, topology: Topology) -> None:
     """A relay killed right after it moved due rows (committed in the outbox, not yet
-    claimed): the next relay publishes them; rows it had not moved yet it moves."""
+    claimed): the next relays publish them; rows it had not moved yet they move."""
     first = RelayProcess(settings, crash_at="after_move")
     try:
         with psycopg.connect(settings.dsn) as app:
@@ -239,14 +239,21 @@ def test_relay__crash_at_the_due_time_loses_nothing(settings: Settings, topology
         assert first.wait(30) != 0, "the relay did not crash at its move"
     finally:
         first.close()
-    # Every row due (none moved after the crash), then a relay that drains.
+    # Every row due (none moved after the crash), then two relays, which share the
+    # due rows (SKIP LOCKED): each row once.
     wait_for(lambda: scheduled_ahead(settings.dsn) == 0, 15, "every scheduled row to come due")
-    second = RelayProcess(settings, drain=True)
+    successors = [RelayProcess(settings) for _ in range(2)]
     try:
-        assert second.wait(60) == 0, second.output()
+        wait_for(
+            lambda: (
+                scheduled_ahead(settings.dsn, due_too=True) == 0 and rows_left(settings.dsn) == 0
+            ),
+            60,
+            "the relays to publish every row",
+        )
     finally:
-        second.close()
-    assert scheduled_ahead(settings.dsn, due_too=True) == 0
+        for successor in successors:
+            successor.close()
     check_delivery(settings.dsn, topology, ids, max_duplicates=0)
 
 
