@@ -5,6 +5,9 @@ so the message is published if and only if the caller's transaction commits.
 The statement-level trigger installed by ``outbox init`` wakes idle relays when
 that transaction commits. When the application has an active OpenTelemetry span,
 its W3C ``traceparent`` goes into the row's headers (``outbox.tracing``).
+``deliver_at``/``delay`` schedule the message for later (schema 0009: the outbox's
+trigger keeps it in ``<outbox>_scheduled`` until due), and ``cancel`` takes a
+scheduled message back in the caller's transaction.
 
     with conn.transaction():
         conn.execute("INSERT INTO orders ...")
