@@ -17,6 +17,8 @@ from outbox._version import __version__ as __version__
 if TYPE_CHECKING:
     from outbox.enqueue import (
         OutgoingMessage,
+        cancel,
+        cancel_async,
         enqueue,
         enqueue_async,
         enqueue_json,
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OutgoingMessage",
+    "cancel",
+    "cancel_async",
     "enqueue",
     "enqueue_async",
     "enqueue_json",

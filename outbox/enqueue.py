@@ -5,6 +5,9 @@ so the message is published if and only if the caller's transaction commits.
 The statement-level trigger installed by ``outbox init`` wakes idle relays when
 that transaction commits. When the application has an active OpenTelemetry span,
 its W3C ``traceparent`` goes into the row's headers (``outbox.tracing``).
+``deliver_at``/``delay`` schedule the message for later (schema 0009: the outbox's
+trigger keeps it in ``<outbox>_scheduled`` until due), and ``cancel`` takes a
+scheduled message back in the caller's transaction.
 
     with conn.transaction():
         conn.execute("INSERT INTO orders ...")
@@ -15,6 +18,7 @@ its W3C ``traceparent`` goes into the row's headers (``outbox.tracing``).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import inspect
 import json
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
         headers: NotRequired[Mapping[str, Any] | None]
         message_id: NotRequired[uuid.UUID | None]
         ordering_key: NotRequired[str | None]
+        deliver_at: NotRequired[datetime.datetime | None]
+        delay: NotRequired[datetime.timedelta | None]
 
     class MessageFields(_Addressed):
         """The keywords of every ``enqueue``: ``OutgoingMessage``'s fields."""
@@ -70,6 +76,10 @@ class OutgoingMessage:
 
     Messages sharing an ``ordering_key`` reach the broker in the order they were
     written (docs/explanation/ordering.md); None puts no constraint on the message.
+
+    ``deliver_at`` (an aware datetime) or ``delay`` (from the transaction's start,
+    by the database's clock) hold the message until then (docs/how-to/deliver-later.md);
+    a key's scheduled rows go out in due order, when due.
     """
 
     exchange: str
@@ -79,6 +89,32 @@ class OutgoingMessage:
     content_type: str | None = None
     message_id: uuid.UUID | None = None
     ordering_key: str | None = None
+    deliver_at: datetime.datetime | None = None
+    delay: datetime.timedelta | None = None
+
+    @property
+    def scheduled(self) -> bool:
+        """Written with a time: its INSERT names ``deliver_at`` (schema 0009)."""
+        return self.deliver_at is not None or self.delay is not None
+
+
+def _schedule_params(message: OutgoingMessage) -> tuple[Any, ...]:
+    """``deliver_at`` and ``delay`` checked: the two parameters of the scheduled INSERT."""
+    if message.deliver_at is not None and message.delay is not None:
+        raise ValueError("give deliver_at or delay, not both")
+    if message.deliver_at is not None:
+        if not isinstance(message.deliver_at, datetime.datetime):
+            raise TypeError(
+                f"deliver_at must be a datetime, not {type(message.deliver_at).__name__}"
+            )
+        if message.deliver_at.utcoffset() is None:
+            raise ValueError(
+                "deliver_at must be timezone-aware (a naive datetime names no instant): "
+                "use datetime.now(timezone.utc) + …, or delay="
+            )
+    if message.delay is not None and not isinstance(message.delay, datetime.timedelta):
+        raise TypeError(f"delay must be a timedelta, not {type(message.delay).__name__}")
+    return (message.deliver_at, message.delay or datetime.timedelta(0))
 
 
 def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
@@ -101,6 +137,7 @@ def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
                 f"{ORDERING_KEY_MAX_BYTES:,} an outbox row may have: use the id of the "
                 "aggregate whose messages must stay in order (docs/explanation/ordering.md)"
             )
+    schedule = _schedule_params(message) if message.scheduled else ()
     headers = with_trace_context(message.headers)
     return (
         message.message_id or uuid.uuid4(),
@@ -110,14 +147,24 @@ def row_params(message: OutgoingMessage) -> tuple[Any, ...]:
         Jsonb(dict(headers)) if headers is not None else None,
         message.content_type,
         message.ordering_key,
+        *schedule,
     )
 
 
-def _insert(table: str) -> sql.Composed:
+def _insert(table: str, scheduled: bool = False) -> sql.Composed:
+    """The INSERT of a row; a scheduled one names ``deliver_at`` (the given time, else
+    the transaction's now() plus the delay), which the outbox's trigger sends to the
+    scheduled table when in the future (schema 0009).  A row without a time uses the
+    statement of schema 0008 and earlier."""
+    columns = sql.SQL(", ").join(map(sql.Identifier, _COLUMNS))
+    values = sql.SQL(", ").join(sql.Placeholder() * len(_COLUMNS))
+    if scheduled:
+        columns = sql.SQL("{}, deliver_at").format(columns)
+        values = sql.SQL("{}, coalesce({}::timestamptz, now()) + {}::interval").format(
+            values, sql.Placeholder(), sql.Placeholder()
+        )
     return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
-        table_identifiers(table)["outbox"],
-        sql.SQL(", ").join(map(sql.Identifier, _COLUMNS)),
-        sql.SQL(", ").join(sql.Placeholder() * len(_COLUMNS)),
+        table_identifiers(table)["outbox"], columns, values
     )
 
 
@@ -127,13 +174,24 @@ def json_payload(body: Any) -> bytes:
 
 
 @functools.cache
-def insert_sql(table: str) -> str:
+def insert_sql(table: str, scheduled: bool = False) -> str:
     """``_insert`` as text with ``%s`` placeholders, for a cursor that psycopg does not
     compose for: SQLAlchemy's ``exec_driver_sql`` and Django's cursor wrapper."""
-    return _insert(table).as_string(None)
+    return _insert(table, scheduled).as_string(None)
 
 
 Row = tuple[Any, ...]
+
+# Inserts a list of rows, all scheduled or none (``write``).
+Insert = Callable[[list[Row], bool], object]
+AsyncInsert = Callable[[list[Row], bool], Awaitable[object]]
+
+
+def _by_kind(rows: list[Row]) -> list[tuple[list[Row], bool]]:
+    """The rows without a time, then the scheduled ones (one INSERT each, if any)."""
+    now = [r for r in rows if len(r) == len(_COLUMNS)]
+    later = [r for r in rows if len(r) > len(_COLUMNS)]
+    return [(part, scheduled) for part, scheduled in ((now, False), (later, True)) if part]
 
 
 def json_message(body: Any, **fields: Unpack[_Addressed]) -> OutgoingMessage:
@@ -141,26 +199,23 @@ def json_message(body: Any, **fields: Unpack[_Addressed]) -> OutgoingMessage:
     return OutgoingMessage(payload=json_payload(body), content_type="application/json", **fields)
 
 
-def write(
-    insert: Callable[[list[Row]], object], messages: Iterable[OutgoingMessage]
-) -> list[uuid.UUID]:
+def write(insert: Insert, messages: Iterable[OutgoingMessage]) -> list[uuid.UUID]:
     """How every ``enqueue*`` (psycopg, SQLAlchemy, Django) writes: every row is built
     and checked first, so a refused message writes nothing, then ``insert`` runs the
-    INSERT on the caller's connection (a list of one row: one execute), unless there
-    are no rows.  Returns the ``message_id`` of each row."""
+    INSERT on the caller's connection (a list of one row: one execute), once for the
+    rows without a time and once for the scheduled ones, unless there are none.
+    Returns the ``message_id`` of each row."""
     rows = [row_params(m) for m in messages]
-    if rows:
-        insert(rows)
+    for part, scheduled in _by_kind(rows):
+        insert(part, scheduled)
     return [row[0] for row in rows]
 
 
-async def write_async(
-    insert: Callable[[list[Row]], Awaitable[object]], messages: Iterable[OutgoingMessage]
-) -> list[uuid.UUID]:
+async def write_async(insert: AsyncInsert, messages: Iterable[OutgoingMessage]) -> list[uuid.UUID]:
     """``write`` for an asyncio connection."""
     rows = [row_params(m) for m in messages]
-    if rows:
-        await insert(rows)
+    for part, scheduled in _by_kind(rows):
+        await insert(part, scheduled)
     return [row[0] for row in rows]
 
 
@@ -200,28 +255,57 @@ def spelled_out(function: _F) -> _F:
     return function
 
 
-def _insert_on(conn: psycopg.Connection[Any], table: str) -> Callable[[list[Row]], None]:
-    def insert(rows: list[Row]) -> None:
+def _insert_on(conn: psycopg.Connection[Any], table: str) -> Callable[[list[Row], bool], None]:
+    def insert(rows: list[Row], scheduled: bool) -> None:
         if len(rows) == 1:
-            conn.execute(_insert(table), rows[0])
+            conn.execute(_insert(table, scheduled), rows[0])
         else:
             with conn.cursor() as cur:
-                cur.executemany(_insert(table), rows)
+                cur.executemany(_insert(table, scheduled), rows)
 
     return insert
 
 
 def _insert_on_async(
     conn: psycopg.AsyncConnection[Any], table: str
-) -> Callable[[list[Row]], Awaitable[None]]:
-    async def insert(rows: list[Row]) -> None:
+) -> Callable[[list[Row], bool], Awaitable[None]]:
+    async def insert(rows: list[Row], scheduled: bool) -> None:
         if len(rows) == 1:
-            await conn.execute(_insert(table), rows[0])
+            await conn.execute(_insert(table, scheduled), rows[0])
         else:
             async with conn.cursor() as cur:
-                await cur.executemany(_insert(table), rows)
+                await cur.executemany(_insert(table, scheduled), rows)
 
     return insert
+
+
+def cancel_sql(table: str) -> str:
+    """``cancel``'s statement as text with a ``%s`` placeholder (for the integrations)."""
+    return (
+        sql.SQL("DELETE FROM {} WHERE message_id = %s")
+        .format(table_identifiers(table)["scheduled"])
+        .as_string(None)
+    )
+
+
+def cancel(conn: psycopg.Connection[Any], message_id: uuid.UUID, *, table: str = "outbox") -> bool:
+    """Cancel a scheduled message in the caller's transaction: True if it was still
+    waiting for its time (it will never be published if this transaction commits),
+    False if unknown, or already due and taken by a relay for delivery (published,
+    or about to be: a relay moves a due row within milliseconds of its time).
+
+    Never waits on a relay's prepared batch (scheduled rows are never in one); it
+    may wait a moment for a relay's mover that is moving this very row."""
+    cur = conn.execute(cancel_sql(table).encode(), (message_id,))
+    return cur.rowcount > 0
+
+
+async def cancel_async(
+    conn: psycopg.AsyncConnection[Any], message_id: uuid.UUID, *, table: str = "outbox"
+) -> bool:
+    """``cancel`` for an ``AsyncConnection``."""
+    cur = await conn.execute(cancel_sql(table).encode(), (message_id,))
+    return cur.rowcount > 0
 
 
 @spelled_out

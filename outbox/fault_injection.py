@@ -32,6 +32,9 @@ POINTS = (
     "after_publish",
     "after_ledger",
     "before_commit_prepared",
+    # the relay's mover (outbox/relay/process.py): due scheduled rows moved into the
+    # outbox, not claimed yet.
+    "after_move",
     # outbox consume (outbox/inbox/process.py): a message's effect committed, its ack
     # not sent yet.
     "consume_after_commit",

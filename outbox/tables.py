@@ -1,6 +1,6 @@
 """The outbox's tables: which names a table may have, and the identifiers of the
 outbox table and its companions (relays, dead letters, schema version, saved claim
-front, triggers)."""
+front, scheduled rows, triggers)."""
 
 from __future__ import annotations
 
@@ -30,4 +30,10 @@ def table_identifiers(table: str) -> dict[str, sql.Identifier]:
         "notify_trigger": sql.Identifier(f"{table}_notify"),
         "stamp_function": sql.Identifier(f"{table}_stamp_txid"),
         "stamp_trigger": sql.Identifier(f"{table}_stamp_txid"),
+        "scheduled": sql.Identifier(f"{table}_scheduled"),
+        "scheduled_due": sql.Identifier(f"{table}_scheduled_due"),
+        "scheduled_message_id": sql.Identifier(f"{table}_scheduled_message_id"),
+        # Named to sort before the stamp trigger: BEFORE triggers fire in name order.
+        "schedule_function": sql.Identifier(f"{table}_schedule"),
+        "schedule_trigger": sql.Identifier(f"{table}_schedule"),
     }

@@ -9,7 +9,7 @@ and the late rows), how claimed rows load
 (``rows``), the dead letters (``deadletters``), the consumer's inbox, attempts,
 custody and parked tables (``inbox``, ``inbox.sql``: the consumer's store, with
 what it writes of a parked message and of one in custody), the relay registry and wake-ups
-(``relays``), the SQL
+(``relays``), the mover of scheduled rows (``scheduled``), the SQL
 (``queries.sql`` through ``queries``), the versioned schema, migrated online (``migrate`` and
 ``schema/*.sql``), the privileges each command needs (``privileges``), the
 replication check (``replication``), what holds the MVCC horizon and the outbox's

@@ -792,6 +792,14 @@ class BatchStore(Session):
             row = self.conn.execute(self.queries["dead_letter_count"]).fetchone()
             return (int(row["dead_letters"]), int(row["ordering_keys"])) if row else (0, 0)
 
+    def scheduled_summary(self) -> Row:
+        """Scheduled rows (schema 0009): how many, seconds until the next is due (None:
+        none), seconds the oldest due one has waited to be moved (0: none)."""
+        with self._translated("reading the scheduled rows"):
+            row = self.conn.execute(self.queries["scheduled_status"]).fetchone()
+        assert row is not None
+        return row
+
     def metrics_snapshot(self) -> Row:
         """Backlog (as ``backlog``), prepared batches, dead letters and live relays, in
         one round trip after reading the saved front."""

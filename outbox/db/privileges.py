@@ -11,7 +11,9 @@ written with ``INSERT … ON CONFLICT DO UPDATE`` that reads ``attempts`` (INSER
 UPDATE, SELECT); the registry is inserted, heartbeated and pruned; ``retry`` puts
 rows back with ``INSERT … ON CONFLICT DO NOTHING`` (INSERT and SELECT); the relay
 reads and saves its claim front with ``INSERT … ON CONFLICT DO UPDATE … WHERE``
-(SELECT, INSERT, UPDATE; ``outbox.db.front``).
+(SELECT, INSERT, UPDATE; ``outbox.db.front``); it moves due scheduled rows into the
+outbox (schema 0009: ``DELETE … RETURNING`` from the scheduled table after locking
+them ``FOR UPDATE SKIP LOCKED``, and an INSERT into the outbox).
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from collections.abc import Iterable, Mapping
 # Table roles, as in queries.table_identifiers: the outbox table and its companions.
 OUTBOX, RELAYS, DEAD_LETTERS, SCHEMA_VERSION = "outbox", "relays", "dead_letters", "schema_version"
 CLAIM_FRONT = "claim_front"
+SCHEDULED = "scheduled"
 
 Needs = Mapping[str, tuple[str, ...]]
 
 RELAY: Needs = {
-    OUTBOX: ("SELECT", "UPDATE", "DELETE"),
+    OUTBOX: ("SELECT", "INSERT", "UPDATE", "DELETE"),
     DEAD_LETTERS: ("SELECT", "INSERT", "UPDATE"),
     RELAYS: ("SELECT", "INSERT", "UPDATE", "DELETE"),
     CLAIM_FRONT: ("SELECT", "INSERT", "UPDATE"),
+    SCHEDULED: ("SELECT", "UPDATE", "DELETE"),
     SCHEMA_VERSION: ("SELECT",),
 }
 DEAD_LETTERS_WRITE: Needs = {DEAD_LETTERS: RELAY[DEAD_LETTERS]}
@@ -39,6 +43,7 @@ STATUS: Needs = {
     DEAD_LETTERS: ("SELECT",),
     RELAYS: ("SELECT",),
     CLAIM_FRONT: ("SELECT",),
+    SCHEDULED: ("SELECT",),
     SCHEMA_VERSION: ("SELECT",),
 }
 DEAD_LETTERS_LIST: Needs = {DEAD_LETTERS: ("SELECT",)}

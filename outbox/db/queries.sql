@@ -749,3 +749,56 @@ SELECT wanted.name AS table_name, wanted.privilege,
            AS granted,
        current_user AS role
 FROM unnest(%(tables)s::text[], %(privileges)s::text[]) AS wanted(name, privilege)
+
+-- move_due --
+-- The relay's mover (schema 0009): the scheduled rows due now, in due order (ties by
+-- id), leave {scheduled} and enter the outbox with a new id (in that order) and the
+-- mover's txid (the stamp trigger), so the claims treat them as rows just
+-- committed.  created_at becomes the due time: the message's AMQP timestamp, and
+-- the backlog's age counts from when the row was due, not from when it was
+-- scheduled.  One statement in its own transaction, never inside a batch (its
+-- INSERT fires the wake-up trigger, whose NOTIFY a prepared transaction cannot
+-- hold).  SKIP LOCKED: several relays' movers share the due rows.
+-- The scan starts at %(scan_from)s (``outbox.db.scheduled.scan_from``), past the
+-- dead index entries of the rows moved before it, which vacuum cannot remove while
+-- the MVCC horizon is held.  Also returns this statement's now(), the due time of
+-- the last row moved, and the next due time after now (a scan that starts past
+-- every row moved: index entries later than now() are rows still waiting).
+WITH due AS MATERIALIZED (
+    SELECT id FROM {scheduled}
+    WHERE deliver_at >= %(scan_from)s::timestamptz AND deliver_at <= now()
+    ORDER BY deliver_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM {scheduled} WHERE id = ANY (ARRAY (SELECT id FROM due))
+    RETURNING id, message_id, exchange, routing_key, payload, headers, content_type,
+              ordering_key, deliver_at
+), inserted AS (
+    INSERT INTO {outbox} (message_id, exchange, routing_key, payload, headers, content_type,
+                          created_at, ordering_key, deliver_at)
+    SELECT message_id, exchange, routing_key, payload, headers, content_type, deliver_at,
+           ordering_key, deliver_at
+    FROM moved ORDER BY deliver_at, id
+    RETURNING deliver_at
+)
+SELECT (SELECT count(*) FROM inserted)::integer AS moved,
+       (SELECT max(deliver_at) FROM inserted) AS last_due,
+       now() AS now,
+       (SELECT deliver_at FROM {scheduled} WHERE deliver_at > now()
+        ORDER BY deliver_at, id LIMIT 1) AS next_due
+
+-- scheduled_status --
+-- The scheduled rows (schema 0009) for ``outbox status`` and the metrics: how many
+-- (counted over the due index), seconds until the next is due (NULL: none), and how
+-- long the oldest due row has waited to be moved (0: none; no relay runs, or the
+-- movers are behind).  Both looks start at now() in the due index: the overdue one
+-- walks the moved rows' dead entries too, which a held horizon keeps.
+SELECT (SELECT count(*) FROM {scheduled})::bigint AS scheduled_rows,
+       extract(epoch FROM (SELECT deliver_at FROM {scheduled} WHERE deliver_at > now()
+                           ORDER BY deliver_at, id LIMIT 1) - now())::float8
+           AS next_due_seconds,
+       coalesce(extract(epoch FROM now() - (SELECT deliver_at FROM {scheduled}
+                                            WHERE deliver_at <= now()
+                                            ORDER BY deliver_at, id LIMIT 1)), 0)::float8
+           AS overdue_seconds

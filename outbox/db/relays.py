@@ -7,6 +7,7 @@ prepared.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
@@ -16,6 +17,7 @@ import psycopg
 from psycopg import sql
 
 from outbox import gid as gids
+from outbox.db import scheduled
 from outbox.db.batches import Backend
 from outbox.db.front import ClaimFront
 from outbox.db.session import Session
@@ -142,6 +144,8 @@ class WakeupListener(Session):
         self.wanting_since = 0.0  # when it was taken (time.monotonic)
         with self._translated("subscribing to wake-ups"):
             self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.table)))
+            # The mover runs here: its INSERT must not wake the relays (schema 0009).
+            self.conn.execute("SET outbox.mover = on")
             name = sql.Identifier(self.table).as_string(self.conn)
             row = self.conn.execute(self.queries["outbox_relid"], {"name": name}).fetchone()
         assert row is not None
@@ -191,6 +195,13 @@ class WakeupListener(Session):
         """How many wake-ups arrived since the last call (never blocks)."""
         with self._translated("reading wake-ups"):
             return sum(1 for _ in self.conn.notifies(timeout=0))
+
+    def move_due(self, covered: datetime.datetime | None, *, sweep: bool) -> scheduled.Moved:
+        """Move the scheduled rows that are due into the outbox (``outbox.db.scheduled``):
+        on this session, never the work session's, whose transactions are prepared."""
+        with self._translated("moving due scheduled rows"):
+            moved = scheduled.move_due(self.conn, self.queries, covered, sweep=sweep)
+        return moved
 
     def rows_waiting(self, front: ClaimFront | None = None) -> bool:
         """The fallback poll: True if the outbox table has any row where a claim

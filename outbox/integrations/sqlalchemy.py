@@ -39,6 +39,7 @@ except ImportError as exc:
 from outbox.enqueue import (
     OutgoingMessage,
     Row,
+    cancel_sql,
     insert_sql,
     json_message,
     spelled_out,
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from outbox.enqueue import JsonFields, MessageFields
 
 __all__ = [
+    "cancel",
+    "cancel_async",
     "enqueue",
     "enqueue_async",
     "enqueue_json",
@@ -93,19 +96,21 @@ async def _async_connection(target: AsyncSession | AsyncConnection) -> AsyncConn
     return conn
 
 
-def _insert_on(target: Session | Connection, table: str) -> Callable[[list[Row]], None]:
-    def insert(rows: list[Row]) -> None:
-        _connection(target).exec_driver_sql(insert_sql(table), rows[0] if len(rows) == 1 else rows)
+def _insert_on(target: Session | Connection, table: str) -> Callable[[list[Row], bool], None]:
+    def insert(rows: list[Row], scheduled: bool) -> None:
+        statement = insert_sql(table, scheduled)
+        _connection(target).exec_driver_sql(statement, rows[0] if len(rows) == 1 else rows)
 
     return insert
 
 
 def _insert_on_async(
     target: AsyncSession | AsyncConnection, table: str
-) -> Callable[[list[Row]], Awaitable[None]]:
-    async def insert(rows: list[Row]) -> None:
+) -> Callable[[list[Row], bool], Awaitable[None]]:
+    async def insert(rows: list[Row], scheduled: bool) -> None:
         conn = await _async_connection(target)
-        await conn.exec_driver_sql(insert_sql(table), rows[0] if len(rows) == 1 else rows)
+        statement = insert_sql(table, scheduled)
+        await conn.exec_driver_sql(statement, rows[0] if len(rows) == 1 else rows)
 
     return insert
 
@@ -163,3 +168,18 @@ async def enqueue_json_async(
 ) -> uuid.UUID:
     """``enqueue_json`` for an ``AsyncSession`` or ``AsyncConnection``."""
     return (await write_async(_insert_on_async(target, table), [json_message(**message)]))[0]
+
+
+def cancel(target: Session | Connection, message_id: uuid.UUID, *, table: str = "outbox") -> bool:
+    """``outbox.cancel`` in the session's (or connection's) transaction."""
+    result = _connection(target).exec_driver_sql(cancel_sql(table), (message_id,))
+    return bool(result.rowcount > 0)
+
+
+async def cancel_async(
+    target: AsyncSession | AsyncConnection, message_id: uuid.UUID, *, table: str = "outbox"
+) -> bool:
+    """``cancel`` for an ``AsyncSession`` or ``AsyncConnection``."""
+    conn = await _async_connection(target)
+    result = await conn.exec_driver_sql(cancel_sql(table), (message_id,))
+    return bool(result.rowcount > 0)

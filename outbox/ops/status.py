@@ -38,6 +38,11 @@ class Observation:
     # full pass yet).
     last_full_pass_age_seconds: float | None = None
     last_full_pass_found_rows: int | None = None
+    # Rows scheduled for later (schema 0009), seconds until the next is due (None:
+    # none), and how long the oldest due row has waited to be moved.
+    scheduled_rows: int = 0
+    next_due_seconds: float | None = None
+    scheduled_overdue_seconds: float = 0.0
 
     @property
     def oldest_prepared_age_seconds(self) -> float:
@@ -102,6 +107,7 @@ def read(settings: Settings, *, exact: bool = False) -> Observation:
             for r in store.live_relays()
         ]
         dead_letters, dead_keys = store.dead_letter_summary()
+        scheduled = store.scheduled_summary()
         unsafe = replication.warning(store.replication())
         horizon = store.horizon()
     finally:
@@ -123,6 +129,11 @@ def read(settings: Settings, *, exact: bool = False) -> Observation:
         if net.last_pass_age is None
         else round(net.last_pass_age, 3),
         last_full_pass_found_rows=net.last_pass_found,
+        scheduled_rows=scheduled["scheduled_rows"],
+        next_due_seconds=None
+        if scheduled["next_due_seconds"] is None
+        else round(scheduled["next_due_seconds"], 3),
+        scheduled_overdue_seconds=round(scheduled["overdue_seconds"], 3),
     )
 
 
@@ -165,6 +176,13 @@ def judge(
         problems.append(
             f"the oldest outbox row is {seen.oldest_row_age_seconds:.0f}s old "
             f"(> {max_backlog_age:.0f}s): {why}"
+        )
+    if seen.scheduled_overdue_seconds > max_backlog_age:
+        why = "relays are behind or failing" if seen.live_relays else "no relay is running"
+        problems.append(
+            f"a scheduled row has been due for {seen.scheduled_overdue_seconds:.0f}s "
+            f"(> {max_backlog_age:.0f}s) and is not in the outbox yet: {why} "
+            "(relays move due rows; docs/how-to/deliver-later.md)"
         )
     return problems
 
@@ -248,6 +266,9 @@ def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
         "live_relays": seen.live_relays,
         "dead_letters": seen.dead_letters,
         "dead_letter_ordering_keys": seen.dead_letter_ordering_keys,
+        "scheduled_rows": seen.scheduled_rows,
+        "next_due_seconds": seen.next_due_seconds,
+        "scheduled_overdue_seconds": seen.scheduled_overdue_seconds,
         "horizon": horizon_report(seen.horizon),
         "attention": problems,
         # Worth knowing, not a failure of the relay: does not change the exit code.
@@ -346,6 +367,7 @@ def render(report: dict[str, Any]) -> str:
             if report["dead_letter_ordering_keys"]
             else ""
         ),
+        f"scheduled          {report.get('scheduled_rows', 0)} rows" + scheduled_note(report),
     ]
     for relay in report["relays"]:
         state = "alive" if relay["alive"] else "gone"
@@ -363,6 +385,16 @@ def render(report: dict[str, Any]) -> str:
     else:
         lines.append("all good")
     return "\n".join(lines)
+
+
+def scheduled_note(report: dict[str, Any]) -> str:
+    """When the next scheduled row is due, and how late the oldest due one is."""
+    parts = []
+    if report.get("next_due_seconds") is not None:
+        parts.append(f"next due in {report['next_due_seconds']:.1f}s")
+    if report.get("scheduled_overdue_seconds"):
+        parts.append(f"oldest due {report['scheduled_overdue_seconds']:.1f}s ago, not moved yet")
+    return f", {', '.join(parts)}" if parts else ""
 
 
 def render_horizon(horizon: dict[str, Any] | None) -> list[str]:

@@ -91,6 +91,10 @@ class DatabaseFigures(Figures[HorizonReader, dict[str, Any]]):
         net = store.net
         figures["full_pass_age_seconds"] = _or_nan(net.last_pass_age)
         figures["full_pass_found_rows"] = _or_nan(net.last_pass_found)
+        scheduled = store.scheduled_summary()
+        figures["scheduled_rows"] = scheduled["scheduled_rows"]
+        figures["scheduled_next_due_seconds"] = _or_nan(scheduled["next_due_seconds"])
+        figures["scheduled_overdue_seconds"] = scheduled["overdue_seconds"]
         horizon = store.horizon(limit=1)
         figures["dead_rows"] = horizon.dead_rows or 0
         figures["horizon_age_seconds"] = horizon.age_seconds
@@ -133,6 +137,11 @@ class RelayCollector(Collector):
             "outbox_dead_lettered",
             "Rows this relay recorded as dead letters.",
             value=stats.dead_letters,
+        )
+        yield CounterMetricFamily(
+            "outbox_scheduled_moved",
+            "Scheduled rows this relay moved into the outbox when they came due.",
+            value=stats.scheduled_moved,
         )
         yield CounterMetricFamily(
             "outbox_reconnects",
@@ -213,6 +222,22 @@ class RelayCollector(Collector):
                 "Age of the oldest prepared batch of this table (0 if none).",
             ),
             ("outbox_dead_letters", "dead_letters", "Rows in the dead-letter table."),
+            (
+                "outbox_scheduled_rows",
+                "scheduled_rows",
+                "Rows scheduled for later (deliver_at), not yet due or not yet moved.",
+            ),
+            (
+                "outbox_scheduled_next_due_seconds",
+                "scheduled_next_due_seconds",
+                "Seconds until the next scheduled row is due (NaN: none scheduled).",
+            ),
+            (
+                "outbox_scheduled_overdue_seconds",
+                "scheduled_overdue_seconds",
+                "How long the oldest due scheduled row has waited to be moved into the "
+                "outbox (0: none); a relay moves due rows within a second.",
+            ),
             (
                 "outbox_dead_letter_ordering_keys",
                 "dead_letter_ordering_keys",

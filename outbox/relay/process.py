@@ -12,9 +12,11 @@ the process around it, in the spirit of dramatiq's ``Worker``:
 - ``run`` goes round: reconnect what is broken (ending a lost work session's
   backend, which may still be running a cut-off PREPARE, before anything is
   looked up: ``_end_predecessors``), settle batches in doubt, resolve
-  dead relays' batches now and then, take one step of the batches, and when
-  a step neither claimed nor committed anything wait for a NOTIFY (or the
-  fallback poll);
+  dead relays' batches now and then, move the scheduled rows that came due into
+  the outbox (``_move_due``, on the wake-up session; when
+  ``outbox.relay.scheduling`` says), take one step of the batches, and when
+  a step neither claimed nor committed anything wait for a NOTIFY, the fallback
+  poll or the next scheduled row's due time;
 - a failure (``batches.RETRYABLE``) is logged (naming the write that failed),
   backed off and retried forever; the backoff grows until a batch is committed
   again, whichever write fails, so a failure that lets a batch be claimed and
@@ -26,7 +28,8 @@ Sessions: the work connection (claims, 2PC, resolver passes; every statement
 bounded by ``statement_timeout``, and the server checks every 2 s that we are
 still there), the control session (advisory lock and heartbeat, on a thread of
 its own: ``outbox.relay.liveness``, so a slow statement here cannot make the relay look
-partitioned) and the wake-up session (LISTEN and the fallback poll).  "resolver"
+partitioned) and the wake-up session (LISTEN, the fallback poll and the mover of
+scheduled rows).  "resolver"
 is any relay's periodic pass (``resolver.resolve``) or ``outbox resolve``; it acts
 only once the owner's control session is gone, or its heartbeat is older than
 ``relay_timeout`` (partition).  A control session lost while the process lives (a
@@ -47,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from outbox import fault_injection as faults
 from outbox import lifecycle
 from outbox.amqp import failover
 from outbox.amqp.publisher import Publisher
@@ -55,6 +59,7 @@ from outbox.db import replication
 from outbox.db.batches import Backend, BatchStore
 from outbox.db.front import ClaimFront
 from outbox.db.relays import WakeupListener
+from outbox.db.scheduled import MOVE_LIMIT
 from outbox.errors import (
     BrokerUnavailable,
     DatabaseUnavailable,
@@ -66,6 +71,7 @@ from outbox.relay import recovery
 from outbox.relay.batches import RETRYABLE, Batches
 from outbox.relay.liveness import Liveness
 from outbox.relay.metrics import RelayEndpoints
+from outbox.relay.scheduling import MoveSchedule
 from outbox.relay.stats import Stats
 from resolver.apply import Resolution, resolve
 from resolver.decide import Owner
@@ -132,6 +138,8 @@ class Relay:
         # The relay id whose control session was lost with batches in flight, and
         # since when: taken back by ``_register`` (the hand-over).
         self._reclaiming: tuple[str, float] | None = None
+        # When the scheduled rows are moved into the outbox (``outbox.relay.scheduling``).
+        self._moves = MoveSchedule()
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -392,6 +400,8 @@ class Relay:
                     if self.batches.in_doubt:
                         self.batches.settle()
                     self._maintain()
+                    if time.monotonic() >= self._moves.next_move:
+                        self._move_due()
                     committed = self.stats.batches_committed
                     progress = self.batches.step()
                     busy_steps = busy_steps + 1 if progress else 0
@@ -464,6 +474,7 @@ class Relay:
         wakeups = self.wakeups
         assert wakeups is not None
         if wakeups.take_notifications():
+            self._moves.woken()
             return
         if not wakeups.wanting and wakeups.want_wakeups(self._front()):
             return
@@ -480,21 +491,47 @@ class Relay:
                 self._next_resolve = now + self.settings.resolve_interval
                 if any(r.finished for r in self._resolve_dead_relays()):
                     return  # rolled-back rows are claimable again, without a NOTIFY
+            if now >= self._moves.idle_until(now):
+                # Rows came due: move them, and claim whether this relay moved them or
+                # another one did (its move does not notify: it would wake everyone).
+                self._move_due()
+                return
             if now >= deadline:
                 # Also takes the lock if someone held it exclusively before.
                 if wakeups.want_wakeups(self._front()):
                     return
+                # A commit that notified nobody may have scheduled a row due sooner.
+                if self._move_due():
+                    return
                 pause = min(pause * 2, self.settings.poll_interval)
                 deadline = now + pause
-            remaining = min(deadline, self._next_resolve) - now
+            remaining = min(deadline, self._next_resolve, self._moves.idle_until(now)) - now
             if remaining <= 0:
                 continue
             # Wake at least every second so SIGTERM is noticed promptly.
             if self.publisher.wait(min(remaining, 1.0), wake_fd=wakeups.fileno()):
                 wakeups.take_notifications()
+                self._moves.woken()
                 return
             if not self.publisher.connected:
                 raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    def _move_due(self) -> int:
+        """Move the scheduled rows that are due into the outbox; how many moved.
+
+        Crash right after: the rows are in the outbox, committed, claimed by any
+        relay; before it, still scheduled, moved by the next mover (a sweep)."""
+        wakeups = self.wakeups
+        assert wakeups is not None
+        now = time.monotonic()
+        sweep = self._moves.sweep_now(now)
+        moved = wakeups.move_due(self._moves.covered, sweep=sweep)
+        full = moved.rows >= MOVE_LIMIT
+        self._moves.moved(moved, now, swept=sweep, full=full)
+        self.stats.scheduled_moved += moved.rows
+        if moved.rows:
+            faults.reached("after_move")
+        return moved.rows
 
     def _front(self) -> ClaimFront | None:
         """Where the work session's claims start: the idle polls look there too, not

@@ -19,6 +19,7 @@ class Stats(LoopStats):
     batches_resolved: int = 0
     messages_published: int = 0
     dead_letters: int = 0
+    scheduled_moved: int = 0  # scheduled rows this relay moved into the outbox when due
     # Messages accepted, or sent and never confirmed, in batches then rolled back.
     duplicates_possible: int = 0
     batch_seconds: Durations = dataclasses.field(default_factory=Durations)  # committed batches

@@ -464,6 +464,9 @@ def exported_metric_names() -> set[str]:
             "horizon_age_xids",
             "full_pass_age_seconds",
             "full_pass_found_rows",
+            "scheduled_rows",
+            "scheduled_next_due_seconds",
+            "scheduled_overdue_seconds",
         ),
         0,
     )

@@ -24,8 +24,19 @@ MESSAGE = [
     "content_type",
     "message_id",
     "ordering_key",
+    "deliver_at",
+    "delay",
 ]
-JSON = ["exchange", "routing_key", "body", "headers", "message_id", "ordering_key"]
+JSON = [
+    "exchange",
+    "routing_key",
+    "body",
+    "headers",
+    "message_id",
+    "ordering_key",
+    "deliver_at",
+    "delay",
+]
 
 
 def module(name: str) -> ModuleType:

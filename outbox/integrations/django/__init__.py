@@ -42,7 +42,15 @@ except ImportError as exc:
 import psycopg
 
 from outbox.db import migrate
-from outbox.enqueue import OutgoingMessage, Row, insert_sql, json_message, spelled_out, write
+from outbox.enqueue import (
+    OutgoingMessage,
+    Row,
+    cancel_sql,
+    insert_sql,
+    json_message,
+    spelled_out,
+    write,
+)
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
@@ -50,7 +58,7 @@ if TYPE_CHECKING:
 
     from outbox.enqueue import JsonFields, MessageFields
 
-__all__ = ["enqueue", "enqueue_json", "enqueue_many", "migrate_schema", "outbox_table"]
+__all__ = ["cancel", "enqueue", "enqueue_json", "enqueue_many", "migrate_schema", "outbox_table"]
 
 DEFAULT_TABLE = "outbox"
 
@@ -90,10 +98,10 @@ def _in_transaction(using: str) -> BaseDatabaseWrapper:
     return connection
 
 
-def _insert_on(using: str, table: str | None) -> Callable[[list[Row]], None]:
-    def insert(rows: list[Row]) -> None:
+def _insert_on(using: str, table: str | None) -> Callable[[list[Row], bool], None]:
+    def insert(rows: list[Row], scheduled: bool) -> None:
         with _in_transaction(using).cursor() as cursor:
-            statement = insert_sql(table or outbox_table())
+            statement = insert_sql(table or outbox_table(), scheduled)
             if len(rows) == 1:
                 cursor.execute(statement, rows[0])
             else:
@@ -126,6 +134,15 @@ def enqueue_json(
 ) -> uuid.UUID:
     """``enqueue`` with ``body`` serialised as JSON (content type application/json)."""
     return write(_insert_on(using, table), [json_message(**message)])[0]
+
+
+def cancel(
+    message_id: uuid.UUID, *, table: str | None = None, using: str = DEFAULT_DB_ALIAS
+) -> bool:
+    """``outbox.cancel`` in the current ``atomic()`` block of ``using``."""
+    with _in_transaction(using).cursor() as cursor:
+        cursor.execute(cancel_sql(table or outbox_table()), (message_id,))
+        return bool(cursor.rowcount > 0)
 
 
 def migrate_schema(

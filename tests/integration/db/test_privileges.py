@@ -35,7 +35,7 @@ def as_role(settings: Settings, role: DbRole) -> Settings:
 @pytest.mark.parametrize(
     ("command", "missing"),
     [
-        (["relay", "--drain"], "GRANT SELECT, UPDATE, DELETE ON outbox TO"),
+        (["relay", "--drain"], "GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO"),
         (["status"], "GRANT SELECT ON outbox TO"),
         (["resolve"], "GRANT SELECT, DELETE ON outbox_relays TO"),
         (["dead-letters", "list"], "GRANT SELECT ON outbox_dead_letters TO"),
@@ -163,6 +163,66 @@ def test_dead_letter_write_refused_while_running__rolls_back_once_and_backs_off(
     assert prepared_left(settings.dsn) == []
 
 
+# What a relay needed up to schema 8: no scheduled rows to move.
+SCHEMA_8_RELAY = {
+    **{role: needs for role, needs in privileges.RELAY.items() if role != privileges.SCHEDULED},
+    privileges.OUTBOX: ("SELECT", "UPDATE", "DELETE"),
+}
+
+
+def test_upgrade_to_schema_9__grants_applications_and_relays_the_scheduled_rows(
+    dsn: str, db_role: DbRole
+) -> None:
+    """A relay role granted what schema 8 needed may move due rows after ``outbox
+    init`` adds ``<table>_scheduled`` (schema 9), an application that may insert into
+    the outbox may schedule and cancel, and a reader may read the scheduled rows: no
+    GRANT of the operator's own, no relay refused at start."""
+    table = f"up9_{uuid.uuid4().hex[:8]}"
+    app, reader = f"{db_role.name}_app", f"{db_role.name}_st"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate.migrate(conn, table, target=8)
+        db_role.grant(*privileges.grants(privileges.wanted(table, SCHEMA_8_RELAY), "{role}"))
+        conn.execute(f"CREATE ROLE {app}")
+        conn.execute(f"GRANT INSERT ON {table} TO {app}")
+        conn.execute(f"CREATE ROLE {reader}")
+        conn.execute(f"GRANT SELECT ON {table} TO {reader}")
+        try:
+            migrate.migrate(conn, table)
+            held = {
+                (who, relation, p)
+                for who in (db_role.name, app, reader)
+                for relation in (table, f"{table}_scheduled")
+                for p in ("SELECT", "INSERT", "UPDATE", "DELETE")
+                if conn.execute(
+                    "SELECT has_table_privilege(%s, %s, %s)", [who, relation, p]
+                ).fetchone()[0]  # type: ignore[index]
+            }
+        finally:
+            for role in (app, reader):
+                conn.execute(f"DROP OWNED BY {role}")
+                conn.execute(f"DROP ROLE {role}")
+    scheduled = f"{table}_scheduled"
+    assert {(t, p) for who, t, p in held if who == db_role.name} == {
+        (table, "SELECT"),
+        (table, "INSERT"),
+        (table, "UPDATE"),
+        (table, "DELETE"),
+        (scheduled, "SELECT"),
+        (scheduled, "UPDATE"),
+        (scheduled, "DELETE"),
+    }
+    assert {(t, p) for who, t, p in held if who == app} == {
+        (table, "INSERT"),
+        (scheduled, "SELECT"),
+        (scheduled, "INSERT"),
+        (scheduled, "DELETE"),
+    }
+    assert {(t, p) for who, t, p in held if who == reader} == {
+        (table, "SELECT"),
+        (scheduled, "SELECT"),
+    }
+
+
 def test_upgrade_to_schema_7__carries_the_relays_and_status_grants_to_the_saved_front(
     dsn: str, db_role: DbRole
 ) -> None:
@@ -171,7 +231,8 @@ def test_upgrade_to_schema_7__carries_the_relays_and_status_grants_to_the_saved_
     needs there, and a role that may only read the outbox gets SELECT.  Before, the
     relay refused to start until an operator ran the GRANT."""
     table = f"up7_{uuid.uuid4().hex[:8]}"
-    schema_6 = {role: needs for role, needs in privileges.RELAY.items() if role != "claim_front"}
+    schema_6 = {**SCHEMA_8_RELAY}
+    del schema_6["claim_front"]
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate.migrate(conn, table, target=6)
         db_role.grant(*privileges.grants(privileges.wanted(table, schema_6), "{role}"))

@@ -13,17 +13,26 @@ printed and held to the bound of the online-upgrade tests.
 
 from __future__ import annotations
 
+import datetime
 import pathlib
 import time
 
 import psycopg
 import pytest
 
+import outbox
 from outbox.config import Settings
 from outbox.db import migrate
 from tests.fixtures.application import Application
 from tests.fixtures.faults import check_delivery, rows_left, wait_for
-from tests.fixtures.releases import RELEASES, extract, relays, release, release_trees, run_release
+from tests.fixtures.releases import (
+    UPGRADES_FROM,
+    extract,
+    relays,
+    release,
+    release_trees,
+    run_release,
+)
 from tests.fixtures.servers import Topology, run_cli, settings_env
 
 __all__ = ["release_trees"]  # the fixture, used by name
@@ -36,7 +45,14 @@ def schema_version(dsn: str) -> int | None:
         return migrate.current_version(conn, "outbox")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("version", [r.version for r in RELEASES])
+def scheduled_left(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_scheduled").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("version", [r.version for r in UPGRADES_FROM])
 def test_upgrade__from_release_while_its_relays_run_every_row_once(
     version: str, empty_dsn: str, topology: Topology, release_trees: pathlib.Path
 ) -> None:
@@ -85,13 +101,28 @@ def test_upgrade__from_release_while_its_relays_run_every_row_once(
             for relay in old_relays:
                 assert relay.stop() == 0, relay.output()
             replaced = time.monotonic()
+            # Scheduled rows (schema 9), written now, go out when due.
+            with psycopg.connect(empty_dsn) as conn:
+                scheduled = [
+                    str(
+                        outbox.enqueue(
+                            conn,
+                            exchange=topology.exchange,
+                            routing_key="later",
+                            payload=b"later",
+                            delay=datetime.timedelta(seconds=0.5),
+                        )
+                    )
+                    for _ in range(5)
+                ]
             app.wait_for_rows(len(app.writes) + 200)
             app.stop()
+            wait_for(lambda: scheduled_left(empty_dsn) == 0, 30, "the scheduled rows to come due")
             wait_for(lambda: rows_left(empty_dsn) == 0, 60, "the new relays to drain the outbox")
             for relay in new_relays:
                 assert relay.stop() == 0, relay.output()
 
-    report = check_delivery(empty_dsn, topology, app.committed, max_duplicates=0)
+    report = check_delivery(empty_dsn, topology, [*app.committed, *scheduled], max_duplicates=0)
     during = app.slowest(upgrade_started, replaced)
     before = app.slowest(0, upgrade_started)
     print(

@@ -8,6 +8,7 @@ and ``manage.py outbox_init`` create the same schema as ``outbox init``.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 import subprocess
@@ -321,3 +322,24 @@ def test_django__one_django_migration_per_schema_version() -> None:
     folder = ROOT / "outbox" / "integrations" / "django" / "migrations"
     django_migrations = sorted(p.name for p in folder.glob("[0-9][0-9][0-9][0-9]_*.py"))
     assert len(django_migrations) == len(migrate.migrations())
+
+
+def test_django__schedules_and_cancels_in_the_atomic_block(django_db: str) -> None:
+    from outbox.integrations import django as outbox_django
+
+    with transaction.atomic():
+        later = outbox_django.enqueue(
+            exchange="e", routing_key="k", payload=b"1", delay=datetime.timedelta(hours=1)
+        )
+        dropped = outbox_django.enqueue_json(
+            exchange="e", routing_key="k", body={}, delay=datetime.timedelta(hours=1)
+        )
+    with transaction.atomic():
+        assert outbox_django.cancel(dropped) is True
+        assert outbox_django.cancel(uuid.uuid4()) is False
+    with psycopg.connect(django_db) as conn:
+        rows = conn.execute(
+            "SELECT message_id, deliver_at - created_at FROM outbox_scheduled"
+        ).fetchall()
+        assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+    assert rows == [(later, datetime.timedelta(hours=1))]

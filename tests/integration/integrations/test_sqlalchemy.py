@@ -8,6 +8,7 @@ SQL or by ``outbox.enqueue``.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import uuid
 from collections.abc import Iterator
 
@@ -297,3 +298,32 @@ def test_sqlalchemy__the_insert_goes_through_sqlalchemys_execution_events(
     with Session(engine) as session, session.begin():
         outbox_sa.enqueue(session, exchange="", routing_key="k", payload=b"1")
     assert [s for s in seen if "outbox" in s] == [insert_sql("outbox")]
+
+
+def test_sqlalchemy__schedules_and_cancels_in_the_sessions_transaction(
+    engine: sa.Engine, settings: Settings
+) -> None:
+    when = datetime.datetime(2100, 1, 1, tzinfo=datetime.timezone.utc)
+    with Session(engine) as session, session.begin():
+        later = outbox_sa.enqueue(
+            session, exchange="e", routing_key="k", payload=b"1", deliver_at=when
+        )
+        dropped = outbox_sa.enqueue(
+            session, exchange="e", routing_key="k", payload=b"2", deliver_at=when
+        )
+    with Session(engine) as session, session.begin():
+        assert outbox_sa.cancel(session, dropped) is True
+        assert outbox_sa.cancel(session, dropped) is False
+
+    async def cancel_async() -> bool:
+        async_engine = create_async_engine(sqlalchemy_url(settings.dsn))
+        try:
+            async with AsyncSession(async_engine) as session, session.begin():
+                return await outbox_sa.cancel_async(session, uuid.uuid4())
+        finally:
+            await async_engine.dispose()
+
+    assert asyncio.run(cancel_async()) is False
+    with psycopg.connect(settings.dsn) as conn:
+        rows = conn.execute("SELECT message_id, deliver_at FROM outbox_scheduled").fetchall()
+    assert rows == [(later, when)]

@@ -109,3 +109,16 @@ def test_web__the_overview_speaks_of_1_row_and_links_its_own_pages(
     assert "1 rows" not in page and "0 parked messages" in page
     assert "outbox dead-letters" not in page  # the console has its own page for that
     assert 'href="/dead-letters?table=outbox">Dead letters</a>' in page
+
+
+def test_web__the_overview_shows_the_scheduled_rows_and_the_next_due(
+    settings: Settings, console: Console
+) -> None:
+    with psycopg.connect(settings.dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (exchange, routing_key, payload, deliver_at)"
+            " VALUES ('e', 'k', 'p', now() + interval '2 hours')"
+        )
+    status, page = http(console.url + "/")
+    assert status == 200
+    assert re.search(r'id="scheduled-outbox">1 row, next due in (2\.0h|1\.9h)<', page), page

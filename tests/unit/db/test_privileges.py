@@ -40,6 +40,8 @@ def test_relay_needs__cover_every_table_the_loop_touches() -> None:
         "relays",
         "dead_letters",
         "claim_front",
+        "scheduled",
         "schema_version",
     }
     assert "UPDATE" in privileges.RELAY["outbox"], "FOR UPDATE SKIP LOCKED needs UPDATE"
+    assert "INSERT" in privileges.RELAY["outbox"], "the mover inserts due scheduled rows"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from outbox.db.horizon import Holder, Horizon
-from outbox.ops.status import Observation, judge, report
+from outbox.ops.status import Observation, judge, render, report
 
 CALM = Observation(
     table="outbox",
@@ -58,6 +58,17 @@ def test_status__an_old_backlog_says_whether_any_relay_runs() -> None:
     assert "relays are behind" in problems(behind)[0]
     assert "no relay is running" in problems(nobody)[0]
     assert report(nobody, problems(nobody))["live_relays"] == 0
+
+
+def test_status__scheduled_rows_show_the_next_due_and_an_overdue_one_needs_a_relay() -> None:
+    waiting = dataclasses.replace(CALM, relays=[], scheduled_rows=12, next_due_seconds=3.25)
+    assert problems(waiting) == []
+    assert "scheduled          12 rows, next due in 3.2s" in render(report(waiting, []))
+    overdue = dataclasses.replace(waiting, scheduled_overdue_seconds=400.0)
+    nobody = dataclasses.replace(overdue, relays=[])
+    (problem,) = problems(nobody)
+    assert "due for 400s" in problem and "no relay is running" in problem
+    assert "oldest due 400.0s ago" in render(report(nobody, [problem]))
 
 
 def test_status__an_unsafe_replica_is_a_warning_not_a_problem() -> None:
