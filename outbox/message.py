@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 # The header that carries a message's ordering key (consistent-hash exchanges can
-# route on it; ``outbox.inbox.message`` reads it).
+# route on it; ``outbox.amqp.message`` reads it).
 ORDERING_KEY_HEADER = "x-ordering-key"
 # Longest ordering key a new outbox row may have, in bytes (UTF-8): a key names an
 # aggregate.  The schema's CHECK ``<table>_ordering_key_length`` says the same to

@@ -36,9 +36,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import DEFAULT_INBOX_TABLE, InboxStore
 from outbox.inbox.handlers import Handler
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import Processor

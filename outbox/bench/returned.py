@@ -43,11 +43,11 @@ from typing import Any
 import pika
 from psycopg import pq
 
+from outbox.amqp.message import InboxMessage
 from outbox.bench.consume import ConsumeBench, ConsumeBenchOptions, cpu_medians
 from outbox.bench.harness import BenchTopology, Echo, bench_database
 from outbox.db.inbox import InboxStore
 from outbox.errors import OutboxError
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import MAX_PREFETCH, ConsumerSettings
 

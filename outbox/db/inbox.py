@@ -26,7 +26,7 @@ Statements:
   of it is applied; ``park`` parks a message that cannot be handled at all.
 
 The inbox records ids as text; ids a text column cannot hold are escaped
-losslessly (``outbox.inbox.message.inbox_key``).  The tables are created and
+losslessly (``outbox.amqp.message.inbox_key``).  The tables are created and
 upgraded at start-up (``ensure_schema``): a look in the catalog, and only if a
 piece is missing (``SCHEMA``), its DDL under a short ``lock_timeout`` and an
 advisory lock, retried; the consumer's database is not the outbox's, so this is
@@ -69,7 +69,7 @@ from outbox.errors import DatabaseUnavailable, OutboxError, SchemaNotReady, Stat
 DEFAULT_INBOX_TABLE = "outbox_inbox"
 
 
-# What the store writes of a message the consumer parks (``outbox.inbox.message.
+# What the store writes of a message the consumer parks (``outbox.inbox.steps.
 # parking_for``) or takes into custody (``outbox.inbox.custody.stored``).
 @dataclasses.dataclass(frozen=True)
 class Parking:

@@ -5,18 +5,17 @@ messages for their retry, reconnect, stop; ``serve`` and ``consume``), the steps
 each message over the store and broker ports, with the crash table (``steps``), the
 pure decisions (``planning``: how a message is applied, why it is parked, retry
 delays), the handler a command names (``handlers``), the consumer's counters
-(``stats``), its settings (``settings``), the kombu broker code (``broker``) and the
-AMQP property list read as it arrived (``properties``), what a handler sees of a
-delivery and what is kept of a parked one (``message``), what the queue's own policy (type,
-delivery limit, TTL) means for a message in hand (``policy``), which messages
-the consumer stores before the broker can drop them and how (``custody``), the consumer's
-metrics and health endpoints (``metrics``) and ``outbox parked`` (``parked``).
+(``stats``), its settings (``settings``), which messages the consumer stores before
+the broker can drop them and how (``custody``), the consumer's metrics and health
+endpoints (``metrics``) and ``outbox parked`` (``parked``).
 
 Its store (the inbox, attempts, custody and parked tables' statements) is
-``outbox.db.inbox``, beside the relay's.
+``outbox.db.inbox``, beside the relay's; its broker code (kombu and py-amqp I/O, the
+AMQP property list, what a handler sees of a delivery, the queue's policies) is
+``outbox.amqp.consumer`` and its neighbours, beside the relay's publisher.
 
-May import: ``outbox.db`` (its store, connections, the shared SQL loader) and the
-plain modules of ``outbox``; never the relay.
+May import: ``outbox.db`` (its store, connections, the shared SQL loader),
+``outbox.amqp`` (its broker) and the plain modules of ``outbox``; never the relay.
 
 ``from outbox.inbox import consume`` is the public entry point (``consume_async``
 for ``async def`` handlers inside an application's event loop: ``aio``).
@@ -29,10 +28,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox.amqp.message import InboxMessage
     from outbox.db.inbox import DEFAULT_INBOX_TABLE
     from outbox.inbox.aio import consume_async
     from outbox.inbox.handlers import HandlerNotFound, load_handler
-    from outbox.inbox.message import InboxMessage
     from outbox.inbox.process import Inbox, consume
     from outbox.inbox.settings import ConsumerSettings
     from outbox.inbox.stats import ConsumerStats
@@ -57,7 +56,7 @@ _HOMES = {
     "ConsumerStats": "outbox.inbox.stats",
     "HandlerNotFound": "outbox.inbox.handlers",
     "Inbox": "outbox.inbox.process",
-    "InboxMessage": "outbox.inbox.message",
+    "InboxMessage": "outbox.amqp.message",
     "consume": "outbox.inbox.process",
     "consume_async": "outbox.inbox.aio",
     "load_handler": "outbox.inbox.handlers",

@@ -63,12 +63,12 @@ from psycopg import Column
 from psycopg.pq import ExecStatus, PipelineStatus
 from psycopg.rows import Row, tuple_row
 
+from outbox.amqp.message import InboxMessage
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.inbox import InboxStore, SessionState, StatementRefused, session_state
 from outbox.db.session import bound_statements, cannot_connect, connect_options, first_line
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.inbox.handlers import Handler, HandlerNotFound
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from outbox.amqp import properties as wire
+from outbox.amqp.message import InboxMessage, inbox_key, key_bytes, to_inbox_message
+from outbox.amqp.policy import QueuePolicy, delivery_count
 from outbox.db.inbox import Stored
-from outbox.inbox import properties as wire
-from outbox.inbox.message import InboxMessage, inbox_key, key_bytes, to_inbox_message
-from outbox.inbox.policy import QueuePolicy, delivery_count
 
 
 def needs_custody(message: InboxMessage, policy: QueuePolicy) -> bool:

@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import describe
 from outbox.errors import ExitCode, OutboxError
-from outbox.inbox.message import InboxMessage
 
 
 class HandlerNotFound(OutboxError):

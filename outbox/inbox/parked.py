@@ -41,14 +41,14 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from outbox.db.inbox import ParkedStore
-from outbox.errors import BrokerUnavailable, ConfirmTimedOut, NotTaken, OutboxError
-from outbox.inbox.broker import QueuePublisher
-from outbox.inbox.message import (
+from outbox.amqp.consumer import QueuePublisher
+from outbox.amqp.message import (
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     key_bytes,
 )
+from outbox.db.inbox import ParkedStore
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, NotTaken, OutboxError
 
 # The most rows one page of a retry looks at (their sizes only), and the most body
 # bytes a page holds in memory unless one body alone is larger.

@@ -15,8 +15,8 @@ import random
 from typing import Any
 
 from outbox import backoff
-from outbox.inbox.message import InboxMessage
-from outbox.inbox.policy import QueuePolicy
+from outbox.amqp.message import InboxMessage
+from outbox.amqp.policy import QueuePolicy
 from outbox.inbox.settings import ConsumerSettings
 
 

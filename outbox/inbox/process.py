@@ -40,18 +40,18 @@ from typing import Any
 
 from outbox import backoff, lifecycle
 from outbox import fault_injection as faults
+from outbox.amqp.consumer import Broker, QueueRefused, refuse
+from outbox.amqp.policy import from_stream, may_subscribe_again
 from outbox.config import DEFAULT_AMQP_URL, DEFAULT_DSN
 from outbox.db.inbox import InboxStore, SchemaWait
 from outbox.db.migrate import retry_pause
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.inbox import planning
-from outbox.inbox.broker import Broker, QueueRefused, refuse
 from outbox.inbox.custody import may_drop_returned, restored, stored, to_take
 from outbox.inbox.handlers import Handler
 from outbox.inbox.metrics import ConsumerEndpoints
 from outbox.inbox.planning import Disposition, Dispositions, Held, outcome_reason
-from outbox.inbox.policy import from_stream, may_subscribe_again
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 from outbox.inbox.steps import BrokerPort, Processor, StorePort

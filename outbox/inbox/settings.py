@@ -1,7 +1,7 @@
 """What ``outbox consume`` is told: its settings (each a CLI option and an
 ``OUTBOX_*`` variable) and the ``--bind`` pairs.  Plain data, read by the consumer
 (``outbox.inbox.process``, ``outbox.inbox.steps``) and the broker
-(``outbox.inbox.broker``)."""
+(``outbox.amqp.consumer``)."""
 
 from __future__ import annotations
 

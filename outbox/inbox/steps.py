@@ -171,9 +171,9 @@ Roles: ``Processor`` (this module) is one transaction of messages (the steps
 above; the database only, through ``StorePort``); ``Inbox`` (``process``) is the
 process (start, receive, settle, reconnect with backoff, retention, stop; the
 broker through ``BrokerPort``); the decisions both take are pure (``planning``).
-``store`` runs the statements, ``broker`` holds the kombu code, ``message`` the
-handler's view of a delivery.  Unit tests run both roles on in-memory fakes
-(``tests/unit/inbox/fakes.py``).
+``outbox.db.inbox`` runs the statements, ``outbox.amqp.consumer`` holds the kombu
+code, ``outbox.amqp.message`` the handler's view of a delivery.  Unit tests run both
+roles on in-memory fakes (``tests/unit/inbox/fakes.py``).
 """
 
 from __future__ import annotations
@@ -186,6 +186,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from outbox.amqp.message import (
+    KEPT_PROPERTIES,
+    InboxMessage,
+    inbox_key,
+    json_safe,
+    text_safe,
+)
+from outbox.amqp.policy import QueuePolicy
 from outbox.db.inbox import (
     SETTINGS,
     Failure,
@@ -202,11 +210,6 @@ from outbox.db.inbox import (
 from outbox.errors import DatabaseUnavailable, OutboxError
 from outbox.events import emit
 from outbox.inbox.handlers import Handler
-from outbox.inbox.message import (
-    InboxMessage,
-    parking_for,
-    text_safe,
-)
 from outbox.inbox.planning import (
     Disposition,
     Dispositions,
@@ -216,7 +219,6 @@ from outbox.inbox.planning import (
     unfinished_reason,
     unusable,
 )
-from outbox.inbox.policy import QueuePolicy
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats
 
@@ -420,6 +422,25 @@ class Broken:
     reason: str
     # The session was lost and replaced meanwhile: not the handler's doing.
     lost: bool = False
+
+
+# -- what a parked message keeps (pure) -----------------------------------------------------
+def parking_for(message: InboxMessage, error: str) -> Parking:
+    """What the store writes of ``message`` parked for ``error``: its exchange and
+    routing key as inbox keys, its headers and kept properties readable as JSON, its
+    raw property list as it arrived."""
+    properties = {k: message.properties[k] for k in KEPT_PROPERTIES if k in message.properties}
+    return Parking(
+        message_id=message.message_id,
+        queue=message.queue,
+        exchange=inbox_key(message.exchange),
+        routing_key=inbox_key(message.routing_key),
+        body=message.body,
+        headers=json_safe(message.headers),
+        properties=json_safe(properties),
+        error=text_safe(error),
+        raw_properties=message.raw_properties,
+    )
 
 
 # -- one transaction of messages ------------------------------------------------------------

@@ -24,9 +24,9 @@ import pika
 import psycopg
 import pytest
 
+from outbox.amqp.consumer import Broker, BufferedFrames
 from outbox.config import Settings
 from outbox.db.devcluster import PostgresCluster, free_port
-from outbox.inbox.broker import Broker, BufferedFrames
 from outbox.inbox.settings import ConsumerSettings
 from tests.acceptance.test_cli import assert_one_clear_error
 from tests.fixtures.faults import RabbitNode, RelayProcess, prepared_left, relay_sessions, wait_for

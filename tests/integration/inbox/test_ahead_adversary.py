@@ -28,9 +28,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from psycopg import sql
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import RECORD_LOCK_TIMEOUT, InboxStore
 from outbox.inbox import aio
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.steps import AHEAD_PAUSE, Processor

@@ -18,10 +18,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import ParkedStore
 from outbox.inbox import aio
 from outbox.inbox.handlers import HandlerNotFound
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology

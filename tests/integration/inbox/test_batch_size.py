@@ -3,7 +3,7 @@ the connection while one commits; its multiple ack settles only what was handed 
 
 from __future__ import annotations
 
-from outbox.inbox.broker import Broker
+from outbox.amqp.consumer import Broker
 from tests.fixtures.faults import wait_for
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (

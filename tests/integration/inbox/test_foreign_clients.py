@@ -14,9 +14,9 @@ from pathlib import Path
 import amqp
 import pika
 
+from outbox.amqp.properties import HEADERS_FLAG
 from outbox.db.inbox import ParkedStore
 from outbox.inbox import parked
-from outbox.inbox.properties import HEADERS_FLAG
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import (
     INBOX,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from outbox.inbox.broker import Broker, BufferedFrames
+from outbox.amqp.consumer import Broker, BufferedFrames
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import consumer_settings, new_ids, publish
 

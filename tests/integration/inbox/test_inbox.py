@@ -25,14 +25,14 @@ import pika
 import psycopg
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.config import Settings
 from outbox.db.inbox import InboxStore, ParkedStore
 from outbox.inbox import parked
-from outbox.inbox.message import InboxMessage, parking_for
 from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings
-from outbox.inbox.steps import Processor
+from outbox.inbox.steps import Processor, parking_for
 from tests.fixtures.faults import (
     RelayProcess,
     TcpProxy,

@@ -20,10 +20,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import InboxStore, ParkedStore
 from outbox.errors import DatabaseUnavailable
 from outbox.inbox import parked
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats

@@ -1,5 +1,5 @@
 """The private members of py-amqp and kombu that the consumer's broker adapter
-(``outbox.inbox.broker``) relies on, against the local RabbitMQ: an upgrade that
+(``outbox.amqp.consumer``) relies on, against the local RabbitMQ: an upgrade that
 renames or changes one fails here (and in both corners of ``.ci/matrix``), not in a
 consumer.  The frame reader's (``BufferedFrames``) are pinned in ``test_frames.py``
 and ``tests/unit/inbox/test_frames.py``."""
@@ -18,8 +18,8 @@ import pytest
 from kombu.connection import Connection
 from kombu.transport import pyamqp
 
-from outbox.inbox.broker import Broker, Delivery, _Channel
-from outbox.inbox.message import inbox_key
+from outbox.amqp.consumer import Broker, Delivery, _Channel
+from outbox.amqp.message import inbox_key
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.support import publish
 from tests.integration.inbox.test_inbox import consumer_settings, new_ids

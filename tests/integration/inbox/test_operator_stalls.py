@@ -21,9 +21,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.db import inbox as inbox_store
 from outbox.db.inbox import ParkedStore
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.process import Inbox
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, wait_for
 from tests.fixtures.servers import Topology

@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.inbox.message import InboxMessage
+from outbox.amqp.message import InboxMessage
 from outbox.inbox.process import Inbox
 from tests.fixtures.faults import TcpProxy, proxied_dsn, wait_for
 from tests.fixtures.servers import Topology

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.pq import PipelineStatus
 
-from outbox.inbox.message import InboxMessage
+from outbox.amqp.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from tests.fixtures.servers import Topology
 from tests.integration.inbox.test_inbox import (

@@ -12,8 +12,8 @@ import pika
 import psycopg
 import pytest
 
+from outbox.amqp.consumer import Broker
 from outbox.errors import OutboxError
-from outbox.inbox.broker import Broker
 from outbox.inbox.settings import ConsumerSettings
 from tests.fixtures.faults import TcpProxy, proxied_amqp_url, wait_for
 from tests.fixtures.servers import Topology

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox.inbox.message import InboxMessage
+from outbox.amqp.message import InboxMessage
 from outbox.testing import HandlerTester, make_message
 
 

@@ -29,9 +29,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from psycopg import sql
 
+from outbox.amqp.message import InboxMessage
 from outbox.errors import DatabaseUnavailable
 from outbox.inbox import aio
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.steps import Processor
 from tests.fixtures.faults import wait_for

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from outbox.amqp.message import InboxMessage
+from outbox.amqp.policy import QueuePolicy
 from outbox.db.inbox import (
     SETTINGS,
     Failure,
@@ -31,8 +33,6 @@ from outbox.db.inbox import (
     Stored,
 )
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, StatementTimedOut
-from outbox.inbox.message import InboxMessage
-from outbox.inbox.policy import QueuePolicy
 
 Journal = list[str]
 

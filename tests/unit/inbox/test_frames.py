@@ -14,7 +14,7 @@ import pytest
 from amqp.exceptions import UnexpectedFrame
 from amqp.transport import SSLTransport, TCPTransport
 
-from outbox.inbox.broker import BufferedFrames
+from outbox.amqp.consumer import BufferedFrames
 
 
 def frame(frame_type: int, channel: int, payload: bytes, end: int = 0xCE) -> bytes:

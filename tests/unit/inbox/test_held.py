@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import InboxRowHeld, Started
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import ROW_HELD_DELAY_MAX, Disposition, row_held_delay
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings

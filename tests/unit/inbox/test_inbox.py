@@ -12,19 +12,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.db.inbox import describe, render_sql
-from outbox.errors import ExitCode
-from outbox.inbox.handlers import HandlerNotFound, load_handler
-from outbox.inbox.message import (
+from outbox.amqp.message import (
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     json_safe,
-    parking_for,
     to_inbox_message,
 )
+from outbox.db.inbox import describe, render_sql
+from outbox.errors import ExitCode
+from outbox.inbox.handlers import HandlerNotFound, load_handler
 from outbox.inbox.metrics import liveness_limit, readiness
 from outbox.inbox.planning import retry_delay
 from outbox.inbox.settings import ConsumerSettings, parse_bindings
+from outbox.inbox.steps import parking_for
 
 DELIVERY = {"exchange": "orders", "routing_key": "order.created", "redelivered": False}
 
@@ -223,7 +223,7 @@ def test_parked_retry_pages__fill_the_byte_budget_and_take_a_larger_body_alone()
 
 
 def test_parked_retry__original_keys_are_the_bytes_that_arrived() -> None:
-    from outbox.inbox.message import inbox_key
+    from outbox.amqp.message import inbox_key
     from outbox.inbox.parked import original_key
 
     assert original_key("orders.created") == b"orders.created"

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from outbox.amqp.message import InboxMessage
 from outbox.db.inbox import SETTINGS, SessionState, StatementRefused
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition
 from outbox.inbox.process import Inbox
 from outbox.inbox.settings import ConsumerSettings

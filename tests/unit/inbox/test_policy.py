@@ -1,4 +1,4 @@
-"""Issue 31: the queue's own policies (pure decisions in ``outbox.inbox.policy`` and
+"""Issue 31: the queue's own policies (pure decisions in ``outbox.amqp.policy`` and
 ``planning.plan``), failed messages held in hand instead of holding the queue, and
 pipelining that survives a lost session, on the in-memory fakes."""
 
@@ -9,17 +9,17 @@ import random
 
 import pytest
 
-from outbox.db.inbox import InboxRowHeld
-from outbox.inbox.custody import to_take
-from outbox.inbox.message import InboxMessage
-from outbox.inbox.planning import Disposition
-from outbox.inbox.policy import (
+from outbox.amqp.message import InboxMessage
+from outbox.amqp.policy import (
     QueuePolicy,
     inequivalent,
     may_subscribe_again,
     policy_from,
     refusal,
 )
+from outbox.db.inbox import InboxRowHeld
+from outbox.inbox.custody import to_take
+from outbox.inbox.planning import Disposition
 from outbox.inbox.process import HAND_MOST, Inbox
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats

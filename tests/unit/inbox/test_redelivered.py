@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from outbox.amqp.message import InboxMessage
 from outbox.errors import DatabaseUnavailable
-from outbox.inbox.message import InboxMessage
 from outbox.inbox.planning import Disposition, Plan, plan
 from outbox.inbox.settings import ConsumerSettings
 from outbox.inbox.stats import ConsumerStats

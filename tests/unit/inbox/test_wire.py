@@ -10,8 +10,8 @@ import amqp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from outbox.inbox import properties as wire
-from outbox.inbox.message import (
+from outbox.amqp import properties as wire
+from outbox.amqp.message import (
     MAX_JSON_DEPTH,
     NESTED_TOO_DEEP,
     inbox_key,

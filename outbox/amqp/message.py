@@ -1,4 +1,5 @@
-"""What a handler sees of a delivery, and what is kept of a parked one (pure).
+"""What a handler sees of a delivery, and the forms a parked one is kept in (pure;
+``outbox.inbox.steps.parking_for`` puts them together).
 
 A queue carries whatever its publishers sent: a ``message_id`` with a NUL byte or
 bytes that are not UTF-8, headers with NULs, bytes values, nested tables and
@@ -21,7 +22,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from outbox.db.inbox import Parking
 from outbox.message import ORDERING_KEY_HEADER
 
 # ``outbox parked retry`` sends a message straight to the queue it was parked from
@@ -187,18 +187,3 @@ def json_safe(value: Any, _depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     return text_safe(str(value))
-
-
-def parking_for(message: InboxMessage, error: str) -> Parking:
-    properties = {k: message.properties[k] for k in KEPT_PROPERTIES if k in message.properties}
-    return Parking(
-        message_id=message.message_id,
-        queue=message.queue,
-        exchange=inbox_key(message.exchange),
-        routing_key=inbox_key(message.routing_key),
-        body=message.body,
-        headers=json_safe(message.headers),
-        properties=json_safe(properties),
-        error=text_safe(error),
-        raw_properties=message.raw_properties,
-    )

@@ -1,6 +1,6 @@
 """The queue's own policies, and what each means for a message in the consumer's
-hands (pure: ``broker`` reads the queue, ``process`` and ``steps`` ask these
-questions).
+hands (pure: ``consumer`` reads the queue, ``outbox.inbox.process`` and
+``outbox.inbox.steps`` ask these questions).
 
 RabbitMQ can drop a message the consumer has not settled: a quorum queue drops
 (or dead-letters) a message returned more often than its ``x-delivery-limit``

@@ -20,7 +20,7 @@ from typing import Any
 
 from amqp.serialization import dumps, loads
 
-from outbox.inbox.message import UNREADABLE_PROPERTIES
+from outbox.amqp.message import UNREADABLE_PROPERTIES
 
 # (flag bit, property, AMQP type) of the basic class, in wire order.
 # s: short string, o: octet, F: field table, T: timestamp (seconds).

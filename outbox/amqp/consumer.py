@@ -1,5 +1,6 @@
-"""The consumer side's only kombu code: ``Broker`` consumes (connect, declare,
-deliver, ack, reject) and ``QueuePublisher`` publishes for ``outbox parked retry``.
+"""The consumer side's only kombu code (beside the relay's ``publisher``): ``Broker``
+consumes (connect, declare, deliver, ack, reject) and ``QueuePublisher`` publishes
+for ``outbox parked retry``.
 
 kombu and py-amqp errors come out as ``BrokerUnavailable`` (or ``QueueMissing``).
 
@@ -7,7 +8,7 @@ py-amqp decodes each delivery's property list with UTF-8 inside the connection's
 frame reader, so a ``message_id`` that is not UTF-8 raised out of ``drain`` on
 every start.  The consumer's connection reads frames with ``frame_handler``
 below instead: the same reader, whose messages decode their properties with
-``outbox.inbox.properties`` (which never fails on text) and keep the raw
+``outbox.amqp.properties`` (which never fails on text) and keep the raw
 property list for parking.  The same reader also keeps what py-amqp and kombu
 would change or choke on: an exchange or routing key that is not UTF-8 (py-amqp
 decodes the deliver method strictly) and the body exactly as it arrived (py-amqp
@@ -35,7 +36,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from struct import unpack_from
-from typing import Any
+from typing import Any, Protocol
 
 import amqp
 from amqp import spec
@@ -47,24 +48,24 @@ from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer
 from kombu.transport import pyamqp
 
-from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, NotTaken, OutboxError
-from outbox.events import emit
-from outbox.inbox import properties as wire
-from outbox.inbox.message import (
+from outbox.amqp import properties as wire
+from outbox.amqp.message import (
     KEPT_PROPERTIES,
     UNREADABLE_PROPERTIES,
     InboxMessage,
     to_inbox_message,
 )
-from outbox.inbox.policy import (
+from outbox.amqp.policy import (
     PROBE_TYPE,
     QueuePolicy,
     inequivalent,
     policy_from,
     refusal,
 )
-from outbox.inbox.settings import ConsumerSettings
+from outbox.errors import BrokerUnavailable, ConfirmTimedOut, ExitCode, NotTaken, OutboxError
+from outbox.events import emit
 
+# The consumer's logger, as everywhere in the consumer (operators filter on it).
 log = logging.getLogger("outbox.inbox")
 
 # Where a delivery's raw property list travels from the frame reader to ``Broker``
@@ -420,11 +421,33 @@ def broker_errors(conn: Connection) -> tuple[type[BaseException], ...]:
     )
 
 
+class ConsumerOptions(Protocol):
+    """What ``Broker`` reads of the consumer's settings (``outbox.inbox.settings.
+    ConsumerSettings`` is one: the consumer's settings sit above this layer)."""
+
+    @property
+    def queue(self) -> str: ...
+    @property
+    def amqp_url(self) -> str: ...
+    @property
+    def prefetch(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def bindings(self) -> tuple[tuple[str, str], ...]: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def heartbeat(self) -> int: ...
+    @property
+    def delivery_limit(self) -> int | None: ...
+
+
 class Broker:
     """The consumer's broker connection; every kombu call goes through here and its
     errors come out as ``BrokerUnavailable`` (or ``QueueMissing``)."""
 
-    def __init__(self, settings: ConsumerSettings) -> None:
+    def __init__(self, settings: ConsumerOptions) -> None:
         self.settings = settings
         self.conn: Connection | None = None
         self._consumer: Consumer | None = None
@@ -511,7 +534,7 @@ class Broker:
 
     def read_policy(self, conn: Connection) -> QueuePolicy:
         """The queue's type and the arguments that can drop a message, learnt from
-        declares the broker refuses (see ``outbox.inbox.policy``): each refusal
+        declares the broker refuses (see ``outbox.amqp.policy``): each refusal
         names one argument that differs and its value, which the next declare
         carries, until a declare is equivalent.  A declare that is refused for
         another reason (no ``configure`` permission) leaves the policy unknown;
