@@ -12,9 +12,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from outbox._version import __version__ as __version__
-
 if TYPE_CHECKING:
+    from outbox._version import __version__ as __version__
     from outbox.enqueue import (
         OutgoingMessage,
         cancel,
@@ -47,6 +46,10 @@ def __getattr__(name: str) -> Any:
     (``outbox.entry``) runs before anything slow is imported."""
     if name in __all__:
         return getattr(importlib.import_module("outbox.enqueue"), name)
+    if name == "__version__":
+        # Read on use as well: ``import outbox`` imports no module of its own, so
+        # the command takes SIGINT (``outbox.entry``) before any outbox module loads.
+        return importlib.import_module("outbox._version").__version__
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -360,9 +360,10 @@ def test_inbox__messages_already_here_commit_as_one_transaction(
         processor.store.close()
     assert outcomes == [Disposition.HANDLED] * 3 + [Disposition.DUPLICATE] * 2
     # Recorded ahead, the batch met ``earlier``: its INSERT failed, so the first
-    # handler's result was an error; rolled back and run again ids first: the three
-    # fresh ones, one commit.
-    assert calls == [earlier, fresh[0], *fresh]
+    # handler's result was an error (or, psycopg having read that error while the
+    # block's first statements went out, no handler ran ahead); rolled back and run
+    # again ids first: the three fresh ones, one commit.
+    assert calls in ([earlier, fresh[0], *fresh], [earlier, *fresh])
     assert len(transactions) == 1 + 3 and len(set(transactions[1:])) == 1
     assert sorted(m for m, _ in effects(consumer_dsn)) == sorted([earlier, *fresh])
 
