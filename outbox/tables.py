@@ -10,6 +10,20 @@ from psycopg import sql
 
 TABLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 
+# The suffixes of the outbox table's name that name its tables, the outbox first:
+# what a demo or a benchmark drops when it is done with its own outbox.
+TABLE_SUFFIXES = ("", "_relays", "_dead_letters", "_claim_front", "_schema_version", "_scheduled")
+
+
+def table_names(table: str) -> list[str]:
+    """The outbox table and every companion table, by name (``TABLE_SUFFIXES``)."""
+    return [f"{table}{suffix}" for suffix in TABLE_SUFFIXES]
+
+
+def function_names(table: str) -> list[str]:
+    """The trigger functions of the outbox table (a dropped table leaves them)."""
+    return [f"{table}{suffix}" for suffix in ("_notify", "_stamp_txid", "_schedule")]
+
 
 def table_identifiers(table: str) -> dict[str, sql.Identifier]:
     """The identifiers derived from the outbox table's name."""

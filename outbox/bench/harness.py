@@ -51,6 +51,7 @@ from outbox.config import Settings
 from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
 from outbox.errors import OutboxError
+from outbox.tables import function_names, table_names
 
 Echo = Callable[[str], None]
 
@@ -411,9 +412,12 @@ def bench_database(
             migrate.migrate(conn, table)
             yield Database(dsn, dsn, table, "the server given by --dsn")
         finally:
-            for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
+            for name in table_names(table):
                 with contextlib.suppress(Exception):
-                    conn.execute(f'DROP TABLE IF EXISTS "{table}{name}" CASCADE')
+                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
+            for function in function_names(table):
+                with contextlib.suppress(Exception):
+                    conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
             conn.close()
         return
     echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")

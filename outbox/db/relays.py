@@ -138,8 +138,25 @@ class WakeupListener(Session):
     session's, so it goes with the session too.
     """
 
-    def __init__(self, dsn: str, table: str, *, connect_timeout: float = 10.0) -> None:
-        super().__init__(dsn, table, "outbox-relay-wakeup", connect_timeout)
+    def __init__(
+        self,
+        dsn: str,
+        table: str,
+        *,
+        connect_timeout: float = 10.0,
+        statement_timeout: float | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        # Bounded as the work session is: the mover's INSERT into the outbox waits
+        # for locks on it (an application's LOCK TABLE, a migration).
+        super().__init__(
+            dsn,
+            table,
+            "outbox-relay-wakeup",
+            connect_timeout,
+            statement_timeout,
+            lock_timeout=lock_timeout,
+        )
         self.wanting = False  # holds the wake-up lock
         self.wanting_since = 0.0  # when it was taken (time.monotonic)
         with self._translated("subscribing to wake-ups"):

@@ -26,6 +26,7 @@ from outbox.db import migrate, session
 from outbox.demo import reader as consumer
 from outbox.demo.relay import scratch_database, write_rows
 from outbox.relay.process import Relay
+from outbox.tables import table_names
 
 HANDLER = '''import time
 
@@ -103,8 +104,8 @@ def run_inbox_demo(
                 consumer.delete(amqp_url, exchange=exchange, queue=queue)
                 consumer.delete(amqp_url, queue=settings.ledger_queue)
             with contextlib.suppress(Exception):
-                for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
-                    conn.execute(f'DROP TABLE IF EXISTS "{settings.table}{name}" CASCADE')
+                for name in table_names(settings.table):
+                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
                 for table in (effects, inbox, f"{inbox}_attempts", f"{inbox}_parked"):
                     conn.execute(f'DROP TABLE IF EXISTS "{table}"')
                 conn.execute(f'DROP FUNCTION IF EXISTS "{inbox}_guard"()')

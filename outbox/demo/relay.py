@@ -15,6 +15,7 @@ from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
 from outbox.demo import reader as consumer
 from outbox.relay.process import Relay
+from outbox.tables import table_names
 
 
 @contextlib.contextmanager
@@ -61,8 +62,8 @@ def run_demo(*, dsn: str | None, amqp_url: str, rows: int, echo: Callable[[str],
                 consumer.delete(amqp_url, exchange=exchange, queue=queue)
                 consumer.delete(amqp_url, queue=settings.ledger_queue)
             with contextlib.suppress(Exception):
-                for name in ("", "_relays", "_dead_letters", "_claim_front", "_schema_version"):
-                    conn.execute(f'DROP TABLE IF EXISTS "{settings.table}{name}" CASCADE')
+                for name in table_names(settings.table):
+                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
             conn.close()
 
 

@@ -189,7 +189,13 @@ class Relay:
             if self.wakeups is not None:
                 self.wakeups.close()
             self.wakeups = None
-            self.wakeups = WakeupListener(s.dsn, s.table, connect_timeout=s.connect_timeout)
+            self.wakeups = WakeupListener(
+                s.dsn,
+                s.table,
+                connect_timeout=s.connect_timeout,
+                statement_timeout=s.statement_timeout,
+                lock_timeout=s.lock_timeout,
+            )
         if self.liveness is None:
             self._register()
 
@@ -525,7 +531,16 @@ class Relay:
         assert wakeups is not None
         now = time.monotonic()
         sweep = self._moves.sweep_now(now)
-        moved = wakeups.move_due(self._moves.covered, sweep=sweep)
+        try:
+            moved = wakeups.move_due(self._moves.covered, sweep=sweep)
+        except RETRYABLE as exc:
+            if wakeups.broken:
+                raise  # an outage: the loop reconnects
+            # The claims go on: a lock or an error on the scheduled rows only delays
+            # them (logged, tried again after a pause).
+            emit(log, "relay.move_failed", logging.WARNING, error=exc.message)
+            self._moves.failed(now)
+            return 0
         full = moved.rows >= MOVE_LIMIT
         self._moves.moved(moved, now, swept=sweep, full=full)
         self.stats.scheduled_moved += moved.rows

@@ -26,6 +26,8 @@ from outbox.db.scheduled import SWEEP_INTERVAL, Moved
 
 # While busy (not listening), how often the relay moves anyway (seconds).
 BUSY_RECHECK = 1.0
+# After a move that failed, the next one (seconds).
+MOVE_RETRY = 5.0
 
 
 def due_in(moved: Moved) -> float | None:
@@ -58,6 +60,11 @@ class MoveSchedule:
             self.next_move = now
         else:
             self.next_move = min(now + BUSY_RECHECK, self.idle_until(now))
+
+    def failed(self, now: float) -> None:
+        """A move failed (a lock held on the outbox, an error): try again after
+        ``MOVE_RETRY`` seconds, not at every step of the loop."""
+        self.next_move = now + MOVE_RETRY
 
     def woken(self) -> None:
         """A NOTIFY or a poll: a row due earlier than the known one may be committed."""

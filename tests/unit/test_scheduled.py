@@ -100,3 +100,16 @@ def test_move_schedule__a_full_move_moves_again_at_once() -> None:
     plan = MoveSchedule()
     plan.moved(moved(1000, T0), 100.0, swept=False, full=True)
     assert plan.next_move == 100.0
+
+
+def test_move_schedule__a_failed_move_is_tried_again_after_a_pause_not_at_every_step() -> None:
+    """A lock held on the outbox (an application's LOCK TABLE, a migration) fails the
+    move after the relay's lock_timeout; the loop claims meanwhile and moves again
+    after ``MOVE_RETRY`` seconds, so one held lock does not cost a wait per step."""
+    from outbox.relay.scheduling import MOVE_RETRY
+
+    schedule = MoveSchedule()
+    schedule.failed(100.0)
+    assert schedule.next_move == 100.0 + MOVE_RETRY
+    schedule.woken()  # a NOTIFY still makes it try at once
+    assert schedule.next_move == 0.0
