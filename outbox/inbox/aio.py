@@ -650,11 +650,50 @@ class AwaitedHandler:
     async def _ahead(
         self, conn: Any, messages: list[InboxMessage], before: SessionState
     ) -> list[Called]:
-        idle = self.ahead.idle_timeout
+        """The batch's calls in one task of their own (one task a batch, not one a
+        call: ``_call_handler`` says why a task of their own).  A handler that
+        cancels that task ends it cancelled: its call is the one in progress, its
+        message's failure, and the batch stops there as at any failure."""
         calls: list[Called] = []
+        current: list[tuple[InboxMessage, float]] = []
+        run = asyncio.ensure_future(self._calls(conn, messages, before, calls, current))
+        try:
+            await asyncio.wait((run,))
+        except asyncio.CancelledError:
+            run.cancel()
+            await asyncio.wait((run,))
+            raise
+        if run.cancelled() and current:
+            message, started = current[-1]
+            calls.append(
+                Called(
+                    message,
+                    _cancelled(),
+                    loop_session(conn),
+                    time.perf_counter() - started,
+                )
+            )
+        elif not run.cancelled():
+            run.result()
+        return calls
+
+    async def _calls(
+        self,
+        conn: Any,
+        messages: list[InboxMessage],
+        before: SessionState,
+        calls: list[Called],
+        current: list[tuple[InboxMessage, float]],
+    ) -> None:
+        idle = self.ahead.idle_timeout
         for message in messages:
             started = time.perf_counter()
-            raised = await _call_handler(self.handler, conn, message)
+            current.append((message, started))
+            raised = await _outcome(self.handler, conn, message)
+            current.pop()
+            if raised is None and await _cancelled_itself():
+                # It cancelled the task and returned before the cancel took effect.
+                raised = _cancelled()
             seconds = time.perf_counter() - started
             if raised is None and idle and seconds >= idle:
                 raised = RanTooLong(
@@ -665,7 +704,6 @@ class AwaitedHandler:
             calls.append(Called(message, raised, state, seconds))
             if raised is not None or handler_left(before, state, pending=True):
                 break
-        return calls
 
 
 class HandlerCancelled(Exception):
@@ -701,11 +739,34 @@ async def _call_handler(
         await asyncio.wait((call,))
         raise
     if call.cancelled():
-        return HandlerCancelled(
-            "the handler's task was cancelled (asyncio.CancelledError): a handler must "
-            "return or raise; to give up on a message, raise an exception"
-        )
+        return _cancelled()
     return call.result()
+
+
+# Python 3.11 and later: a task says whether a cancellation is pending.
+_CANCELLING = hasattr(asyncio.Task, "cancelling")
+
+
+async def _cancelled_itself() -> bool:
+    """Whether the call that just returned cancelled the running task (its batch's
+    task, which nothing else cancels but ``_ahead`` in answer to the hop's own
+    cancellation).  On 3.10, which cannot tell, one turn of the loop lets the
+    cancellation in."""
+    if _CANCELLING:
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() > 0
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        return True
+    return False
+
+
+def _cancelled() -> HandlerCancelled:
+    return HandlerCancelled(
+        "the handler's task was cancelled (asyncio.CancelledError): a handler must "
+        "return or raise; to give up on a message, raise an exception"
+    )
 
 
 async def _outcome(
