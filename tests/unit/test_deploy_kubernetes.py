@@ -238,7 +238,7 @@ def test_sizing__the_table_holds_the_codes_figures() -> None:
     relay = source("outbox/relay/process.py")
     opened = [
         "BatchStore(" in relay,
-        "WakeupListener(s.dsn" in relay,
+        re.search(r"WakeupListener\(\s*s\.dsn", relay) is not None,
         "Liveness.start(" in relay,
         "DatabaseFigures(" in source("outbox/relay/metrics.py"),
     ]

@@ -282,7 +282,9 @@ def test_async__a_batch_that_meets_an_id_applied_before_commits_each_effect_once
         wait_for(lambda: again.stats.handled == 3, 20, "3 more effects")
         wait_for(lambda: again.stats.duplicates_skipped == 1, 20, "the copy skipped")
     assert sorted(effects(consumer_dsn)) == sorted((i, b"x") for i in ids)
-    assert calls[ids[0]] == 2 and calls[ids[1]] == 1  # the copy's call rolled back
+    # The copy's call rolled back (or, psycopg having read the ids' error while the
+    # block's first statements went out, never made ahead); each once more after.
+    assert calls[ids[0]] in (1, 2) and calls[ids[1]] == 1
     assert again.processor is not None and again.processor.pipelining
 
 
