@@ -145,12 +145,15 @@ def test_resolver__hand_over_lock_keeps_a_resolver_and_a_relay_taking_its_id_bac
 def test_resolver__presumes_partitioned_relay_dead_after_relay_timeout(
     settings: Settings, topology: Topology, publisher: Publisher
 ) -> None:
-    quick = dataclasses.replace(settings, relay_timeout=2.0, heartbeat_interval=0.5)
+    # relay_timeout 4 s: the first resolve (a process of its own) must run within
+    # it after the last heartbeat, also on a loaded machine (2 s was not always).
+    quick = dataclasses.replace(settings, relay_timeout=4.0, heartbeat_interval=0.5)
     committed = insert_rows(settings.dsn, topology.exchange, 5)
     relay_id = new_relay_id()
     control = ControlSession(settings.dsn, "outbox", relay_id)
     assert control.acquire()  # holds its lock, but never beats again: a partition
     gid, _ = prepare_batch(settings.dsn, relay_id, 1, 5)
+    control.heartbeat()  # its last beat
     assert resolve_json(quick)[0]["action"] == "wait"
 
     time.sleep(quick.relay_timeout)  # the heartbeat must age past relay_timeout
