@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -28,6 +28,9 @@ from outbox.config import (
 )
 from outbox.errors import OutboxError
 from outbox.events import json_line
+
+if TYPE_CHECKING:
+    from outbox.fleet.targets import TargetSource
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -379,3 +382,60 @@ def own_servers_options(func: F) -> F:
         help="Use this PostgreSQL (needs max_prepared_transactions > 0) "
         "instead of starting a private one (fsync on).",
     )(func)
+
+
+def targets_options(func: F) -> F:
+    """``--targets FILE`` or ``--discover DSN`` (with ``--databases``): the databases
+    of a fleet (``outbox.fleet.targets``); without either, the one ``--dsn`` names."""
+    return apply(
+        func,
+        [
+            env_option(
+                "--targets",
+                "OUTBOX_TARGETS",
+                default=None,
+                type=click.Path(dir_okay=False),
+                help="Serve every database this file lists (one PostgreSQL DSN per line; "
+                "read again when it changes) instead of --dsn.",
+            ),
+            env_option(
+                "--discover",
+                "OUTBOX_DISCOVER",
+                default=None,
+                type=DsnType(),
+                help="Serve every database of the server this DSN reaches that matches "
+                "--databases and has the outbox table, instead of --dsn.",
+            ),
+            env_option(
+                "--databases",
+                "OUTBOX_DATABASES",
+                default="*",
+                help="With --discover: the databases to look at (shell patterns, comma-separated).",
+            ),
+        ],
+    )
+
+
+def target_source(
+    targets: str | None,
+    discover: str | None,
+    databases: str,
+    settings: Settings,
+    *,
+    interval: float = 5.0,
+) -> TargetSource | None:
+    """The fleet's ``TargetSource`` for ``targets_options``' values, or None when
+    neither ``--targets`` nor ``--discover`` is given (one database: ``--dsn``)."""
+    from outbox.fleet.targets import TargetSource
+
+    if targets is None and discover is None:
+        return None
+    return TargetSource(
+        file=targets,
+        discover=discover,
+        pattern=databases,
+        table=settings.table,
+        interval=interval,
+        connect_timeout=settings.connect_timeout,
+        statement_timeout=settings.statement_timeout,
+    )
