@@ -14,6 +14,8 @@ from outbox.cli.common import (
     operator_session_options,
     server_options,
     settings_from,
+    target_source,
+    targets_options,
 )
 from outbox.cli.options import (
     FiniteFloatRange,
@@ -24,6 +26,7 @@ from outbox.errors import ExitCode
 @click.command()
 @server_options
 @operator_session_options
+@targets_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option(
     "--exact",
@@ -62,15 +65,37 @@ def status(
     max_prepared_age: float,
     max_backlog_age: float,
     max_horizon_age: float,
+    targets: str | None,
+    discover: str | None,
+    databases: str,
     log_level: str,
     log_format: str,
     **options: Any,
 ) -> None:
     """Backlog, prepared batches, live relays, dead letters and what holds the MVCC
-    horizon; exit 1 if attention needed."""
+    horizon; exit 1 if attention needed.
+
+    With --targets or --discover: every database of the fleet, a line each and a
+    summary; exit 1 if any database needs attention or cannot be read."""
     from outbox.ops.status import collect, render
 
     settings = settings_from(**options)
+    source = target_source(targets, discover, databases, settings)
+    if source is not None:
+        from outbox.ops import fleet
+
+        report = fleet.collect(
+            fleet.current_targets(source),
+            settings,
+            exact=exact,
+            max_prepared_age=max_prepared_age,
+            max_backlog_age=max_backlog_age,
+            max_horizon_age=max_horizon_age,
+        )
+        click.echo(json.dumps(report, indent=2, default=str) if as_json else fleet.render(report))
+        if report["attention"]:
+            sys.exit(int(ExitCode.FAILURE))
+        return
     report = collect(
         settings,
         exact=exact,

@@ -65,6 +65,13 @@ from outbox.message import DeadLetter, OutboxRow
 Row = dict[str, Any]
 Conn = psycopg.Connection[Row]
 
+# What a server with prepared transactions disabled needs (the relay's preflight, and
+# ``outbox status``, which says it for each database it looks at).
+PREPARED_DISABLED = "PostgreSQL has prepared transactions disabled (max_prepared_transactions = 0)"
+PREPARED_DISABLED_HINT = (
+    "set max_prepared_transactions to at least twice the number of relays "
+    "(e.g. 64) in postgresql.conf and restart PostgreSQL"
+)
 
 # How many keyed rows, in batches, a claim looks at from the front of the outbox to
 # find the keys it may take (``queries.sql``, ``claim_batch``).  Rows of keys held by
@@ -319,18 +326,18 @@ class BatchStore(Session):
         return True
 
     # -- preflight ---------------------------------------------------------
+    def prepared_slots(self) -> int:
+        """The server's ``max_prepared_transactions`` (0: no relay can work here)."""
+        with self._translated("checking the database"):
+            row = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
+        return int(row["slots"]) if row else 0
+
     def check_ready(self) -> None:
         """Raise if prepared transactions are disabled, the schema is not current
         (missing, older, or newer than this code), or the role lacks a privilege
         the relay needs."""
-        with self._translated("checking the database"):
-            slots = self.conn.execute(self.queries["max_prepared_transactions"]).fetchone()
-            if not slots or slots["slots"] <= 0:
-                raise PreparedTransactionsDisabled(
-                    "PostgreSQL has prepared transactions disabled (max_prepared_transactions = 0)",
-                    "set max_prepared_transactions to at least twice the number of relays "
-                    "(e.g. 64) in postgresql.conf and restart PostgreSQL",
-                )
+        if self.prepared_slots() <= 0:
+            raise PreparedTransactionsDisabled(PREPARED_DISABLED, PREPARED_DISABLED_HINT)
         self.check_privileges(privileges.RELAY, "the relay")
         with self._translated("checking the database"):
             version = migrate.current_version(self.conn, self.table)

@@ -11,6 +11,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.db import migrate, privileges, replication
+from outbox.db.batches import PREPARED_DISABLED, PREPARED_DISABLED_HINT
 from outbox.db.horizon import Holder, Horizon, HorizonReader
 from outbox.terminal import shown
 from resolver.decide import is_ours
@@ -43,6 +44,8 @@ class Observation:
     scheduled_rows: int = 0
     next_due_seconds: float | None = None
     scheduled_overdue_seconds: float = 0.0
+    # The server's max_prepared_transactions (0: no relay can work here; None: not read).
+    prepared_slots: int | None = None
 
     @property
     def oldest_prepared_age_seconds(self) -> float:
@@ -110,6 +113,7 @@ def read(settings: Settings, *, exact: bool = False) -> Observation:
         scheduled = store.scheduled_summary()
         unsafe = replication.warning(store.replication())
         horizon = store.horizon()
+        slots = store.prepared_slots()
     finally:
         store.close()
     return Observation(
@@ -134,6 +138,7 @@ def read(settings: Settings, *, exact: bool = False) -> Observation:
         if scheduled["next_due_seconds"] is None
         else round(scheduled["next_due_seconds"], 3),
         scheduled_overdue_seconds=round(scheduled["overdue_seconds"], 3),
+        prepared_slots=slots,
     )
 
 
@@ -150,6 +155,8 @@ def judge(
 ) -> list[str]:
     """What needs an operator's attention, each with what to do (pure)."""
     problems = []
+    if seen.prepared_slots == 0:
+        problems.append(f"{PREPARED_DISABLED}: no relay can work here; {PREPARED_DISABLED_HINT}")
     if seen.horizon is not None:
         problems += judge_horizon(seen.horizon, seen.table, max_horizon_age)
     oldest_prepared = seen.oldest_prepared_age_seconds
@@ -269,6 +276,7 @@ def report(seen: Observation, problems: list[str]) -> dict[str, Any]:
         "scheduled_rows": seen.scheduled_rows,
         "next_due_seconds": seen.next_due_seconds,
         "scheduled_overdue_seconds": seen.scheduled_overdue_seconds,
+        "prepared_slots": seen.prepared_slots,
         "horizon": horizon_report(seen.horizon),
         "attention": problems,
         # Worth knowing, not a failure of the relay: does not change the exit code.

@@ -117,3 +117,9 @@ def test_status__prepared_transactions_ours_and_others_say_who_finishes_them() -
     (other,) = judge(held(theirs), max_prepared_age=3600, max_backlog_age=300)
     assert "outbox resolve --dry-run" in mine
     assert "not ours" in other and "outbox never touches it" in other
+
+
+def test_status__prepared_transactions_disabled_is_said_with_the_setting() -> None:
+    (problem,) = problems(dataclasses.replace(CALM, prepared_slots=0))
+    assert "max_prepared_transactions = 0" in problem and "no relay can work here" in problem
+    assert problems(dataclasses.replace(CALM, prepared_slots=64)) == []
