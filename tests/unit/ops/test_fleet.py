@@ -11,7 +11,7 @@ import pytest
 from outbox.config import Settings
 from outbox.errors import DatabaseUnavailable
 from outbox.fleet.targets import Target
-from outbox.ops import fleet
+from outbox.ops import fleet, status
 
 TARGETS = [Target("a", "dbname=a"), Target("b", "dbname=b"), Target("c", "dbname=c")]
 
@@ -56,7 +56,7 @@ def test_status__a_line_per_database_and_a_summary(monkeypatch: pytest.MonkeyPat
         late = ["the oldest outbox row is 400s old"] if settings.dsn == "dbname=b" else []
         return report_of(10, late)
 
-    monkeypatch.setattr(fleet.status, "collect", collect)
+    monkeypatch.setattr(status, "collect", collect)
     report = fleet.collect(TARGETS, Settings(), max_prepared_age=60)
     assert [d["state"] for d in report["databases"]] == ["ok", "attention", "unreachable"]
     assert report["attention"] == [
