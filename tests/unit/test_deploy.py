@@ -538,6 +538,7 @@ GRAFANA_VARIABLES = {
     "$__interval": "30s",
     "$job": ".*",
     "$queue": ".*",
+    "$database": ".*",
 }
 # The figures the dashboard exists to show (issue 14); every one needs a panel.
 DASHBOARD_FIGURES = {
