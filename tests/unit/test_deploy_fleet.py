@@ -5,6 +5,7 @@ database's trouble fires one alert naming it, and the dashboard picks databases.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 
@@ -21,7 +22,7 @@ def relay_metric(name: str) -> bool:
     return name.startswith("outbox_") and not name.startswith("outbox_consumer_")
 
 
-def relay_alerts() -> list[dict[str, str]]:
+def relay_alerts() -> list[dict[str, Any]]:
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
     return [
         rule
