@@ -65,3 +65,38 @@ def test_deploy__dashboard_filters_every_relay_metric_by_the_database_variable()
                 continue
             matchers = [m.value for m in selector.matchers.matchers if m.name == "database"]
             assert matchers == [".*"], f"{where}: {expr} ignores $database"
+
+
+# -- the fleet's Kubernetes example ------------------------------------------------------
+def test_kubernetes__the_fleet_mounts_its_targets_as_a_file_the_relays_read_again() -> None:
+    import kubernetes_validate
+
+    from outbox import urls
+    from outbox.fleet.targets import parse_targets
+    from tests.unit.test_deploy_kubernetes import named, rendered
+
+    docs = rendered("fleet")
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    relay = named(docs, "Deployment", "outbox-fleet-relay")
+    assert relay["spec"]["replicas"] == 2  # either keeps every database going
+    assert named(docs, "PodDisruptionBudget", "outbox-fleet-relay")["spec"]["maxUnavailable"] == 1
+    pod = relay["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    config = named(docs, "ConfigMap", "outbox-fleet-config")["data"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # A subPath mount is never updated: the relays would not see a new list.
+    assert "subPath" not in mounts["targets"]
+    folder, _, file = config["OUTBOX_TARGETS"].rpartition("/")
+    assert mounts["targets"]["mountPath"] == folder
+    targets_map = named(docs, "ConfigMap", volumes["targets"]["configMap"]["name"])
+    targets = parse_targets(targets_map["data"][file], source=file)
+    assert len(targets) == 4 and all("password" not in urls.check_dsn(t.dsn) for t in targets)
+    # Passwords come from a libpq password file in the Secret, readable by the relay.
+    folder, _, file = config["PGPASSFILE"].rpartition("/")
+    assert mounts["pgpass"]["mountPath"] == folder
+    secret = volumes["pgpass"]["secret"]
+    assert secret["items"] == [{"key": file, "path": file}] and secret["defaultMode"] == 0o640
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"

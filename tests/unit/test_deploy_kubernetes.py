@@ -27,6 +27,9 @@ FOLDERS = {
     "example": KUBERNETES / "overlays" / "example",
     "keda": KUBERNETES / "overlays" / "keda",
 }
+# The fleet (one Deployment of relays for many databases): standalone, held to the
+# same rules as every pod (tests/unit/test_deploy_fleet.py checks the rest).
+EVERY = {**FOLDERS, "fleet": KUBERNETES / "overlays" / "fleet"}
 VERSION = re.search(
     r'^__version__ = "([0-9.]+)"$', (ROOT / "outbox" / "_version.py").read_text(), re.M
 )[1]
@@ -36,7 +39,7 @@ WORKLOADS = {"outbox-relay": "relay", "outbox-consumer": "consumer", "outbox-con
 
 
 def rendered(name: str) -> list[dict[str, Any]]:
-    return kustomize.build(FOLDERS[name])
+    return kustomize.build(EVERY[name])
 
 
 def pods(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -111,7 +114,7 @@ def test_kubernetes__every_overlay_renders_to_valid_resources(name: str) -> None
     assert {k for k, _ in kinds} >= {"Job", "CronJob", "Service", "ConfigMap", "Secret"}
 
 
-@pytest.mark.parametrize("name", sorted(FOLDERS))
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_kubernetes__every_pod_meets_the_restricted_pod_security_standard(name: str) -> None:
     for doc, template in pods(rendered(name)):
         where = doc["metadata"]["name"]
