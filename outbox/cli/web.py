@@ -14,6 +14,8 @@ from outbox.cli.common import (
     lock_timeout_option,
     server_options,
     settings_from,
+    target_source,
+    targets_options,
     tuning_options,
 )
 from outbox.cli.options import DsnType, FiniteFloatRange
@@ -28,6 +30,7 @@ DEFAULT_PORT = 8310
 @server_options
 @tuning_options
 @lock_timeout_option
+@targets_options
 @click.option(
     "--also-table",
     "also_tables",
@@ -96,6 +99,9 @@ def web(
     read_only: bool,
     max_prepared_age: float,
     trusted_proxies: tuple[str, ...],
+    targets: str | None,
+    discover: str | None,
+    databases: str,
     log_level: str,
     log_format: str,
     **options: Any,
@@ -105,7 +111,10 @@ def web(
 
     Listens on 127.0.0.1 unless --host says otherwise; any other address requires
     credentials from the environment (OUTBOX_WEB_TOKEN, or OUTBOX_WEB_USER and
-    OUTBOX_WEB_PASSWORD) and refuses to start without them."""
+    OUTBOX_WEB_PASSWORD) and refuses to start without them.
+
+    With --targets or --discover: an overview of every database, and each database's
+    pages under /db/NAME/."""
     try:
         from outbox.web.app import WebConfig
         from outbox.web.console import ConsoleConfig, InboxTarget
@@ -148,5 +157,6 @@ def web(
         credentials=credentials,
         host=host,
         trusted_proxies=proxies,
+        targets=target_source(targets, discover, databases, settings),
     )
     serve(config, port)

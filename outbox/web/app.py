@@ -32,6 +32,7 @@ from outbox import redaction
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError, RowsHeld
 from outbox.redaction import redact
 from outbox.web import console, indoubt, overview, quarantine, security
+from outbox.web.fleet import DatabasePrefix, Databases
 from outbox.web.sampler import Sampler
 from outbox.web.site import (
     HERE,
@@ -62,8 +63,9 @@ def create_app(
     )
     site = Site(config, keys)
     sampler = Sampler(config.console)
+    databases = None if config.targets is None else Databases(config.targets, config.console)
     routes: list[BaseRoute] = [
-        *overview.routes(site, sampler),
+        *overview.routes(site, sampler, databases),
         *quarantine.routes(site),
         *indoubt.routes(site),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
@@ -71,7 +73,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sampler.start()
+        if databases is None:  # a console of many databases has no charts
+            sampler.start()
         try:
             yield
         finally:
@@ -81,7 +84,9 @@ def create_app(
         lifespan=lifespan,
         routes=routes,
         middleware=[
-            Middleware(Guard, config=config, keys=keys, throttle=throttle or security.Throttle())
+            Middleware(Guard, config=config, keys=keys, throttle=throttle or security.Throttle()),
+            # Inside the guard: nothing is looked up before a request is authenticated.
+            *([] if databases is None else [Middleware(DatabasePrefix, databases=databases)]),
         ],
         exception_handlers=_error_pages(site),
     )

@@ -108,6 +108,16 @@ class ConsoleConfig:
         raise KeyError(table)
 
 
+def on_database(config: ConsoleConfig, dsn: str) -> ConsoleConfig:
+    """``config`` with every outbox table in the database ``dsn`` reaches (a fleet's
+    target), and no inbox: the consumers' database is not a target's."""
+    return dataclasses.replace(
+        config,
+        outboxes=tuple(dataclasses.replace(s, dsn=dsn) for s in config.outboxes),
+        inboxes=(),
+    )
+
+
 S = TypeVar("S", bound=Store)
 
 

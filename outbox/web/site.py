@@ -34,6 +34,7 @@ from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from outbox import urls
 from outbox.config import Settings
 from outbox.events import emit
+from outbox.fleet.targets import Target, TargetSource
 from outbox.redaction import redact
 from outbox.web import console, security
 from outbox.web.console import ConsoleConfig, InboxTarget
@@ -117,6 +118,22 @@ class WebConfig:
     # (the audit field ``client=`` then names the proxy's client).  Empty: the headers
     # are ignored and ``client=`` is the peer address, which no request can forge.
     trusted_proxies: tuple[str, ...] = ()
+    # Many databases (``--targets``/``--discover``): an overview of all of them and
+    # each one's pages under /db/<name>/ (``outbox.web.fleet``); None: ``--dsn``'s.
+    targets: TargetSource | None = None
+
+
+# A database's pages in a console of many (``outbox.web.fleet``): under this prefix,
+# its target in the request's scope under this key.
+DB_PREFIX = "/db/"
+DB_SCOPE_KEY = "outbox_target"
+
+
+def target_of(request: Request) -> Target | None:
+    """The database a request is for, in a console of many (None: no database chosen,
+    or a console of one)."""
+    target = request.scope.get(DB_SCOPE_KEY)
+    return target if isinstance(target, Target) else None
 
 
 def where_dsn(dsn: str) -> str:
@@ -165,7 +182,19 @@ class Pages:
         self, request: Request, name: str, status_code: int = 200, **context: Any
     ) -> Response:
         cfg = self.config.console
+        target = target_of(request)
+        many = self.config.targets is not None
+        if target is not None:
+            where = where_dsn(target.dsn)
+        elif many:
+            assert self.config.targets is not None
+            where = self.config.targets.describe()
+        else:
+            where = where_dsn(cfg.outboxes[0].dsn)
         base = {
+            "fleet": many,
+            "db_name": target.name if target else "",
+            "db_root": DB_PREFIX + urllib.parse.quote(target.name, safe="/:") if target else "",
             "request": request,
             "who": getattr(request.state, "who", ""),
             "csrf": getattr(request.state, "csrf", ""),
@@ -173,7 +202,7 @@ class Pages:
             "refresh_ms": round(cfg.refresh_seconds * 1000),
             "outbox_tables": [s.table for s in cfg.outboxes],
             "inbox_tables": [t.table for t in cfg.inboxes],
-            "outbox_where": where_dsn(cfg.outboxes[0].dsn),
+            "outbox_where": where,
             "amqp_where": where_amqp(self.config.amqp_url),
         }
         html = self.env.get_template(name).render(**base, **context)
@@ -416,7 +445,16 @@ class Site:
         except KeyError:
             raise HTTPException(404, f"no outbox table {table!r} is configured") from None
         request.scope["outbox_table"] = settings.table
-        return settings
+        if self.config.targets is None:
+            return settings
+        target = target_of(request)
+        if target is None:
+            raise HTTPException(
+                404,
+                "this console serves many databases: choose one on the overview (/), "
+                "its pages are under /db/<name>/",
+            )
+        return dataclasses.replace(settings, dsn=target.dsn)
 
     def inbox_of(self, request: Request, form: FormData | None = None) -> InboxTarget:
         table = (form.get("inbox") if form else None) or request.query_params.get("inbox")

@@ -36,8 +36,8 @@ def local_server_answers() -> bool:
         return False
 
 
-@pytest.fixture
-def fleet(pg_server: str, pg_template: str) -> Iterator[dict[str, str]]:
+@pytest.fixture(name="fleet")
+def fleet_databases(pg_server: str, pg_template: str) -> Iterator[dict[str, str]]:
     """Three databases with the outbox schema, named fo_<run>_a, _b, _c: name -> DSN."""
     run = uuid.uuid4().hex[:8]
     names = [f"fo_{run}_{x}" for x in "abc"]
