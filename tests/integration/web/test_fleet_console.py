@@ -130,7 +130,7 @@ def test_web__a_database_added_to_the_targets_appears_without_a_restart(
     targets: pathlib.Path,
     dsn: str,
 ) -> None:
-    added = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    added = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
     assert added not in rows(http(console.url + "/")[1])
     targets.write_text(targets.read_text() + dsn + "\n")
     assert rows(http(console.url + "/")[1]).get(added) == "ok"
