@@ -48,6 +48,7 @@ from outbox.web.app import WebConfig  # noqa: E402
 from outbox.web.console import ConsoleConfig, InboxTarget  # noqa: E402
 from outbox.web.security import Credentials  # noqa: E402
 from tests.fixtures.web import Console, http, start_console  # noqa: E402
+from tests.integration.ops.test_fleet_ops import fleet_databases  # noqa: E402, F401
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -642,3 +643,40 @@ def test_web__the_charts_draw_the_last_hour_and_their_numbers_are_the_databases(
         page.goto("about:blank")  # no refresh of the overview after the console stops
         running.stop()
         report.close()
+
+
+def test_web__many_databases_pick_one_and_retry_its_dead_letter_there(
+    settings: Settings, fleet: dict[str, str], page: Page, tmp_path: Any
+) -> None:
+    """``outbox web --targets``: the overview lists every database; following a
+    database's link, its pages' links and forms stay on that database."""
+    from outbox.fleet.targets import TargetSource
+    from tests.integration.ops.test_fleet_ops import write_targets
+
+    a, b, _ = fleet
+    row_id, message_id = add_dead_letter(fleet[b], "ex")
+    targets = write_targets(tmp_path / "targets", list(fleet.values()))
+    running = start_console(
+        WebConfig(
+            ConsoleConfig((settings,), refresh_seconds=0.5),
+            settings.amqp_url,
+            Credentials(),
+            targets=TargetSource(file=targets, interval=0.0),
+        )
+    )
+    try:
+        page.goto(running.url + "/")
+        assert page.locator("tr[data-database]").count() == 3
+        page.locator(f"tr[data-database='{b}'] a", has_text=b).click()
+        assert page.locator("code.database").inner_text() == b
+        page.locator("nav a", has_text="Dead letters").click()
+        row = page.locator(f"tr.dead-letter[data-id='{row_id}']")
+        assert message_id in row.inner_text()
+        row.locator("a.retry").click()
+        assert page.locator("#count").inner_text() == "1"
+        page.locator("#confirm").click()
+        assert page.locator("#done").inner_text().startswith("1 dead letter moved back")
+        assert dead_letter_ids(fleet[b]) == [] and rows_left(fleet[b]) == 1
+        assert rows_left(fleet[a]) == 0
+    finally:
+        running.stop()
