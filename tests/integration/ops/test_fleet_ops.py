@@ -71,6 +71,19 @@ def write_targets(path: pathlib.Path, dsns: list[str]) -> str:
     return str(path)
 
 
+def missing_database(pg_server: str) -> str:
+    """A DSN of the test server naming a database that does not exist."""
+    return psycopg.conninfo.make_conninfo(pg_server, dbname=f"no_such_{uuid.uuid4().hex[:6]}")
+
+
+def declare_ledger(settings: Settings) -> None:
+    """The ledger stream, declared as a relay declares it (a resolver pass reads it)."""
+    publisher = Publisher(settings.amqp_url)
+    publisher.connect()
+    publisher.declare_stream(settings.ledger_queue, settings.ledger_max_age)
+    publisher.close()
+
+
 def fleet_cli(settings: Settings, *args: str) -> tuple[int, dict[str, Any], str]:
     result = run_cli(*args, "--json", env=settings_env(settings), timeout=60)
     assert result.stdout, result.stderr
@@ -82,7 +95,7 @@ def test_status__reports_every_database_and_the_down_ones_in_their_rows(
 ) -> None:
     a, b, c = fleet
     insert_numbered_rows(fleet[b], "ex", 7)
-    missing = psycopg.conninfo.make_conninfo(pg_server, dbname=f"no_such_{uuid.uuid4().hex[:6]}")
+    missing = missing_database(pg_server)
     dsns = [*fleet.values(), missing]
     local = local_server_answers()
     if local:
@@ -139,14 +152,11 @@ def test_resolve__resolves_each_database_and_reports_the_one_that_fails(
     pg_server: str,
     tmp_path: pathlib.Path,
 ) -> None:
-    publisher = Publisher(settings.amqp_url)
-    publisher.connect()
-    publisher.declare_stream(settings.ledger_queue, settings.ledger_max_age)
-    publisher.close()
+    declare_ledger(settings)
     a, b, _c = fleet
     insert_numbered_rows(fleet[a], topology.exchange, 3)
     gid, _ = prepare_batch(fleet[a], new_relay_id(), 1, 3)  # a relay that never registered
-    missing = psycopg.conninfo.make_conninfo(pg_server, dbname=f"no_such_{uuid.uuid4().hex[:6]}")
+    missing = missing_database(pg_server)
     targets = write_targets(tmp_path / "targets", [*fleet.values(), missing])
 
     code, report, _ = fleet_cli(settings, "resolve", "--targets", targets)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pathlib
 import re
-import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
 
-from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.fleet.targets import TargetSource
 from outbox.gid import new_relay_id
@@ -23,7 +21,9 @@ from tests.fixtures.faults import prepared_left
 from tests.fixtures.servers import Topology, insert_numbered_rows
 from tests.fixtures.web import Console, csrf_headers, http, start_console
 from tests.integration.ops.test_fleet_ops import (  # noqa: F401
+    declare_ledger,
     fleet_databases,
+    missing_database,
     write_targets,
 )
 from tests.integration.resolver.test_faults_resolver import prepare_batch
@@ -32,7 +32,7 @@ from tests.integration.web.test_lists import add_dead_letters
 
 @pytest.fixture
 def targets(fleet: dict[str, str], pg_server: str, tmp_path: pathlib.Path) -> pathlib.Path:
-    missing = psycopg.conninfo.make_conninfo(pg_server, dbname=f"no_such_{uuid.uuid4().hex[:6]}")
+    missing = missing_database(pg_server)
     path = tmp_path / "targets"
     write_targets(path, [*fleet.values(), missing])
     return path
@@ -103,10 +103,7 @@ def test_web__an_action_acts_on_its_database_only(
     console: Console,
     fleet: dict[str, str],
 ) -> None:
-    publisher = Publisher(settings.amqp_url)
-    publisher.connect()
-    publisher.declare_stream(settings.ledger_queue, settings.ledger_max_age)
-    publisher.close()
+    declare_ledger(settings)
     a, b, _ = fleet
     insert_numbered_rows(fleet[a], topology.exchange, 2)
     insert_numbered_rows(fleet[b], topology.exchange, 2)
