@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from outbox.cli.common import (
+    connect_timeout_option,
     env_option,
     known_errors,
     operator_session_options,
@@ -26,6 +27,7 @@ from outbox.errors import ExitCode
 @click.command()
 @server_options
 @operator_session_options
+@connect_timeout_option
 @targets_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option(

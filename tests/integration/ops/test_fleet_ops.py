@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -173,3 +174,26 @@ def test_resolve__resolves_each_database_and_reports_the_one_that_fails(
     assert text.returncode == 1
     assert text.stdout.splitlines()[-1] == "4 databases: 3 done, 1 failed"
     assert f"{b}: no prepared batch of this outbox" in text.stdout
+
+
+def test_status__a_server_that_never_answers_costs_its_timeout_not_the_others(
+    settings: Settings, fleet: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """A target whose server accepts the connection and then says nothing (a hung
+    host, a black-holing proxy): its row says so after --connect-timeout, and every
+    other database is read."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    try:
+        hung = f"host=127.0.0.1 port={port} dbname=hung user=outbox"
+        targets = write_targets(tmp_path / "targets", [*fleet.values(), hung])
+        code, report, _ = fleet_cli(
+            settings, "status", "--targets", targets, "--connect-timeout", "1"
+        )
+    finally:
+        silent.close()
+    assert code == 1
+    states = {d["database"]: d["state"] for d in report["databases"]}
+    assert states == {**dict.fromkeys(fleet, "ok"), "hung": "unreachable"}

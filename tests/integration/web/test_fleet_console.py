@@ -132,3 +132,27 @@ def test_web__a_database_added_to_the_targets_appears_without_a_restart(
     targets.write_text(targets.read_text() + dsn + "\n")
     assert rows(http(console.url + "/")[1]).get(added) == "ok"
     assert http(f"{console.url}/db/{added}/in-doubt")[0] == 200
+
+
+def test_web__a_database_is_looked_up_only_after_authentication(
+    settings: Settings, fleet: dict[str, str], targets: pathlib.Path
+) -> None:
+    """Unauthenticated, a known and an unknown database get the same 401: the list of
+    databases is not told to whoever asks."""
+    a = next(iter(fleet))
+    token = "fleet-token-for-the-test"
+    config = WebConfig(
+        ConsoleConfig((settings,)),
+        settings.amqp_url,
+        Credentials(token=token),
+        targets=TargetSource(file=str(targets), interval=0.0),
+    )
+    running = start_console(config)
+    try:
+        for path in (f"/db/{a}/", "/db/not_a_target/", "/"):
+            assert http(running.url + path)[0] == 401
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert http(f"{running.url}/db/{a}/in-doubt", headers=bearer)[0] == 200
+        assert http(f"{running.url}/db/not_a_target/", headers=bearer)[0] == 404
+    finally:
+        running.stop()
