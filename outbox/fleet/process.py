@@ -203,8 +203,10 @@ class Fleet:
         drain: bool = False,
         retry_initial: float = RETRY_INITIAL,
         retry_max: float = RETRY_MAX,
+        relay_factory: Callable[[Settings, StopFlag], Relay] | None = None,
     ) -> None:
         self.source = source
+        self._factory = relay_factory
         self.settings = settings
         self.stop = stop if stop is not None else StopFlag()
         self.drain = drain
@@ -270,16 +272,20 @@ class Fleet:
             self._leaving.append(member)
             emit(log, "fleet.target_removed", database=target.name)
         for target in changes.added:
-            member = TargetRelay(
-                target,
-                self.settings,
-                drain=self.drain,
-                retry_initial=self.retry_initial,
-                retry_max=self.retry_max,
-            )
+            member = self._member(target)
             self.targets[target] = member
             member.start()
             emit(log, "fleet.target_added", database=target.name)
+
+    def _member(self, target: Target) -> TargetRelay:
+        return TargetRelay(
+            target,
+            self.settings,
+            drain=self.drain,
+            retry_initial=self.retry_initial,
+            retry_max=self.retry_max,
+            relay_factory=self._factory,
+        )
 
     def _tend(self) -> None:
         """Collect the removed targets that finished; restart a thread that ended
@@ -293,13 +299,7 @@ class Fleet:
                 continue
             emit(log, "fleet.target_thread_ended", logging.ERROR, database=target.name)
             add_stats(self.stats, member.stats)
-            replacement = TargetRelay(
-                target,
-                self.settings,
-                drain=self.drain,
-                retry_initial=self.retry_initial,
-                retry_max=self.retry_max,
-            )
+            replacement = self._member(target)
             self.targets[target] = replacement
             replacement.start()
 
