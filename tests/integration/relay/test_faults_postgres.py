@@ -80,6 +80,7 @@ def stop(relay: Relay, thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.fleet_faults
 @both_modes
 def test_pg_crash__prepared_batches_survive_and_are_resolved(
     cluster: PostgresCluster, crash_settings: Settings, topology: Topology
