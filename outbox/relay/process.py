@@ -37,11 +37,11 @@ missing, as after an outage: a new work session from the saved front, a new rela
 id, a resolve pass at once.  One database session per idle database instead of
 three: what lets one process serve many databases (``outbox.fleet``).
 
-A crash while going dormant or waking (the crash table of ``outbox/relay/batches.py``
-gets this line): going dormant, nothing is in flight, so a crash leaves at most a
-registry row whose lock died with the process (forgotten by the next resolver
-pass) and a front saved or not (a session that finds none walks from the bottom);
-waking, it is a relay starting: no batch before the first claim after it.
+A crash while going dormant or waking (the line "going dormant or waking" of the
+crash table in ``outbox/relay/batches.py``): going dormant, nothing is in flight,
+so a crash leaves at most a registry row whose lock died with the process
+(forgotten by resolvers) and a front saved or not (a session that finds none walks
+from the bottom); waking, it is a relay starting: no batch before its first claim.
 
 Sessions: the work connection (claims, 2PC, resolver passes; every statement
 bounded by ``statement_timeout``, and the server checks every 2 s that we are

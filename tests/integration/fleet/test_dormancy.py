@@ -49,7 +49,7 @@ def test_dormancy__an_idle_target_holds_one_session_and_a_commit_wakes_it(
     # Both start with three sessions (work, control, wake-up) and go dormant.
     wait_for(lambda: sessions(idle) == ["outbox-relay-wakeup"], 20, "the idle target dormant")
     wait_for(lambda: sessions(busy) == ["outbox-relay-wakeup"], 5, "the other one too")
-    assert "relay.dormant" in relay.output()
+    assert "relay.dormant" in relay.log()
     got: collections.Counter[str] = collections.Counter()
     ids = set(insert_rows(idle, topology.exchange, 3))
 
@@ -58,8 +58,8 @@ def test_dormancy__an_idle_target_holds_one_session_and_a_commit_wakes_it(
         return ids <= set(got)
 
     wait_for(arrived_all, 5, "the committed row, after the wake-up")
-    assert "relay.woken database=" in relay.output()
-    assert "reason=notify" in relay.output()
+    assert "relay.woken database=" in relay.log()
+    assert "reason=notify" in relay.log()
     # Awake, then dormant again once idle.
     wait_for(lambda: sessions(idle) == ["outbox-relay-wakeup"], 10, "dormant again")
     relay.process.send_signal(signal.SIGTERM)
@@ -102,7 +102,7 @@ def test_dormancy__a_dead_relays_prepared_batch_wakes_a_dormant_target(
         return ids <= set(got)
 
     wait_for(arrived_all, 10, "the rows of the dead relay's batch")
-    assert "reason=orphaned_batches" in relay.output()
+    assert "reason=orphaned_batches" in relay.log()
     assert prepared_left(dsn) == [] and rows_left(dsn) == 0
     relay.process.send_signal(signal.SIGTERM)
     assert relay.wait() == 0, relay.output()

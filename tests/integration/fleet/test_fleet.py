@@ -60,7 +60,7 @@ def test_fleet__relays_every_database_of_the_file_and_stops_cleanly(
     for dsn in dsns:
         assert prepared_left(dsn) == [] and rows_left(dsn) == 0
         assert relay_sessions(dsn) == 0  # unregistered, closed
-    output = relay.output()
+    output = relay.log()
     for dsn in dsns:
         assert f"database={database_of(dsn)}" in output
     # Every event of a target's relay names its database.
@@ -88,7 +88,7 @@ def test_fleet__a_database_added_flows_within_10s_and_one_removed_stops_alone(
 
     targets_file.write(first, third)  # the second is removed
     wait_for(lambda: relay_sessions(second) == 0, 15, "the removed target's sessions to end")
-    assert "fleet.target_removed" in relay.output()
+    assert "fleet.target_removed" in relay.log()
     left = set(insert_rows(second, topology.exchange, 2))
     still = set(insert_rows(first, topology.exchange, 2)) | set(
         insert_rows(third, topology.exchange, 2)
@@ -122,7 +122,7 @@ def test_fleet__refusing_targets_are_reported_retried_and_never_stop_the_others(
     def reported(database: str) -> bool:
         return any(
             "fleet.target_failed" in line and f"database={database} " in line and "hint=" in line
-            for line in relay.output().splitlines()
+            for line in relay.log().splitlines()
         )
 
     wait_for(lambda: reported(database_of(no_table)), 10, "the database without the table")
@@ -154,7 +154,7 @@ def test_fleet__discovery_finds_a_database_created_with_the_table_within_10s(
     new = set(insert_rows(later, topology.exchange, 3))
     wait_for(lambda: delivered(topology, got, new), 10, "the new database's rows")
     assert time.monotonic() - created_at < 10
-    assert f"database={prefix}_empty" not in relay.output()
+    assert f"database={prefix}_empty" not in relay.log()
     stop(relay)
 
 

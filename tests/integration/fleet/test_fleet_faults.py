@@ -10,15 +10,12 @@ import contextlib
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from outbox.config import Settings
-from outbox.db import migrate
 from outbox.db.devcluster import PostgresCluster
 from tests.fixtures.faults import (
     RelayProcess,
@@ -32,6 +29,7 @@ from tests.fixtures.faults import (
 )
 from tests.fixtures.servers import Topology
 from tests.integration.fleet.conftest import NewDatabase, TargetsFile
+from tests.integration.relay.test_faults_postgres import _database as new_cluster_database
 
 pytestmark = pytest.mark.fleet_faults
 
@@ -104,7 +102,7 @@ def test_fleet_partition__both_databases_cut_twice_lose_nothing(
         done.set()
         writer.join()
     got = finish(relay, dsns, topology, committed + more)
-    output = relay.output()
+    output = relay.log()
     for dsn in dsns:
         name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
         assert f"relay.retry database={name} " in output
@@ -120,23 +118,13 @@ def cluster() -> Iterator[PostgresCluster]:
     pg.destroy()
 
 
-def cluster_database(cluster: PostgresCluster) -> str:
-    name = f"c_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = psycopg.conninfo.make_conninfo(cluster.dsn, dbname=name)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        migrate.migrate(conn, "outbox")  # type: ignore[arg-type]
-    return dsn
-
-
 def test_fleet_postgres_crash__every_database_carries_on_without_duplicates(
     cluster: PostgresCluster,
     targets_file: TargetsFile,
     settings: Settings,
     topology: Topology,
 ) -> None:
-    dsns = [cluster_database(cluster), cluster_database(cluster)]
+    dsns = [new_cluster_database(cluster, schema=True) for _ in range(2)]
     targets_file.write(*dsns)
     committed = [i for dsn in dsns for i in insert_rows(dsn, topology.exchange, 1000)]
     relay = RelayProcess(settings, extra_env={"OUTBOX_TARGETS": targets_file.path})
