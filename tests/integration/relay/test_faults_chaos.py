@@ -7,6 +7,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from outbox.config import Settings
 from tests.fixtures.faults import (
     both_modes,
@@ -22,6 +24,7 @@ RELAYS = 3
 CHAOS_SECONDS = 15
 
 
+@pytest.mark.fleet_faults
 @both_modes
 def test_chaos__relays_killed_at_random_lose_nothing(
     settings: Settings, topology: Topology, chaos_seed: int
