@@ -20,7 +20,7 @@ from psycopg import sql
 from outbox.amqp.publisher import Publisher
 from outbox.config import Settings
 from outbox.gid import new_relay_id
-from tests.fixtures.faults import prepared_left
+from tests.fixtures.faults import RelayProcess, prepared_left, rows_left, wait_for
 from tests.fixtures.servers import Topology, insert_numbered_rows, run_cli, settings_env
 from tests.integration.resolver.test_faults_resolver import prepare_batch
 
@@ -197,3 +197,33 @@ def test_status__a_server_that_never_answers_costs_its_timeout_not_the_others(
     assert code == 1
     states = {d["database"]: d["state"] for d in report["databases"]}
     assert states == {**dict.fromkeys(fleet, "ok"), "hung": "unreachable"}
+
+
+def test_status__over_a_running_fleet_idle_dormant_databases_need_no_attention(
+    settings: Settings, topology: Topology, fleet: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """With ``outbox relay --targets`` serving the databases: each database's live
+    relay while it works, and an idle database gone dormant (its relay unregistered
+    until a row comes) is all good, not "no relay"."""
+    a, b, _ = fleet
+    targets = write_targets(tmp_path / "targets", list(fleet.values()))
+    insert_numbered_rows(fleet[a], topology.exchange, 20)
+    relay = RelayProcess(
+        settings, extra_env={"OUTBOX_TARGETS": targets, "OUTBOX_DORMANT_AFTER": "1"}
+    )
+    try:
+        wait_for(lambda: rows_left(fleet[a]) == 0, 30, "the fleet to publish a's rows")
+
+        def idle_everywhere() -> bool:
+            _, report, _ = fleet_cli(settings, "status", "--targets", targets)
+            return all(d["live_relays"] == 0 for d in report["databases"])
+
+        wait_for(idle_everywhere, 30, "every database to go dormant")
+        code, report, _ = fleet_cli(settings, "status", "--targets", targets)
+        assert code == 0 and report["summary"]["ok"] == 3, report["attention"]
+        insert_numbered_rows(fleet[b], topology.exchange, 5)  # wakes b's relay
+        wait_for(lambda: rows_left(fleet[b]) == 0, 30, "the fleet to publish b's rows")
+        code, report, _ = fleet_cli(settings, "status", "--targets", targets)
+        assert code == 0, report["attention"]
+    finally:
+        relay.close()
