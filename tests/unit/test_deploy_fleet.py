@@ -100,3 +100,21 @@ def test_kubernetes__the_fleet_mounts_its_targets_as_a_file_the_relays_read_agai
     assert secret["items"] == [{"key": file, "path": file}] and secret["defaultMode"] == 0o640
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_kubernetes__the_fleet_console_reads_the_same_targets_and_is_not_public() -> None:
+    from tests.unit.test_deploy_kubernetes import named, rendered
+
+    docs = rendered("fleet")
+    assert all(
+        d["spec"].get("type", "ClusterIP") == "ClusterIP" for d in docs if d["kind"] == "Service"
+    )
+    relay = named(docs, "Deployment", "outbox-fleet-relay")["spec"]["template"]["spec"]
+    console = named(docs, "Deployment", "outbox-fleet-console")["spec"]["template"]["spec"]
+    [container] = console["containers"]
+    assert container["args"] == ["web"]
+    # The relays' settings (OUTBOX_TARGETS) and the same mounts: the same databases.
+    assert {"configMapRef": {"name": "outbox-fleet-config"}} in container["envFrom"]
+    assert console["volumes"] == relay["volumes"]
+    secrets = [s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s]
+    assert any("OUTBOX_WEB_TOKEN" in named(docs, "Secret", n)["stringData"] for n in secrets)
