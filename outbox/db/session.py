@@ -397,8 +397,13 @@ def cannot_connect(exc: psycopg.OperationalError) -> DatabaseUnavailable:
         "the server's certificate must be signed by the CA in sslrootcert= and name "
         "the DSN's host (sslmode=verify-full)"
         if "certificate" in reason
-        else "check --dsn / OUTBOX_DSN and that the server is running",
+        else f"check {DSN_OPTION} and that the server is running",
     )
+
+
+# Where a command's DSN comes from, as a hint names it (a fleet's commands name the
+# target's line instead: ``outbox.ops.fleet``).
+DSN_OPTION = "--dsn / OUTBOX_DSN"
 
 
 # How often a backend running one of our statements checks that we are still there.

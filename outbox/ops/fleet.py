@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from outbox.config import Settings
+from outbox.db.session import DSN_OPTION
 from outbox.errors import ExitCode, OutboxError
 from outbox.fleet.targets import Target, TargetSource
 from outbox.ops import status
@@ -72,9 +73,9 @@ def each(
         try:
             return Outcome(target.name, work(dataclasses.replace(settings, dsn=target.dsn)))
         except OutboxError as exc:
-            return Outcome(
-                target.name, error=exc.message, hint=exc.hint or None, exit_code=int(exc.exit_code)
-            )
+            # The DSN is the target's, not --dsn's: say where it comes from.
+            hint = exc.hint.replace(DSN_OPTION, "its DSN in the targets") if exc.hint else None
+            return Outcome(target.name, error=exc.message, hint=hint, exit_code=int(exc.exit_code))
         except Exception as exc:  # a bug must not hide the other databases' figures
             return Outcome(
                 target.name,

@@ -113,6 +113,7 @@ def test_status__reports_every_database_and_the_down_ones_in_their_rows(
     [gone] = [e for e in entries.values() if e["database"].startswith("no_such_")]
     assert gone["state"] == "unreachable" and "does not exist" in gone["error"]
     assert gone["exit_code"] == 3
+    assert "its DSN in the targets" in gone["hint"]  # not --dsn, which it did not use
     summary = report["summary"]
     assert summary["backlog_rows"] == 7
     assert summary["unreachable"] == (2 if local else 1)
