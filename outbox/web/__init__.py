@@ -7,10 +7,11 @@ shares (``site``: rendering, blocking calls, the request guard, form checks, the
 audit log), what it reads and does (``console``: the same store, parked
 and resolver calls as the CLI), who may use it and the CSRF rules (``security``),
 the last hour's samples shared by every tab (``sampler``) and their charts drawn as
-inline SVG (``charts``), and serving it (``server``: uvicorn).  The click command
-is ``outbox.cli.web``.
+inline SVG (``charts``), the console of many databases (``fleet``: an overview of
+all of them, each one's pages under ``/db/<name>/``), and serving it (``server``:
+uvicorn).  The click command is ``outbox.cli.web``.
 
-May import: ``outbox.ops``, ``outbox.inbox``, ``outbox.relay``, ``resolver``,
+May import: ``outbox.ops``, ``outbox.fleet``, ``outbox.inbox``, ``outbox.relay``, ``resolver``,
 ``outbox.db`` and the plain modules of ``outbox``; only ``outbox.cli`` imports it.
 
 Public names: ``app.create_app``, ``app.WebConfig``, ``console.ConsoleConfig``,
