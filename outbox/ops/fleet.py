@@ -92,6 +92,13 @@ def each(
 
 
 # -- status -------------------------------------------------------------------------
+# A database that cannot be read, in a word, by the exit code its own command has.
+FAILED_AS = {
+    int(ExitCode.UNREACHABLE): "unreachable",
+    int(ExitCode.NOT_READY): "not ready",
+    int(ExitCode.SCHEMA_TOO_NEW): "schema too new",
+    int(ExitCode.TIMED_OUT): "timed out",
+}
 # The figures of each database a fleet's status line shows, summed in its summary.
 SUMMED = ("backlog_rows", "prepared", "dead_letters", "scheduled_rows")
 
@@ -146,7 +153,9 @@ def database_entry(outcome: Outcome) -> dict[str, Any]:
     single-database report), or the error that kept it from being read."""
     entry: dict[str, Any] = {
         "database": outcome.database,
-        "state": "unreachable" if outcome.failed else "ok",
+        "state": "error" if outcome.failed else "ok",
+        # What kept it from being read, in a word (its exit code's meaning).
+        "why": FAILED_AS.get(outcome.exit_code, "failed") if outcome.failed else None,
         "error": outcome.error,
         "hint": outcome.hint,
         "exit_code": outcome.exit_code,  # what its own ``outbox status`` would exit with
@@ -174,7 +183,7 @@ def summary(databases: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "databases": len(databases),
         "ok": states.count("ok"),
         "attention": states.count("attention"),
-        "unreachable": states.count("unreachable"),
+        "error": states.count("error"),
         **{name: sum(int(d[name]) for d in read) for name in SUMMED},
         "oldest_row_age_seconds": max((d["oldest_row_age_seconds"] for d in read), default=0.0),
         "oldest_prepared_age_seconds": max(
@@ -204,7 +213,7 @@ def render(report: dict[str, Any]) -> str:
     for d in report["databases"]:
         name = d["database"] if len(d["database"]) < 24 else d["database"][:22] + "…"
         if d["status"] is None:
-            lines.append(f"{name.ljust(24)}unreachable: {d['error']}")
+            lines.append(f"{name.ljust(24)}{d['why']}: {d['error']}")
             if d["hint"]:
                 lines.append(f"{'':24}  hint: {d['hint']}")
             continue
@@ -233,8 +242,9 @@ def render_summary(report: dict[str, Any]) -> str:
     if not s["databases"]:
         return f"needs attention: {report['attention'][0]}"
     return (
-        f"{s['databases']} databases: {s['ok']} all good, {s['attention']} need attention, "
-        f"{s['unreachable']} cannot be read; backlog {s['backlog_rows']:,} rows "
+        f"{s['databases']} database{'' if s['databases'] == 1 else 's'}: {s['ok']} all good, "
+        f"{s['attention']} need attention, {s['error']} cannot be read; "
+        f"backlog {s['backlog_rows']:,} rows "
         f"(oldest {s['oldest_row_age_seconds']:.1f}s), {s['prepared']} prepared batches "
         f"(oldest {s['oldest_prepared_age_seconds']:.1f}s), {s['dead_letters']} dead letters, "
         f"{s['without_relay']} without a live relay"

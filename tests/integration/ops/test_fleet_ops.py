@@ -111,12 +111,14 @@ def test_status__reports_every_database_and_the_down_ones_in_their_rows(
     assert entries[a]["backlog_rows"] == 0 and entries[a]["state"] == "ok"
     assert entries[c]["status"]["table"] == "outbox"  # the single-database report, whole
     [gone] = [e for e in entries.values() if e["database"].startswith("no_such_")]
-    assert gone["state"] == "unreachable" and "does not exist" in gone["error"]
+    assert (gone["state"], gone["why"]) == ("error", "unreachable") and "does not exist" in gone[
+        "error"
+    ]
     assert gone["exit_code"] == 3
     assert "its DSN in the targets" in gone["hint"]  # not --dsn, which it did not use
     summary = report["summary"]
     assert summary["backlog_rows"] == 7
-    assert summary["unreachable"] == (2 if local else 1)
+    assert summary["error"] == (2 if local else 1)
     if local:
         [disabled] = [e for e in entries.values() if e["database"] == "postgres"]
         assert "max_prepared_transactions" in disabled["error"]
@@ -197,7 +199,7 @@ def test_status__a_server_that_never_answers_costs_its_timeout_not_the_others(
         silent.close()
     assert code == 1
     states = {d["database"]: d["state"] for d in report["databases"]}
-    assert states == {**dict.fromkeys(fleet, "ok"), "hung": "unreachable"}
+    assert states == {**dict.fromkeys(fleet, "ok"), "hung": "error"}
 
 
 def test_status__over_a_running_fleet_idle_dormant_databases_need_no_attention(

@@ -70,7 +70,7 @@ def test_web__the_overview_shows_every_database_and_the_one_that_cannot_be_read(
     found = rows(page)
     assert found[a] == "ok" and found[b] == "attention" and found[c] == "ok"
     [missing] = [n for n in found if n.startswith("no_such_")]
-    assert found[missing] == "unreachable"
+    assert found[missing] == "error"
     assert "does not exist" in page
     assert f'href="/db/{b}/dead-letters">2</a>' in page
     assert "4 databases: 2 all good, 1 need attention, 1 cannot be read" in page

@@ -58,7 +58,7 @@ def test_status__a_line_per_database_and_a_summary(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(status, "collect", collect)
     report = fleet.collect(TARGETS, Settings(), max_prepared_age=60)
-    assert [d["state"] for d in report["databases"]] == ["ok", "attention", "unreachable"]
+    assert [d["state"] for d in report["databases"]] == ["ok", "attention", "error"]
     assert report["attention"] == [
         "b: the oldest outbox row is 400s old",
         'c: cannot be read: database "c" does not exist (check the targets)',
