@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from outbox.web import console
-from outbox.web.site import Site, audit, client_of
+from outbox.web.site import Site, audit, audited_database, client_of
 
 
 def routes(site: Site) -> list[Route]:
@@ -45,6 +45,7 @@ def routes(site: Site) -> list[Route]:
             "web.resolved",
             who=request.state.who,
             client=client_of(request),
+            **audited_database(request),
             table=settings.table,
             batches=len(results),
             committed=sum(1 for r in results if r.outcome == "committed"),

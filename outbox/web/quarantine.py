@@ -33,6 +33,7 @@ from outbox.web.site import (
     Site,
     action_of,
     audit,
+    audited_database,
     client_of,
     download,
     expected_count,
@@ -162,6 +163,7 @@ class Pages(abc.ABC, Generic[W]):
             f"web.{self.kind.name}_{'retried' if action == 'retry' else 'purged'}",
             who=request.state.who,
             client=client_of(request),
+            **audited_database(request),
             **done.audited,
         )
         verb = self.kind.retried if action == "retry" else "purged"

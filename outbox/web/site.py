@@ -129,6 +129,12 @@ DB_PREFIX = "/db/"
 DB_SCOPE_KEY = "outbox_target"
 
 
+def audited_database(request: Request) -> dict[str, str]:
+    """The ``database`` field of an action's audit entry in a console of many."""
+    target = target_of(request)
+    return {} if target is None else {"database": target.name}
+
+
 def target_of(request: Request) -> Target | None:
     """The database a request is for, in a console of many (None: no database chosen,
     or a console of one)."""

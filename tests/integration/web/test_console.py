@@ -676,6 +676,8 @@ def test_web__many_databases_pick_one_and_retry_its_dead_letter_there(
         assert page.locator("#count").inner_text() == "1"
         page.locator("#confirm").click()
         assert page.locator("#done").inner_text().startswith("1 dead letter moved back")
+        back = page.locator("a", has_text="Back to the list").get_attribute("href")
+        assert back == f"/db/{b}/dead-letters?table=outbox"
         assert dead_letter_ids(fleet[b]) == [] and rows_left(fleet[b]) == 1
         assert rows_left(fleet[a]) == 0
     finally:

@@ -103,6 +103,7 @@ def test_web__an_action_acts_on_its_database_only(
     topology: Topology,
     console: Console,
     fleet: dict[str, str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     declare_ledger(settings)
     a, b, _ = fleet
@@ -119,6 +120,8 @@ def test_web__an_action_acts_on_its_database_only(
     )
     assert status == 200, page
     assert prepared_left(fleet[a]) == [] and prepared_left(fleet[b]) == [in_b]
+    [logged] = [r for r in caplog.records if getattr(r, "event", "") == "web.resolved"]
+    assert logged.fields["database"] == a  # type: ignore[attr-defined]
 
 
 def test_web__a_database_added_to_the_targets_appears_without_a_restart(
