@@ -24,6 +24,7 @@ from tests.fixtures.faults import (
     insert_rows,
     prepared_left,
     proxied_dsn,
+    relay_sessions,
     rows_left,
     wait_for,
 )
@@ -91,12 +92,15 @@ def test_fleet_partition__both_databases_cut_twice_lose_nothing(
 ) -> None:
     dsns = [new_database(), new_database()]
     targets_file.write(*(proxied_dsn(dsn, pg_proxy) for dsn in dsns))
-    committed = [i for dsn in dsns for i in insert_rows(dsn, topology.exchange, 500)]
     relay = run_fleet(targets_file.path, OUTBOX_BATCH_SIZE="20")
+    for dsn in dsns:  # every relay up: work, control and wake-up sessions
+        wait_for(lambda dsn=dsn: relay_sessions(dsn) == 3, 60, "the fleet to start")
+    committed = [i for dsn in dsns for i in insert_rows(dsn, topology.exchange, 2000)]
     more, done, writer = writing(dsns, topology.exchange)
     try:
         for _ in range(2):
-            time.sleep(1.5)
+            time.sleep(0.5)
+            assert pg_proxy.pairs
             pg_proxy.cut_all()  # every session of both databases at once
     finally:
         done.set()
@@ -105,7 +109,8 @@ def test_fleet_partition__both_databases_cut_twice_lose_nothing(
     output = relay.log()
     for dsn in dsns:
         name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-        assert f"relay.retry database={name} " in output
+        lines = [line for line in output.splitlines() if f"database={name} " in line]
+        assert any("relay.retry" in line for line in lines), "\n".join(lines[-30:])
     # A cut is a crash window of the batches in flight: at most two per database.
     assert sum(n - 1 for n in got.values()) <= 2 * 2 * 2 * 20
 
