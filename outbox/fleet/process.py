@@ -231,6 +231,7 @@ class Fleet:
         self._leaving: list[TargetRelay] = []  # removed, finishing their batches
         self.stats = Stats()  # counters of targets that ended
         self.last_progress = time.monotonic()
+        self._started = False
 
     def members(self) -> list[TargetRelay]:
         """The targets served now, by name."""
@@ -239,6 +240,7 @@ class Fleet:
     def start(self) -> None:
         """Read the targets (an unreadable source fails here: a usage error) and start
         a thread for each."""
+        self._started = True
         targets = self.source.poll()
         emit(
             log,
@@ -251,7 +253,7 @@ class Fleet:
     def run(self) -> Stats:
         """Supervise until stopped (or, with ``drain``, until every target drained);
         then stop every target and wait for them."""
-        if not self.targets and not self.source.current:
+        if not self._started:
             self.start()
         try:
             while not self.stop:
