@@ -65,7 +65,7 @@ import traceback
 from collections.abc import Callable
 
 from outbox.config import Settings
-from outbox.errors import OutboxError
+from outbox.errors import InvalidSetting, OutboxError
 from outbox.events import context, emit
 from outbox.fleet.targets import Target, TargetSource, diff
 from outbox.relay.process import Relay, Stats, StopFlag
@@ -241,7 +241,15 @@ class Fleet:
         """Read the targets (an unreadable source fails here: a usage error) and start
         a thread for each."""
         self._started = True
-        targets = self.source.poll()
+        try:
+            targets = self.source.poll()
+        except OutboxError as exc:
+            if self.source.file is None:
+                raise
+            raise InvalidSetting(
+                exc.message,
+                "give --targets a readable UTF-8 file with one PostgreSQL DSN per line",
+            ) from None
         emit(
             log,
             "fleet.started",

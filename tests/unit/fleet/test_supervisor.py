@@ -136,3 +136,13 @@ def test_cli__the_fleets_default_dormancy_is_the_fleets() -> None:
     from outbox.fleet.process import DORMANT_AFTER
 
     assert command_default == DORMANT_AFTER
+
+
+def test_fleet__a_targets_file_unreadable_at_start_is_a_usage_error(tmp_path: Path) -> None:
+    from outbox.errors import InvalidSetting
+
+    fleet = Fleet(TargetSource(file=str(tmp_path / "missing")), Settings())
+    with pytest.raises(InvalidSetting) as raised:
+        fleet.start()
+    assert "cannot read the targets file" in raised.value.message
+    assert raised.value.hint is not None and "readable" in raised.value.hint
