@@ -128,3 +128,21 @@ def test_fleet__targets_come_and_go_and_an_unreadable_file_keeps_them(
         fleet.stop.set()
         runner.join(10)
     assert not runner.is_alive() and not fleet.targets
+
+
+def test_cli__the_fleets_default_dormancy_is_the_fleets() -> None:
+    """The command does not import the fleet to know its default (``outbox.cli.relay``)."""
+    from outbox.cli.relay import DORMANT_AFTER as command_default
+    from outbox.fleet.process import DORMANT_AFTER
+
+    assert command_default == DORMANT_AFTER
+
+
+def test_fleet__a_targets_file_unreadable_at_start_is_a_usage_error(tmp_path: Path) -> None:
+    from outbox.errors import InvalidSetting
+
+    fleet = Fleet(TargetSource(file=str(tmp_path / "missing")), Settings())
+    with pytest.raises(InvalidSetting) as raised:
+        fleet.start()
+    assert "cannot read the targets file" in raised.value.message
+    assert raised.value.hint is not None and "readable" in raised.value.hint
