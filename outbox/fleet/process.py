@@ -65,7 +65,7 @@ import traceback
 from collections.abc import Callable
 
 from outbox.config import Settings
-from outbox.errors import InvalidSetting, OutboxError
+from outbox.errors import DatabaseUnavailable, InvalidSetting, OutboxError
 from outbox.events import context, emit
 from outbox.fleet.targets import Target, TargetSource, diff
 from outbox.relay.process import Relay, Stats, StopFlag
@@ -243,6 +243,11 @@ class Fleet:
         self._started = True
         try:
             targets = self.source.poll()
+        except DatabaseUnavailable as exc:
+            # Discovery's server down or silent: an outage, not a usage error; the
+            # fleet starts with no target and looks again every interval.
+            targets = None
+            emit(log, "fleet.targets_unreadable", logging.WARNING, error=exc.message, hint=exc.hint)
         except OutboxError as exc:
             if self.source.file is None:
                 raise

@@ -188,3 +188,16 @@ def test_fleet__metrics_label_every_database_and_readyz_names_the_targets_not_re
         migrate.migrate(conn, "outbox")  # type: ignore[arg-type]
     wait_for(lambda: http_get(port, "/readyz")[0] == 200, 30, "every target ready")
     stop(relay)
+
+
+def test_fleet__discovery_whose_server_is_down_at_start_waits_for_it(
+    run_fleet: Run, topology: Topology
+) -> None:
+    """An outage of the discovery server at start is no usage error: the fleet logs it,
+    serves nothing yet and looks again (before: exit 3 at once)."""
+    down = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?connect_timeout=2"
+    relay = run_fleet("", OUTBOX_DISCOVER=down, OUTBOX_TARGETS="")
+    wait_for(lambda: "fleet.targets_unreadable" in relay.output(), 20, "the outage logged")
+    time.sleep(1.0)
+    assert relay.process.poll() is None, relay.output()
+    stop(relay)
