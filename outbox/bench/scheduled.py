@@ -3,16 +3,19 @@
 Rows written with a ``deliver_at`` in the future wait in ``<outbox>_scheduled``,
 where no claim looks; the relay's mover moves them into the outbox when due
 (``outbox.db.scheduled``).  This scenario measures what a large scheduled backlog
-costs the rows due now, and how late the scheduled rows arrive, one relay with
-default settings, in three shapes per holder of the MVCC horizon:
+costs the rows due now, and how late the scheduled rows arrive.  Three shapes run
+side by side, each with its own outbox table, queue, relay (default settings),
+writer and consumer, so that each meets the same load of the machine (a control
+run after or before another meets a different one on a shared machine):
 
 - ``none``: an application commits ``rate`` rows/s due now (transactions of
   ``rows_per_commit`` rows, ``payload``-byte payloads), nothing scheduled: the
-  control run;
+  control;
 - ``backlog``: the same, with ``scheduled`` rows waiting, due evenly from an hour
   after the run's start to ``days`` later (written before the run through the
   outbox's trigger with ``INSERT … SELECT generate_series``, then vacuumed and
-  analyzed as an old table would be);
+  analyzed as an old table would be, and a CHECKPOINT: the run measures the
+  backlog waiting, not the writes of its making);
 - ``due``: the same backlog and the same immediate rows, plus rows coming due at
   ``due_rate`` rows/s for the length of the run (scheduled just before it, through
   the trigger, due from the immediate rows' first commit on).
@@ -23,7 +26,7 @@ rows moved and claimed stay as dead rows and dead index entries.
 
 Figures per run: commit → delivery latency of the immediate rows (p50/p99; the
 application's clock and the consumer's are the same machine's CLOCK_MONOTONIC) and
-its ratio to the control run under the same holder; the scheduled rows' lateness,
+its ratio to the control beside it; the scheduled rows' lateness,
 due time → delivery (p50/p99/max; the due time is the database server's clock,
 the delivery the bench's wall clock: the same machine's on the private cluster);
 the relay's own calls of the claim and of the mover over the run (calls, and per
@@ -35,9 +38,9 @@ relay's claim (a session's first claim, from the bottom, and the next one, past
 what the first found gone) over 1,000 rows due now, and the mover over 200 rows
 just due, from ``LOOK_BACK`` before the last row the run moved (a move, as the
 relay's during the run) and from the bottom (a sweep): shared buffers hit + read,
-and milliseconds.  Nothing lost: every immediate and
-every due row arrived exactly once, and the backlog is still in the scheduled
-table, whole.  Benchmarks print figures; nothing here is a timed assertion.
+and milliseconds.  Nothing lost: every immediate and every due row arrived exactly
+once, and the backlog is still in the scheduled table, whole.  Benchmarks print
+figures; nothing here is a timed assertion.
 """
 
 from __future__ import annotations
@@ -269,107 +272,164 @@ def latencies(
     }
 
 
-def scheduled_run(
-    db: Database, o: ScheduledOptions, holder: str, shape: str, echo: Echo
-) -> dict[str, Any]:
-    """One run: ``shape`` while ``holder`` holds the horizon."""
-    suffix = uuid.uuid4().hex[:8]
-    table = f"outbox_sched_{suffix}"
-    conn = session.connect(db.dsn, application_name="outbox-bench")
-    migrate.migrate(conn, table)
-    broker = BenchTopology(o.amqp_url, suffix)
-    settings = Settings(dsn=db.dsn, amqp_url=o.amqp_url, table=table, ledger_queue=broker.ledger)
-    receiver = Receiver(o.amqp_url, broker.queue)
+@dataclasses.dataclass
+class Lane:
+    """One shape of a run: its own outbox table, queue, relay, writer and consumer."""
+
+    shape: str
+    table: str
+    broker: BenchTopology
+    receiver: Receiver
+    backlog: int
+    fill_seconds: float | None = None
     relays: RelayProcesses | None = None
-    backlog = o.scheduled if shape != "none" else 0
-    fill_seconds = None
+    producer: Producer | None = None
+    due: dict[str, float] = dataclasses.field(default_factory=dict)
+    committed: dict[str, float] = dataclasses.field(default_factory=dict)
+    left: int | None = None
+    relay_calls: dict[str, Any] | None = None
+    explain: dict[str, Any] | None = None
+
+    def wanted(self) -> list[str]:
+        return [*self.committed, *self.due]
+
+
+def scheduled_run(
+    db: Database, o: ScheduledOptions, holder: str, echo: Echo
+) -> list[dict[str, Any]]:
+    """The three shapes side by side, under the same load of the machine, while
+    ``holder`` holds the horizon: one report per shape."""
+    conn = session.connect(db.dsn, application_name="outbox-bench")
+    lanes: list[Lane] = []
     try:
-        if backlog:
-            fill_seconds = write_backlog(conn, table, broker.exchange, o)
-            echo(f"  {holder}/{shape}: {backlog:,} rows scheduled in {fill_seconds:.0f} s")
-        receiver.start()
-        receiver.ready.wait(10)
-        relays = RelayProcesses(settings, 1)
-        wait_registered(conn, table, 1, relays)
-        with hold(holder, db.dsn, table, suffix, private=o.dsn is None) as cannot:
-            if cannot:
-                echo(f"  {holder}/{shape}: skipped, {cannot}")
-                return {"holder": holder, "shape": shape, "skipped": cannot}
-            producer = Producer(
-                db.dsn,
-                table,
-                broker.exchange,
-                HorizonOptions(
-                    amqp_url=o.amqp_url, rows_per_commit=o.rows_per_commit, payload=o.payload
-                ),
-                rate=o.rate,
-                seconds=o.seconds,
-            )
-            due: dict[str, float] = {}
-            if shape == "due":
-                due = schedule_due(
-                    conn, table, broker.exchange, o, max(0.0, producer.start - time.perf_counter())
+        for shape in SHAPES:
+            suffix = uuid.uuid4().hex[:8]
+            table = f"outbox_sched_{suffix}"
+            migrate.migrate(conn, table)
+            broker = BenchTopology(o.amqp_url, suffix)
+            backlog = o.scheduled if shape != "none" else 0
+            lanes.append(Lane(shape, table, broker, Receiver(o.amqp_url, broker.queue), backlog))
+        for lane in lanes:
+            if lane.backlog:
+                lane.fill_seconds = write_backlog(conn, lane.table, lane.broker.exchange, o)
+                echo(
+                    f"  {holder}/{lane.shape}: {lane.backlog:,} rows scheduled in "
+                    f"{lane.fill_seconds:.0f} s"
                 )
-            # The receiver notes perf_counter; due times are the wall clock's.
-            wall_shift = time.time() - time.perf_counter()
-            time.sleep(max(0.0, producer.until - time.perf_counter()))
-            committed = producer.result()
-            deadline = time.monotonic() + DRAIN_SECONDS
-            wanted = [*committed, *due]
-            while time.monotonic() < deadline and not all(m in receiver.arrived for m in wanted):
-                relays.check_alive()
-                time.sleep(0.2)
-            relays.stop()
-            relays = None
-            left = conn.execute(
-                sql.SQL("SELECT count(*) AS n FROM {scheduled}").format(**table_identifiers(table))
-            ).fetchone()
-            relay_calls = statement_calls(conn, table)
-            last_due = (
-                datetime.datetime.fromtimestamp(max(due.values()), datetime.timezone.utc)
-                if due
-                else None
+        # The backlog's writes are flushed before the run: what the run measures is
+        # the backlog waiting, not the checkpoint that writing it would bring.
+        with contextlib.suppress(psycopg.Error):
+            conn.execute("CHECKPOINT")
+        for lane in lanes:
+            lane.receiver.start()
+            lane.receiver.ready.wait(10)
+            settings = Settings(
+                dsn=db.dsn, amqp_url=o.amqp_url, table=lane.table, ledger_queue=lane.broker.ledger
             )
-            calls = explain(db.dsn, table, broker.exchange, last_due)
+            lane.relays = RelayProcesses(settings, 1)
+        for lane in lanes:
+            assert lane.relays is not None
+            wait_registered(conn, lane.table, 1, lane.relays)
+        with hold(
+            holder, db.dsn, lanes[0].table, uuid.uuid4().hex[:8], private=o.dsn is None
+        ) as cannot:
+            if cannot:
+                echo(f"  {holder}: skipped, {cannot}")
+                return [
+                    {"holder": holder, "shape": lane.shape, "skipped": cannot} for lane in lanes
+                ]
+            writers = HorizonOptions(
+                amqp_url=o.amqp_url, rows_per_commit=o.rows_per_commit, payload=o.payload
+            )
+            for lane in lanes:
+                lane.producer = Producer(
+                    db.dsn,
+                    lane.table,
+                    lane.broker.exchange,
+                    writers,
+                    rate=o.rate,
+                    seconds=o.seconds,
+                )
+            for lane in lanes:
+                if lane.shape == "due":
+                    assert lane.producer is not None
+                    lead = max(0.0, lane.producer.start - time.perf_counter())
+                    lane.due = schedule_due(conn, lane.table, lane.broker.exchange, o, lead)
+            # The receivers note perf_counter; due times are the wall clock's.
+            wall_shift = time.time() - time.perf_counter()
+            until = max(lane.producer.until for lane in lanes if lane.producer is not None)
+            time.sleep(max(0.0, until - time.perf_counter()))
+            for lane in lanes:
+                assert lane.producer is not None
+                lane.committed = lane.producer.result()
+            deadline = time.monotonic() + DRAIN_SECONDS
+            for lane in lanes:
+                assert lane.relays is not None
+                while time.monotonic() < deadline and not all(
+                    m in lane.receiver.arrived for m in lane.wanted()
+                ):
+                    lane.relays.check_alive()
+                    time.sleep(0.2)
+            for lane in lanes:
+                assert lane.relays is not None
+                lane.relays.stop()
+                lane.relays = None
+                left = conn.execute(
+                    sql.SQL("SELECT count(*) AS n FROM {scheduled}").format(
+                        **table_identifiers(lane.table)
+                    )
+                ).fetchone()
+                lane.left = int(left["n"]) if left else None
+                lane.relay_calls = statement_calls(conn, lane.table)
+                last_due = (
+                    datetime.datetime.fromtimestamp(max(lane.due.values()), datetime.timezone.utc)
+                    if lane.due
+                    else None
+                )
+                lane.explain = explain(db.dsn, lane.table, lane.broker.exchange, last_due)
     finally:
-        if relays is not None:
-            relays.stop()
-        receiver.stop()
-        broker.delete()
-        for name in table_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
-        for function in function_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
+        for lane in lanes:
+            if lane.relays is not None:
+                lane.relays.stop()
+            if lane.receiver.ident is not None:  # started
+                lane.receiver.stop()
+            lane.broker.delete()
+            for name in table_names(lane.table):
+                with contextlib.suppress(Exception):
+                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
+            for function in function_names(lane.table):
+                with contextlib.suppress(Exception):
+                    conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
         conn.close()
-    echo(f"  {holder}/{shape}: done")
-    return {
-        "holder": holder,
-        "shape": shape,
-        "skipped": None,
-        "scheduled": backlog,
-        "fill_seconds": round(fill_seconds, 1) if fill_seconds is not None else None,
-        "immediate": latencies(committed, receiver.arrived),
-        "due": latencies(due, receiver.arrived, wall_shift) if due else None,
-        "duplicates": receiver.duplicates,
-        "scheduled_left": int(left["n"]) if left else None,
-        "relay_calls": relay_calls,
-        "explain": calls,
-    }
+    echo(f"  {holder}: done")
+    return [
+        {
+            "holder": holder,
+            "shape": lane.shape,
+            "skipped": None,
+            "scheduled": lane.backlog,
+            "fill_seconds": round(lane.fill_seconds, 1) if lane.fill_seconds is not None else None,
+            "immediate": latencies(lane.committed, lane.receiver.arrived),
+            "due": latencies(lane.due, lane.receiver.arrived, wall_shift) if lane.due else None,
+            "duplicates": lane.receiver.duplicates,
+            "scheduled_left": lane.left,
+            "relay_calls": lane.relay_calls,
+            "explain": lane.explain,
+        }
+        for lane in lanes
+    ]
 
 
 def run_scheduled_bench(o: ScheduledOptions, echo: Echo) -> dict[str, Any]:
-    """Every holder's runs, each shape in turn, the control first."""
+    """Every holder's run, each with the three shapes side by side."""
     runs = []
     with bench_database(o.dsn, echo, server_settings=STATEMENT_SETTINGS) as db:
         if o.dsn is None:
             with session.connect(db.dsn, application_name="outbox-bench") as conn:
                 conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         for holder in o.holders:
-            for shape in SHAPES:
-                echo(f"  {holder}/{shape}: {o.seconds:.0f} s ...")
-                runs.append(scheduled_run(db, o, holder, shape, echo))
+            echo(f"  {holder}: {', '.join(SHAPES)} side by side, {o.seconds:.0f} s ...")
+            runs += scheduled_run(db, o, holder, echo)
     for run in runs:
         control = next(
             (
@@ -427,7 +487,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['rows_per_commit']}-row transactions of {report['payload_bytes']} B "
         f"payloads for {report['seconds']:.0f} s; backlog: {report['scheduled']:,} rows "
         f"due over {report['days']:g} days from an hour on; due shape: "
-        f"{report['due_rate']:,.0f} rows/s coming due; one relay, default settings; "
+        f"{report['due_rate']:,.0f} rows/s coming due; the three side by side, a relay "
+        "each, default settings; "
         f"PostgreSQL: {report['postgres']}",
         "",
         "| held | shape | immediate p50 | p99 | p50 / p99 vs nothing scheduled | "
