@@ -3,10 +3,11 @@
 Rows written with a ``deliver_at`` in the future wait in ``<outbox>_scheduled``,
 where no claim looks; the relay's mover moves them into the outbox when due
 (``outbox.db.scheduled``).  This scenario measures what a large scheduled backlog
-costs the rows due now, and how late the scheduled rows arrive.  Three shapes run
-side by side, each with its own outbox table, queue, relay (default settings),
-writer and consumer, so that each meets the same load of the machine (a control
-run after or before another meets a different one on a shared machine):
+costs the rows due now, and how late the scheduled rows arrive.  Three shapes, each
+with its own outbox table, queue, relay (default settings), writer and consumer;
+the first two side by side, so that both meet the same load of the machine (a
+control run after or before the other meets a different one on a shared machine),
+then the third alone (``PHASES``):
 
 - ``none``: an application commits ``rate`` rows/s due now (transactions of
   ``rows_per_commit`` rows, ``payload``-byte payloads), nothing scheduled: the
@@ -50,6 +51,7 @@ import dataclasses
 import datetime
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -74,6 +76,10 @@ from outbox.db.queries import Queries
 from outbox.tables import function_names, table_identifiers, table_names
 
 SHAPES = ("none", "backlog", "due")
+# Which shapes run side by side: the control beside the backlog (the ratio between
+# them is the figure), then the due shape alone (twice the rows: beside the others
+# it would set the load they meet).
+PHASES = (("none", "backlog"), ("due",))
 HOLDERS = ("none", "snapshot")
 # The backlog's first row is due this long after the run's start: none comes due
 # during a run, so each figure counts only the rows it names.
@@ -295,14 +301,14 @@ class Lane:
 
 
 def scheduled_run(
-    db: Database, o: ScheduledOptions, holder: str, echo: Echo
+    db: Database, o: ScheduledOptions, holder: str, shapes: Sequence[str], echo: Echo
 ) -> list[dict[str, Any]]:
-    """The three shapes side by side, under the same load of the machine, while
-    ``holder`` holds the horizon: one report per shape."""
+    """``shapes`` side by side, under the same load of the machine, while ``holder``
+    holds the horizon: one report per shape."""
     conn = session.connect(db.dsn, application_name="outbox-bench")
     lanes: list[Lane] = []
     try:
-        for shape in SHAPES:
+        for shape in shapes:
             suffix = uuid.uuid4().hex[:8]
             table = f"outbox_sched_{suffix}"
             migrate.migrate(conn, table)
@@ -421,15 +427,16 @@ def scheduled_run(
 
 
 def run_scheduled_bench(o: ScheduledOptions, echo: Echo) -> dict[str, Any]:
-    """Every holder's run, each with the three shapes side by side."""
+    """Every holder's runs, one per phase (``PHASES``)."""
     runs = []
     with bench_database(o.dsn, echo, server_settings=STATEMENT_SETTINGS) as db:
         if o.dsn is None:
             with session.connect(db.dsn, application_name="outbox-bench") as conn:
                 conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         for holder in o.holders:
-            echo(f"  {holder}: {', '.join(SHAPES)} side by side, {o.seconds:.0f} s ...")
-            runs += scheduled_run(db, o, holder, echo)
+            for shapes in PHASES:
+                echo(f"  {holder}: {' and '.join(shapes)}, {o.seconds:.0f} s ...")
+                runs += scheduled_run(db, o, holder, shapes, echo)
     for run in runs:
         control = next(
             (
@@ -487,8 +494,8 @@ def render(report: dict[str, Any]) -> str:
         f"{report['rows_per_commit']}-row transactions of {report['payload_bytes']} B "
         f"payloads for {report['seconds']:.0f} s; backlog: {report['scheduled']:,} rows "
         f"due over {report['days']:g} days from an hour on; due shape: "
-        f"{report['due_rate']:,.0f} rows/s coming due; the three side by side, a relay "
-        "each, default settings; "
+        f"{report['due_rate']:,.0f} rows/s coming due; none and backlog side by side, "
+        "then due alone, a relay each, default settings; "
         f"PostgreSQL: {report['postgres']}",
         "",
         "| held | shape | immediate p50 | p99 | p50 / p99 vs nothing scheduled | "
