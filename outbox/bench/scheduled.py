@@ -93,6 +93,9 @@ EXPLAIN_DUE = 200
 EXPLAIN_BATCH = 100
 # The private cluster loads pg_stat_statements: the relay's own calls, per call.
 STATEMENT_SETTINGS = {"shared_preload_libraries": "pg_stat_statements"}
+# Seconds from the writers' being ready to their first commit, and to the first due
+# row of the due shape (scheduled meanwhile: 60,000 rows through the trigger).
+WRITERS_LEAD = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,13 +359,19 @@ def scheduled_run(
                     rate=o.rate,
                     seconds=o.seconds,
                 )
-            for lane in lanes:
-                if lane.shape == "due":
-                    assert lane.producer is not None
-                    lead = max(0.0, lane.producer.start - time.perf_counter())
-                    lane.due = schedule_due(conn, lane.table, lane.broker.exchange, o, lead)
+            for lane in lanes:  # all started, however long spawning takes on a loaded machine
+                assert lane.producer is not None
+                lane.producer.ready()
             # The receivers note perf_counter; due times are the wall clock's.
             wall_shift = time.time() - time.perf_counter()
+            begin = time.perf_counter() + WRITERS_LEAD
+            for lane in lanes:
+                if lane.shape == "due":  # the writers begin when the first row is due
+                    lane.due = schedule_due(conn, lane.table, lane.broker.exchange, o, WRITERS_LEAD)
+                    begin = min(lane.due.values()) - wall_shift
+            for lane in lanes:
+                assert lane.producer is not None
+                lane.producer.begin(max(begin, time.perf_counter()))
             until = max(lane.producer.until for lane in lanes if lane.producer is not None)
             time.sleep(max(0.0, until - time.perf_counter()))
             for lane in lanes:
