@@ -63,6 +63,7 @@ from outbox.bench.harness import (
     Receiver,
     RelayProcesses,
     bench_database,
+    drop_outbox,
     ordering_key_sql,
     percentile,
     wait_registered,
@@ -73,7 +74,6 @@ from outbox.db import migrate, session
 from outbox.db.devcluster import free_port
 from outbox.db.horizon import Horizon, HorizonReader
 from outbox.errors import OutboxError
-from outbox.tables import function_names, table_names
 
 HOLDERS = ("none", "snapshot", "untouched", "logical-slot", "physical-slot", "prepared")
 DEFAULT_HOLDERS = "none,snapshot,untouched,logical-slot"
@@ -508,12 +508,7 @@ def horizon_run(
         receiver.stop()
         reader.close()
         broker.delete()
-        for name in table_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
-        for function in function_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
+        drop_outbox(conn, table)
         conn.close()
     rows = window_figures(committed, receiver.arrived, producer.start, o.window_seconds, samples)
     delivered = sum(1 for m in committed if m in receiver.arrived)

@@ -65,6 +65,7 @@ from outbox.bench.harness import (
     Receiver,
     RelayProcesses,
     bench_database,
+    drop_outbox,
     percentile,
     wait_registered,
 )
@@ -73,7 +74,7 @@ from outbox.config import Settings
 from outbox.db import migrate, scheduled, session
 from outbox.db.batches import BatchStore
 from outbox.db.queries import Queries
-from outbox.tables import function_names, table_identifiers, table_names
+from outbox.tables import table_identifiers
 
 SHAPES = ("none", "backlog", "due")
 # Which shapes run side by side: the control beside the backlog (the ratio between
@@ -409,12 +410,7 @@ def scheduled_run(
             if lane.receiver.ident is not None:  # started
                 lane.receiver.stop()
             lane.broker.delete()
-            for name in table_names(lane.table):
-                with contextlib.suppress(Exception):
-                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
-            for function in function_names(lane.table):
-                with contextlib.suppress(Exception):
-                    conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
+            drop_outbox(conn, lane.table)
         conn.close()
     echo(f"  {holder}: done")
     return [
