@@ -442,6 +442,7 @@ def run_scheduled_bench(o: ScheduledOptions, echo: Echo) -> dict[str, Any]:
             for shapes in PHASES:
                 echo(f"  {holder}: {' and '.join(shapes)}, {o.seconds:.0f} s ...")
                 runs += scheduled_run(db, o, holder, shapes, echo)
+    beside_control = next(shapes for shapes in PHASES if "none" in shapes)
     for run in runs:
         control = next(
             (
@@ -451,8 +452,8 @@ def run_scheduled_bench(o: ScheduledOptions, echo: Echo) -> dict[str, Any]:
             ),
             None,
         )
-        if run["skipped"] or control is None:
-            continue
+        if run["skipped"] or control is None or run["shape"] not in beside_control:
+            continue  # a ratio to the control only for a run beside it
         for q in ("p50", "p99"):
             run[f"{q}_to_control"] = ratio(
                 run["immediate"][f"{q}_ms"], control["immediate"][f"{q}_ms"]
