@@ -48,6 +48,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 from kombu.messaging import Consumer, Producer
 
+from outbox.amqp.message import InboxMessage
 from outbox.bench.harness import (
     BenchTopology,
     Database,
@@ -62,14 +63,21 @@ from outbox.bench.harness import (
 from outbox.db import session
 from outbox.errors import OutboxError
 
-HANDLER = """
-def handle(conn, message):
+
+def handle(conn: Any, message: InboxMessage) -> None:
+    """The bench's handler: one effect row per message."""
     conn.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message.message_id])
 
 
-async def handle_async(conn, message):
+async def handle_async(conn: Any, message: InboxMessage) -> None:
+    """The same, ``async def``."""
     await conn.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message.message_id])
-"""
+
+
+# The handler module ``outbox consume`` is given (a file of the bench's own, in its
+# working directory, as a user's would be); ``outbox bench --consume-returned`` runs
+# the same handler in its own process.
+HANDLER = "from outbox.bench.consume import handle, handle_async\n"
 
 # ``outbox consume`` with each of them: a plain handler, an ``async def`` one.
 SYNC_HANDLER = "bench_handler:handle"
@@ -210,9 +218,16 @@ class ConsumeBench:
 
     def inbox(self, handler: str = SYNC_HANDLER) -> dict[str, Any]:
         """``outbox consume`` with the trivial handler: effects/s, first to last effect."""
-        ids = self.fill()
+        return self.applied(self.fill(), handler)
+
+    def applied(
+        self, ids: list[str], handler: str = SYNC_HANDLER, queue: str | None = None
+    ) -> dict[str, Any]:
+        """``outbox consume`` (a subprocess) applying the messages ``ids`` waiting on
+        ``queue`` (the bench's own by default): effects/s from the first effect to the
+        last, CPU per 10,000 messages; the inbox emptied after."""
         self.conn.execute("TRUNCATE bench_effects")
-        with self.consume_process(handler) as process:
+        with self.consume_process(handler, queue) as process:
             cpu = self.wait_for_effects(len(ids), process)
         result = self.effects(len(ids))
         result.update(cpu)
@@ -335,8 +350,7 @@ class ConsumeBench:
         first: tuple[int, float, float | None] | None = None
         while time.monotonic() < deadline:
             check_running(process, self._logs.get(process.pid))
-            row = self.conn.execute("SELECT count(*) AS n FROM bench_effects").fetchone()
-            n = int(row["n"]) if row else 0
+            n = self.effect_count()
             if n and backend is None:
                 backend = self._consumer_backend()
             if n:
@@ -348,6 +362,23 @@ class ConsumeBench:
                     return _cpu_window([first[1:], (own, theirs)], n - first[0])
             time.sleep(0.05)
         raise OutboxError("outbox consume did not finish within 600 s")
+
+    def effect_count(self) -> int:
+        row = self.conn.execute("SELECT count(*) AS n FROM bench_effects").fetchone()
+        return int(row["n"]) if row else 0
+
+    def about(self) -> dict[str, Any]:
+        """What every consumer bench's report says first: the machine, the server and
+        the options measured."""
+        server = self.conn.execute("SHOW server_version").fetchone()
+        return {
+            "machine": {"cpus": os.cpu_count(), "postgres": self.db.description},
+            "server_version": server["server_version"] if server else None,
+            "rows": self.o.rows,
+            "payload_bytes": self.o.payload,
+            "repeats": self.o.repeats,
+            "prefetch": self.o.prefetch,
+        }
 
     def _consumer_backend(self) -> int | None:
         """The pid of ``outbox consume``'s PostgreSQL backend (None: not local)."""
@@ -451,42 +482,45 @@ def _rate(messages: int, seconds: float) -> float:
     return messages / seconds if seconds > 0 else 0.0
 
 
-def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any]:
-    suffix = uuid.uuid4().hex[:8]
+@contextlib.contextmanager
+def consume_bench(
+    options: ConsumeBenchOptions, echo: Echo, *, arguments: dict[str, Any] | None = None
+) -> Iterator[ConsumeBench]:
+    """A ``ConsumeBench`` on its database (``bench_database``) and a queue of its own
+    (``arguments``: the queue's), both gone after."""
     with bench_database(options.dsn, echo) as db:
-        broker = BenchTopology(options.amqp_url, suffix)
+        broker = BenchTopology(options.amqp_url, uuid.uuid4().hex[:8], arguments=arguments)
         bench = ConsumeBench(options, db, broker, echo)
         try:
-            bare_runs, handwritten_runs, inbox_runs, async_runs = [], [], [], []
-            for i in range(options.repeats):
-                bare_runs.append(bench.bare())
-                echo(f"  bare kombu consumer run {i + 1}: {bare_runs[-1]['rate']:,.0f} msg/s")
-                handwritten_runs.append(bench.handwritten())
-                echo(
-                    f"  hand-written        run {i + 1}: "
-                    f"{handwritten_runs[-1]['rate']:,.0f} effects/s"
-                )
-                inbox_runs.append(bench.inbox())
-                echo(f"  outbox consume      run {i + 1}: {inbox_runs[-1]['rate']:,.0f} effects/s")
-                async_runs.append(bench.inbox(ASYNC_HANDLER))
-                echo(f"  ... async def       run {i + 1}: {async_runs[-1]['rate']:,.0f} effects/s")
-            echo(f"  latency at {options.latency_rate:g} msg/s ...")
-            latency = bench.latency()
-            server = bench.conn.execute("SHOW server_version").fetchone()
+            yield bench
         finally:
             bench.close()
             broker.delete()
+
+
+def run_consume_bench(options: ConsumeBenchOptions, echo: Echo) -> dict[str, Any]:
+    with consume_bench(options, echo) as bench:
+        bare_runs, handwritten_runs, inbox_runs, async_runs = [], [], [], []
+        for i in range(options.repeats):
+            bare_runs.append(bench.bare())
+            echo(f"  bare kombu consumer run {i + 1}: {bare_runs[-1]['rate']:,.0f} msg/s")
+            handwritten_runs.append(bench.handwritten())
+            echo(
+                f"  hand-written        run {i + 1}: {handwritten_runs[-1]['rate']:,.0f} effects/s"
+            )
+            inbox_runs.append(bench.inbox())
+            echo(f"  outbox consume      run {i + 1}: {inbox_runs[-1]['rate']:,.0f} effects/s")
+            async_runs.append(bench.inbox(ASYNC_HANDLER))
+            echo(f"  ... async def       run {i + 1}: {async_runs[-1]['rate']:,.0f} effects/s")
+        echo(f"  latency at {options.latency_rate:g} msg/s ...")
+        latency = bench.latency()
+        about = bench.about()
     bare_rate = statistics.median(r["rate"] for r in bare_runs)
     handwritten_rate = statistics.median(r["rate"] for r in handwritten_runs)
     inbox_rate = statistics.median(r["rate"] for r in inbox_runs)
     async_rate = statistics.median(r["rate"] for r in async_runs)
     return {
-        "machine": {"cpus": os.cpu_count(), "postgres": db.description},
-        "server_version": server["server_version"] if server else None,
-        "rows": options.rows,
-        "payload_bytes": options.payload,
-        "repeats": options.repeats,
-        "prefetch": options.prefetch,
+        **about,
         "consume": {
             "bare_msg_per_s": [round(r["rate"]) for r in bare_runs],
             "inbox_effects_per_s": [round(r["rate"]) for r in inbox_runs],
@@ -531,13 +565,15 @@ def cpu_medians(kind: str, runs: list[dict[str, Any]]) -> dict[str, float | None
     }
 
 
-def _cpu(c: dict[str, Any], kind: str) -> str:
-    own, backend = c.get(f"{kind}_cpu_s_per_10k"), c.get(f"{kind}_backend_cpu_s_per_10k")
+def cpu_cell(c: dict[str, Any], kind: str, backend: str = " PostgreSQL") -> str:
+    """CPU s per 10k of ``cpu_medians(kind, …)``: the sum, then the consumer's and
+    its PostgreSQL backend's (named ``backend``) apart."""
+    own, theirs = c.get(f"{kind}_cpu_s_per_10k"), c.get(f"{kind}_backend_cpu_s_per_10k")
     if own is None:
         return "-"
-    if backend is None:
+    if theirs is None:
         return f"{own:.2f}"
-    return f"{own + backend:.2f} ({own:.2f} + {backend:.2f} PostgreSQL)"
+    return f"{own + theirs:.2f} ({own:.2f} + {theirs:.2f}{backend})"
 
 
 def _ratio(value: float | None) -> str:
@@ -557,15 +593,15 @@ def render(report: dict[str, Any]) -> str:
             "| what | per second | ratio to bare | ratio to hand-written | CPU s per 10k |",
             "|---|---:|---:|---:|---:|",
             f"| bare kombu consumer (ack only) | {c['bare_median']:,} msg | 1.00 | | "
-            f"{_cpu(c, 'bare')} |",
+            f"{cpu_cell(c, 'bare')} |",
             f"| hand-written kombu + psycopg, commit per message | "
             f"{c['handwritten_median']:,} effects | {_ratio(c['handwritten_ratio'])} | 1.00 | "
-            f"{_cpu(c, 'handwritten')} |",
+            f"{cpu_cell(c, 'handwritten')} |",
             f"| outbox consume, one-row handler | {c['inbox_median']:,} effects | {ratio} | "
-            f"{_ratio(c['ratio_to_handwritten'])} | {_cpu(c, 'inbox')} |",
+            f"{_ratio(c['ratio_to_handwritten'])} | {cpu_cell(c, 'inbox')} |",
             f"| outbox consume, the same handler `async def` | {c['async_median']:,} effects | "
             f"{_ratio(c['async_ratio'])} | {_ratio(c['async_ratio_to_handwritten'])} | "
-            f"{_cpu(c, 'async')} |",
+            f"{cpu_cell(c, 'async')} |",
             "",
             "CPU: the consumer's process, plus its PostgreSQL backend's where shown "
             "(the bare consumer has none).",

@@ -412,12 +412,7 @@ def bench_database(
             migrate.migrate(conn, table)
             yield Database(dsn, dsn, table, "the server given by --dsn")
         finally:
-            for name in table_names(table):
-                with contextlib.suppress(Exception):
-                    conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
-            for function in function_names(table):
-                with contextlib.suppress(Exception):
-                    conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
+            drop_outbox(conn, table)
             conn.close()
         return
     echo("starting a private PostgreSQL (fsync on, max_prepared_transactions = 64) ...")
@@ -430,6 +425,16 @@ def bench_database(
         migrate.migrate(conn, "outbox")
         conn.close()
         yield Database(bench_dsn, cluster.dsn, "outbox", "private cluster, fsync on")
+
+
+def drop_outbox(conn: session.Conn, table: str) -> None:
+    """Drop a bench's outbox table, every table and function of it (best effort)."""
+    for name in table_names(table):
+        with contextlib.suppress(Exception):
+            conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
+    for function in function_names(table):
+        with contextlib.suppress(Exception):
+            conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
 
 
 def fill(

@@ -56,7 +56,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import pq
 
 from outbox.bench.harness import (
-    PRODUCER_START_SECONDS,
     Backends,
     BenchTopology,
     Database,
@@ -64,6 +63,7 @@ from outbox.bench.harness import (
     Receiver,
     RelayProcesses,
     bench_database,
+    drop_outbox,
     ordering_key_sql,
     percentile,
     wait_registered,
@@ -74,7 +74,6 @@ from outbox.db import migrate, session
 from outbox.db.devcluster import free_port
 from outbox.db.horizon import Horizon, HorizonReader
 from outbox.errors import OutboxError
-from outbox.tables import function_names, table_names
 
 HOLDERS = ("none", "snapshot", "untouched", "logical-slot", "physical-slot", "prepared")
 DEFAULT_HOLDERS = "none,snapshot,untouched,logical-slot"
@@ -138,16 +137,19 @@ def commit_batches(
     rows_per_commit: int,
     keys: int,
     commits_per_s: float,
-    until: float,
-    start: float,
+    seconds: float,
+    gate: tuple[Any, Any, Any],
     results: Any,
 ) -> None:
-    """Commit ``rows_per_commit`` rows at ``start + i / commits_per_s`` until ``until``
-    (``time.perf_counter``: due or now); puts {message_id: when its COMMIT returned} on ``results``
-    (or the error, as text); with ``keys``, row *i* (counting from 1 over the run)
-    has the key ``fill`` gives it.  One libpq call per transaction (the INSERT in
-    autocommit), as ``harness.commit_rows`` does: the producer stands for an
-    application elsewhere and must cost the relay it measures little."""
+    """Commit ``rows_per_commit`` rows at ``start + i / commits_per_s`` until ``start +
+    seconds`` (``time.perf_counter``: due or now), ``start`` being what ``gate`` says
+    (``Producer``: ready is set once connected, then go is waited for, and the start
+    read); puts {message_id: when its COMMIT returned} on ``results`` (or the error,
+    as text); with ``keys``, row *i* (counting from 1 over the run) has the key
+    ``fill`` gives it.  One libpq call per transaction (the INSERT in autocommit), as
+    ``harness.commit_rows`` does: the producer stands for an application elsewhere
+    and must cost the relay it measures little."""
+    ready, go, at = gate
     committed: dict[str, float] = {}
     try:
         with session.connect(dsn, application_name="outbox-bench-producer") as producer:
@@ -170,6 +172,10 @@ def commit_batches(
             ]
             text, binary = pq.Format.TEXT, pq.Format.BINARY
             formats = [text, text, binary, text, text]
+            ready.set()
+            go.wait()
+            start = at.value
+            until = start + seconds
             i = 0
             while True:
                 due = start + i / commits_per_s
@@ -209,10 +215,15 @@ class Producer:
         rate: float,
         seconds: float,
     ) -> None:
+        """The process starts now; its first commit is due when ``begin`` says (after
+        ``ready``: on a loaded machine spawning it may take longer than any fixed
+        lead)."""
         context = multiprocessing.get_context("spawn")
         self._results = context.Queue()
-        self.start = time.perf_counter() + PRODUCER_START_SECONDS
-        self.until = self.start + seconds
+        self._seconds = seconds
+        self._ready, self._go = context.Event(), context.Event()
+        self._at = context.Value("d", 0.0)
+        self.start = self.until = math.inf
         self._process = context.Process(
             target=commit_batches,
             args=(
@@ -223,17 +234,32 @@ class Producer:
                 o.rows_per_commit,
                 o.keys,
                 rate / o.rows_per_commit,
-                self.until,
-                self.start,
+                seconds,
+                (self._ready, self._go, self._at),
                 self._results,
             ),
             daemon=True,
         )
         self._process.start()
 
+    def ready(self, timeout: float = 120.0) -> None:
+        """Wait until the process is connected and ready to commit."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            if not self._process.is_alive():
+                raise OutboxError(f"the bench's producer failed: {self._results.get(timeout=5)}")
+            if time.monotonic() > deadline:
+                raise OutboxError(f"the bench's producer did not start within {timeout:g} s")
+
+    def begin(self, at: float) -> None:
+        """The first commit is due at ``at`` (``time.perf_counter``)."""
+        self.start, self.until = at, at + self._seconds
+        self._at.value = at
+        self._go.set()
+
     def result(self) -> dict[str, float]:
         try:
-            outcome = self._results.get(timeout=PRODUCER_START_SECONDS + 120)
+            outcome = self._results.get(timeout=max(0.0, self.until - time.perf_counter()) + 120)
         finally:
             self._process.join(timeout=10)
             if self._process.is_alive():
@@ -441,6 +467,8 @@ def horizon_run(
                 echo(f"  {kind}: skipped, {cannot}")
                 return {"holder": kind, "skipped": cannot}
             producer = Producer(db.dsn, table, broker.exchange, o, rate=rate, seconds=seconds)
+            producer.ready()
+            producer.begin(time.perf_counter())
             samples: list[Sample] = []
 
             def sample(at: float) -> None:
@@ -480,12 +508,7 @@ def horizon_run(
         receiver.stop()
         reader.close()
         broker.delete()
-        for name in table_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')
-        for function in function_names(table):
-            with contextlib.suppress(Exception):
-                conn.execute(f'DROP FUNCTION IF EXISTS "{function}"()')
+        drop_outbox(conn, table)
         conn.close()
     rows = window_figures(committed, receiver.arrived, producer.start, o.window_seconds, samples)
     delivered = sum(1 for m in committed if m in receiver.arrived)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import tempfile
 import threading
@@ -43,9 +42,15 @@ from typing import Any
 import pika
 from psycopg import pq
 
-from outbox.amqp.message import InboxMessage
-from outbox.bench.consume import ConsumeBench, ConsumeBenchOptions, cpu_medians
-from outbox.bench.harness import BenchTopology, Echo, bench_database
+from outbox.bench.consume import (
+    ConsumeBench,
+    ConsumeBenchOptions,
+    consume_bench,
+    cpu_cell,
+    cpu_medians,
+    handle,
+)
+from outbox.bench.harness import BenchTopology, Echo
 from outbox.db.inbox import InboxStore
 from outbox.errors import OutboxError
 from outbox.inbox.process import Inbox
@@ -118,11 +123,6 @@ class TracedStore(InboxStore):
         super().close()
 
 
-def insert_effect(conn: Any, message: InboxMessage) -> None:
-    """The bench handler (``consume.HANDLER``'s ``handle``), for the traced runs."""
-    conn.execute("INSERT INTO bench_effects (message_id) VALUES (%s)", [message.message_id])
-
-
 def return_all(amqp_url: str, topology: BenchTopology, count: int) -> None:
     """Have the broker return the ``count`` messages of ``topology``'s queue once:
     receive them all unacked, then close the connection (each is counted, and
@@ -166,15 +166,11 @@ class ReturnedBench:
         return ids, topology
 
     def timed(self, case: Case) -> dict[str, Any]:
-        """``outbox consume`` (a subprocess) applying the case's messages:
-        effects/s from the first effect to the last, CPU per 10,000 messages."""
+        """``outbox consume`` (a subprocess) applying the case's messages
+        (``ConsumeBench.applied``), and what it left in custody."""
         ids, topology = self._fill(case)
-        with self.bench.consume_process(queue=topology.queue) as process:
-            cpu = self.bench.wait_for_effects(len(ids), process)
-        result = self.bench.effects(len(ids))
-        result.update(cpu)
+        result = self.bench.applied(ids, queue=topology.queue)
         result["left_in_custody"] = self._in_custody()
-        self.bench.conn.execute("TRUNCATE bench_inbox")
         return result
 
     def traced(self, case: Case, count: int) -> dict[str, Any]:
@@ -197,7 +193,7 @@ class ReturnedBench:
             )
             return stores[-1]
 
-        inbox = Inbox(insert_effect, settings, connect_store=connect)
+        inbox = Inbox(handle, settings, connect_store=connect)
         with tempfile.TemporaryFile("w+") as trace:
             inbox.start()
             stores[-1].trace(trace.fileno())
@@ -214,7 +210,7 @@ class ReturnedBench:
             thread.start()
             deadline = time.monotonic() + 600
             try:
-                while self._effect_count() < len(ids):
+                while self.bench.effect_count() < len(ids):
                     if failed or not thread.is_alive():
                         raise OutboxError(f"the traced consumer stopped: {failed!r}")
                     if time.monotonic() > deadline:
@@ -238,10 +234,6 @@ class ReturnedBench:
             "commits_per_message": round(counted.commits / len(ids), 3),
         }
 
-    def _effect_count(self) -> int:
-        row = self.bench.conn.execute("SELECT count(*) AS n FROM bench_effects").fetchone()
-        return int(row["n"]) if row else 0
-
     def _in_custody(self) -> int:
         row = self.bench.conn.execute(
             "SELECT to_regclass('bench_inbox_custody') IS NOT NULL AS present"
@@ -255,19 +247,13 @@ class ReturnedBench:
 def run_returned_bench(
     options: ConsumeBenchOptions, echo: Echo, *, traced_rows: int = TRACED_ROWS
 ) -> dict[str, Any]:
-    suffix = uuid.uuid4().hex[:8]
     quorum = {"x-queue-type": "quorum"}
     runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in CASES}
     traced: dict[str, dict[str, Any]] = {}
-    with bench_database(options.dsn, echo) as db:
-        limited = BenchTopology(
-            options.amqp_url,
-            f"{suffix}.limited",
-            arguments={**quorum, "x-delivery-limit": DELIVERY_LIMIT},
-        )
-        plain = BenchTopology(options.amqp_url, f"{suffix}.quorum", arguments=quorum)
-        consume = ConsumeBench(options, db, limited, echo)
-        bench = ReturnedBench(consume, limited, plain)
+    limited_queue = {**quorum, "x-delivery-limit": DELIVERY_LIMIT}
+    with consume_bench(options, echo, arguments=limited_queue) as consume:
+        plain = BenchTopology(options.amqp_url, f"{uuid.uuid4().hex[:8]}.quorum", arguments=quorum)
+        bench = ReturnedBench(consume, consume.broker, plain)
         try:
             for i in range(options.repeats):
                 for case in CASES[i % len(CASES) :] + CASES[: i % len(CASES)]:
@@ -278,10 +264,8 @@ def run_returned_bench(
             for case in CASES:
                 echo(f"  {case.name:<11} traced ({count} messages) ...")
                 traced[case.name] = bench.traced(case, count)
-            server = consume.conn.execute("SHOW server_version").fetchone()
+            about = consume.about()
         finally:
-            consume.close()
-            limited.delete()
             plain.delete()
     medians = {name: statistics.median(r["rate"] for r in rs) for name, rs in runs.items()}
 
@@ -292,12 +276,7 @@ def run_returned_bench(
         case.name: traced[case.name]["messages"] if case.name == "custody" else 0 for case in CASES
     }
     return {
-        "machine": {"cpus": os.cpu_count(), "postgres": db.description},
-        "server_version": server["server_version"] if server else None,
-        "rows": options.rows,
-        "payload_bytes": options.payload,
-        "repeats": options.repeats,
-        "prefetch": options.prefetch,
+        **about,
         "delivery_limit": DELIVERY_LIMIT,
         "cases": {
             case.name: {
@@ -321,15 +300,6 @@ def run_returned_bench(
     }
 
 
-def _cpu(case: dict[str, Any]) -> str:
-    own, backend = case["run_cpu_s_per_10k"], case["run_backend_cpu_s_per_10k"]
-    if own is None:
-        return "-"
-    if backend is None:
-        return f"{own:.2f}"
-    return f"{own + backend:.2f} ({own:.2f} + {backend:.2f})"
-
-
 def render(report: dict[str, Any]) -> str:
     cases = report["cases"]
     custody = cases["custody"]["median"]
@@ -348,7 +318,7 @@ def render(report: dict[str, Any]) -> str:
         c, t = cases[case.name], cases[case.name]["traced"]
         share = f"{custody / c['median']:.2f}" if c["median"] else "-"
         lines.append(
-            f"| {c['label']} | {c['median']:,} | {share} | {_cpu(c)} | "
+            f"| {c['label']} | {c['median']:,} | {share} | {cpu_cell(c, 'run', '')} | "
             f"{t['statements_per_message']:.2f} / {t['round_trips_per_message']:.2f} / "
             f"{t['commits_per_message']:.2f} |"
         )

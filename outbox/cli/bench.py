@@ -175,6 +175,51 @@ from outbox.errors import ExitCode
     "--window-seconds (--payload defaults to 200 here).",
 )
 @click.option(
+    "--scheduled",
+    is_flag=True,
+    help="Instead: scheduled delivery.  One relay, --rate rows/s due now (--rows-per-commit, "
+    "--payload defaults to 200 here) for --scheduled-seconds, three runs: nothing scheduled, "
+    "--scheduled-rows waiting (due over --scheduled-days), and the same with --due-rate rows/s "
+    "coming due; commit -> delivery latency against nothing scheduled, due -> delivery "
+    "lateness, and EXPLAIN (ANALYZE, BUFFERS) of one claim and one move; then the same with "
+    "a snapshot held (--no-scheduled-held: not).",
+)
+@click.option(
+    "--scheduled-rows",
+    default=1_000_000,
+    show_default=True,
+    type=click.IntRange(1, 100_000_000),
+    help="--scheduled: rows waiting in the scheduled table.",
+)
+@click.option(
+    "--scheduled-days",
+    default=30.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 3650, min_open=True),
+    help="--scheduled: the backlog comes due evenly over this many days, from an hour on.",
+)
+@click.option(
+    "--due-rate",
+    default=1000.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 1_000_000, min_open=True),
+    help="--scheduled: scheduled rows coming due per second in the third run.",
+)
+@click.option(
+    "--scheduled-seconds",
+    default=60.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--scheduled: length of each run.",
+)
+@click.option(
+    "--scheduled-held/--no-scheduled-held",
+    default=True,
+    show_default=True,
+    help="--scheduled: also run the three with a snapshot held (REPEATABLE READ that read "
+    "the outbox, as pg_dump).",
+)
+@click.option(
     "--soak",
     is_flag=True,
     help="Instead: --soak-seconds of steady load (--rate) on a private PostgreSQL and "
@@ -251,14 +296,14 @@ from outbox.errors import ExitCode
     default=1000.0,
     show_default=True,
     type=FiniteFloatRange(0, 1_000_000, min_open=True),
-    help="--horizon and --soak: rows committed per second.",
+    help="--horizon, --soak and --scheduled: rows committed per second.",
 )
 @click.option(
     "--rows-per-commit",
     default=10,
     show_default=True,
     type=click.IntRange(1, 100_000),
-    help="--horizon and --soak: rows per application transaction.",
+    help="--horizon, --soak and --scheduled: rows per application transaction.",
 )
 @click.option(
     "--prefetch",
@@ -281,6 +326,12 @@ def bench(
     prefetch: int,
     memory_backlogs: str,
     horizon: bool,
+    scheduled: bool,
+    scheduled_rows: int,
+    scheduled_days: float,
+    due_rate: float,
+    scheduled_seconds: float,
+    scheduled_held: bool,
     soak: bool,
     soak_seconds: float,
     holders: str,
@@ -330,6 +381,30 @@ def bench(
         if not healthy:
             click.echo(f"the relays' logs are kept in {soak_report['relay_logs']}", err=True)
         sys.exit(0 if healthy else int(ExitCode.FAILURE))
+    if scheduled:
+        from outbox.bench import scheduled as bench_scheduled
+
+        scheduled_report = bench_scheduled.run_scheduled_bench(
+            bench_scheduled.ScheduledOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                scheduled=scheduled_rows,
+                days=scheduled_days,
+                rate=rate,
+                due_rate=due_rate,
+                seconds=scheduled_seconds,
+                rows_per_commit=rows_per_commit,
+                payload=options["payload"] if payload_given else 200,
+                holders=("none", "snapshot") if scheduled_held else ("none",),
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(scheduled_report, indent=2)
+            if as_json
+            else bench_scheduled.render(scheduled_report)
+        )
+        sys.exit(0 if scheduled_report["nothing_lost"] else int(ExitCode.FAILURE))
     if horizon:
         from outbox.bench import horizon as bench_horizon
 

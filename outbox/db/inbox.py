@@ -56,6 +56,7 @@ from psycopg.types.json import Jsonb
 from outbox.db.migrate import SAY_HOLDERS, Holder, describe_holder, retry_pause
 from outbox.db.queries import LISTED, load_blocks, search_terms
 from outbox.db.session import (
+    LOCK_HOLDERS,
     OPERATOR_BOUNDS,
     Hints,
     OperatorBounds,
@@ -117,7 +118,7 @@ RECORD_LOCK_TIMEOUT = 0.2
 
 # Advisory-lock class of ``ensure_schema``; distinct from migrate's and the relays'.
 SCHEMA_LOCK_CLASS = 0x6F6269
-# How a holder of that lock is named (``schema_holders``).
+# How a holder of that lock is named (``_schema_holders``).
 SCHEMA_LOCK_NAME = "the inbox schema lock"
 # How long one attempt at a missing piece of the schema waits for its locks, with
 # the other consumers' INSERTs queued behind it, before it lets them go, pauses
@@ -594,17 +595,20 @@ class InboxStore:
         return [SCHEMA_LOCK_CLASS, zlib.crc32(self.table.encode()) & 0x7FFFFFFF]
 
     def _schema_holders(self) -> tuple[Holder, ...]:
-        """Who holds a lock a schema attempt waited for (see ``schema_holders``);
+        """Who holds a lock a schema attempt waited for (``session.LOCK_HOLDERS``, as
+        ``outbox init`` asks): the sessions and prepared transactions of this database
+        holding a lock on the inbox's tables, and whoever holds the schema lock;
         transactions younger than ``SCHEMA_LOCK_TIMEOUT`` are other consumers'
         batches, come and gone."""
         lock_class, lock_key = self._schema_lock()
         with self._reading("looking at what holds the inbox tables") as conn:
             rows = conn.execute(
-                self.queries["schema_holders"],
+                LOCK_HOLDERS,
                 {
                     "tables": [self.table, f"{self.table}_attempts", f"{self.table}_parked"],
                     "lock_class": lock_class,
                     "lock_key": lock_key,
+                    "lock_name": SCHEMA_LOCK_NAME,
                 },
             ).fetchall()
         return tuple(

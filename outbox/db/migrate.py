@@ -545,12 +545,14 @@ class _Online:
         if concurrent:
             rows = cur.execute(_OLD_TRANSACTIONS, {"tables": self.tables}).fetchall()
         else:
+            lock_class, lock_key = _lock_key(self.table)
             rows = cur.execute(
-                _HOLDERS,
+                session.LOCK_HOLDERS,
                 {
                     "tables": self.tables,
-                    "key": _lock_key(self.table),
-                    "migration_lock": _MIGRATION_LOCK,
+                    "lock_class": lock_class,
+                    "lock_key": lock_key,
+                    "lock_name": _MIGRATION_LOCK,
                 },
             ).fetchall()
         for relation, gid, pid, name, state, seconds in rows:
@@ -576,33 +578,6 @@ class _Online:
 
 # How a holder of the migration's advisory lock is named (``Holder.relation``).
 _MIGRATION_LOCK = "the migration lock"
-
-# Granted locks on the outbox's tables and on the migration's advisory lock, held
-# by someone else: a prepared transaction (found through its own transactionid
-# lock, which shares its virtualtransaction) or a session.
-_HOLDERS = """
-SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
-       coalesce(c.relname::text, %(migration_lock)s) AS relation,
-       p.gid,
-       a.pid,
-       a.application_name,
-       a.state,
-       greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start)))
-FROM pg_locks l
-LEFT JOIN pg_class c ON c.oid = l.relation
-LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
-     AND x.virtualtransaction = l.virtualtransaction AND x.pid IS NULL
-LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
-LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.pid IS DISTINCT FROM pg_backend_pid()
-  AND (l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
-       OR (l.locktype = 'advisory' AND l.classid = (%(key)s::int[])[1]
-           AND l.objid = (%(key)s::int[])[2]))
-ORDER BY coalesce(p.gid, l.pid::text), c.relname
-"""
-
 
 # What a concurrent index build waits for: the transactions of this database that
 # started before it and hold a snapshot (backend_xmin) or a lock on the outbox's

@@ -436,13 +436,18 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-# Granted locks on ``tables`` held by someone else for at least ``seconds``: a
-# prepared transaction (found through its own transactionid lock, which shares its
-# virtualtransaction) or a session whose transaction is that old.  Run after a
-# statement gave up waiting, to name what it waited for.
-_HOLDERS = """
+# Who holds a lock that a statement gave up waiting for, one row per holder
+# (``relation``, ``gid``, ``pid``, ``application_name``, ``state``, ``seconds``: the
+# age of its transaction): granted locks of this database on %(tables)s, and on the
+# advisory lock (%(lock_class)s, %(lock_key)s; NULL: none) named %(lock_name)s, held
+# by someone else: a prepared transaction (found through its own transactionid lock,
+# which shares its virtualtransaction) or a session.  The one statement of
+# ``holders`` here (a statement's lock_timeout), ``outbox init``'s (the migration
+# lock, ``outbox.db.migrate``) and the consumer's ``ensure_schema`` (the inbox schema
+# lock, ``outbox.db.inbox``); each keeps the holders whose age matters to it.
+LOCK_HOLDERS = """
 SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
-       c.relname::text AS relation,
+       coalesce(c.relname::text, %(lock_name)s) AS relation,
        p.gid,
        a.pid,
        coalesce(a.application_name, '') AS application_name,
@@ -450,7 +455,7 @@ SELECT DISTINCT ON (coalesce(p.gid, l.pid::text))
        greatest(0, extract(epoch FROM now() - coalesce(p.prepared, a.xact_start)))::float8
            AS seconds
 FROM pg_locks l
-JOIN pg_class c ON c.oid = l.relation
+LEFT JOIN pg_class c ON c.oid = l.relation
 LEFT JOIN pg_locks x ON l.pid IS NULL AND x.locktype = 'transactionid'
      AND x.virtualtransaction = l.virtualtransaction AND x.pid IS NULL
 LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
@@ -458,8 +463,9 @@ LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.granted
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND l.pid IS DISTINCT FROM pg_backend_pid()
-  AND l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
-  AND (p.gid IS NOT NULL OR a.xact_start < now() - make_interval(secs => %(seconds)s))
+  AND (l.relation = ANY(ARRAY(SELECT to_regclass(t) FROM unnest(%(tables)s::text[]) t))
+       OR (l.locktype = 'advisory' AND l.classid::bigint = %(lock_class)s::bigint
+           AND l.objid::bigint = %(lock_key)s::bigint AND l.objsubid = 2))
 ORDER BY coalesce(p.gid, l.pid::text), c.relname
 """
 # The most holders one error line names.
@@ -471,12 +477,16 @@ def holders(conn: Conn, tables: Sequence[str], seconds: float) -> list[str]:
     oldest first, with what settles it; [] if it cannot be told."""
     try:
         cur = conn.cursor(row_factory=dict_row)  # whatever rows the connection gives
-        rows = cur.execute(_HOLDERS, {"tables": list(tables), "seconds": seconds}).fetchall()
+        rows = cur.execute(
+            LOCK_HOLDERS,
+            {"tables": list(tables), "lock_class": None, "lock_key": None, "lock_name": None},
+        ).fetchall()
     except psycopg.Error:
         if not (conn.broken or conn.closed):
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
         return []
+    rows = [r for r in rows if r["gid"] is not None or float(r["seconds"] or 0) > seconds]
     rows.sort(key=lambda r: -float(r["seconds"] or 0))
     return [_holder(r) for r in rows]
 

@@ -8,6 +8,7 @@ import shutil
 import psycopg
 import pytest
 
+from outbox.bench import scheduled as bench_scheduled
 from outbox.bench.returned import render as render_returned
 from outbox.cli.consume import consume as consume_command
 from tests.fixtures.servers import run_cli
@@ -362,6 +363,63 @@ def test_bench_horizon__per_window_figures_for_each_holder_and_what_status_names
         assert left.fetchone() == (0,)
     usage = run_cli(*common, "--holders", "snapshot,vacuum")
     assert usage.returncode == 2 and "none, snapshot, untouched" in usage.stderr
+
+
+def test_bench_scheduled__latency_lateness_and_calls_with_and_without_a_backlog(
+    pg_server: str, amqp_url: str
+) -> None:
+    result = run_cli(
+        "bench",
+        "--scheduled",
+        "--dsn",
+        pg_server,
+        "--amqp-url",
+        amqp_url,
+        "--scheduled-rows",
+        "2000",
+        "--scheduled-seconds",
+        "2",
+        "--rate",
+        "200",
+        "--due-rate",
+        "150",
+        "--json",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["nothing_lost"] is True
+    assert (report["scheduled"], report["rate"], report["due_rate"]) == (2000, 200, 150)
+    runs = {(r["holder"], r["shape"]): r for r in report["runs"]}
+    assert set(runs) == {(h, s) for h in ("none", "snapshot") for s in ("none", "backlog", "due")}
+    for (holder, shape), run in runs.items():
+        assert run["skipped"] is None and run["duplicates"] == 0
+        immediate = run["immediate"]
+        assert immediate["sent"] == immediate["delivered"] > 0, (holder, shape)
+        assert immediate["p50_ms"] <= immediate["p99_ms"] <= immediate["max_ms"]
+        # The backlog waits, whole: none of it was due during the run.
+        assert run["scheduled"] == run["scheduled_left"] == (0 if shape == "none" else 2000)
+        if shape == "due":  # 150 rows/s for 2 s, each delivered once, none early
+            assert run["due"]["sent"] == run["due"]["delivered"] == 300
+            assert 0 < run["due"]["p50_ms"] <= run["due"]["p99_ms"] <= run["due"]["max_ms"]
+        else:
+            assert run["due"] is None
+        # Ratios to the control only for the backlog, which ran beside it.
+        beside = shape in ("none", "backlog")
+        assert ("p50_to_control" in run) == ("p99_to_control" in run) == beside, shape
+        calls = run["explain"]
+        for kind in ("claim_first", "claim", "move", "sweep"):
+            assert calls[kind]["buffers"] > 0 and calls[kind]["ms"] > 0, (holder, shape, kind)
+        assert calls["move"]["rows"] == calls["sweep"]["rows"] == 200
+        # The shared test server does not load pg_stat_statements.
+        assert run["relay_calls"] is None or set(run["relay_calls"]) == {"claim", "move"}
+    assert runs[("none", "none")]["p50_to_control"] == 1.0
+    with psycopg.connect(pg_server) as conn:  # the bench's tables are gone
+        left = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'outbox_sched_%'")
+        assert left.fetchone() == (0,)
+    text = bench_scheduled.render(report)
+    assert "| snapshot | due |" in text and "EXPLAIN (ANALYZE, BUFFERS)" in text
+    assert "nothing lost: every row due now and every row come due arrived exactly once" in text
 
 
 def test_bench_horizon__a_standby_holds_it_through_a_physical_slot(

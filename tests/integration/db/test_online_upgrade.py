@@ -357,6 +357,31 @@ def test_migrate__names_a_session_that_holds_the_outbox_and_goes_on_once_it_ends
     assert waits[0].step == "migration 0003_ordering_keys.sql"
 
 
+def test_migrate__names_another_init_that_holds_the_migration_lock(empty_dsn: str) -> None:
+    """The lock-holders statement (``session.LOCK_HOLDERS``, shared with the consumer's
+    schema step and the lock timeouts' errors) finds the holder of an advisory lock:
+    another ``outbox init`` in its transaction, by pid and name."""
+    other = psycopg.connect(empty_dsn, application_name="outbox-init-elsewhere")
+    other.execute("SELECT pg_advisory_xact_lock(%s, %s)", migrate._lock_key("outbox"))
+    pid = other.info.backend_pid
+    waits: list[migrate.Blocked] = []
+
+    def blocked(wait: migrate.Blocked) -> None:
+        waits.append(wait)
+        other.rollback()  # the other init is done
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        migrate.migrate(conn, "outbox", on_blocked=blocked)  # type: ignore[arg-type]
+    other.close()
+    assert waits, "the migration never waited for the lock the other init held"
+    (holder,) = waits[0].holders
+    assert (holder.relation, holder.pid, holder.application_name) == (
+        "the migration lock",
+        pid,
+        "outbox-init-elsewhere",
+    )
+
+
 def test_migrate__gives_the_connection_its_own_settings_back(empty_dsn: str) -> None:
     """Django lends its connection: its timeouts must be its own again afterwards."""
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
