@@ -865,7 +865,7 @@ class FleetBench:
                     writers.stop()
                     writers.join(timeout=120)
                 # Everything committed arrives: the removed database served again.
-                targets.write(dsns)
+                readded_at = targets.write(dsns)
                 self._account(wait_arrived(writers, receiver), receiver)
         finally:
             relays.stop()
@@ -877,9 +877,9 @@ class FleetBench:
             ]
             gaps[names[i]] = max((b - a for a, b in itertools.pairwise(times)), default=math.inf)
         worst = max(gaps, key=lambda name: gaps[name])
-        removed_rows = sorted(
-            t for mid, t in writers.committed.get(removed, []) if mid in receiver.arrived
-        )
+        # Until when the removed database was still served (its last delivery before
+        # it was added back).
+        served = [t for t in receiver.by_key.get(names[removed], []) if t < readded_at]
         return {
             "added": names[added],
             "added_first_row_s": None if first is None else round(first, 2),
@@ -890,7 +890,7 @@ class FleetBench:
             "others_max_gap_database": worst,
             "others_expected_gap_s": round(1 / self.o.rate, 3),
             "window_s": round(window_end - window_start, 1),
-            "removed_rows_committed": len(removed_rows),
+            "removed_last_delivery_s": round(max(served) - removed_at, 2) if served else None,
         }
 
     def _first_arrival(
@@ -1039,7 +1039,9 @@ def render(report: dict[str, Any]) -> str:
             "",
             f"targets changed while running: {change['added']} added, its first row arrived "
             f"{'never (60 s)' if first is None else f'{first:g} s'} after the file changed; "
-            f"{change['removed']} removed {change['removed_after_s']:g} s later; the other "
+            f"{change['removed']} removed {change['removed_after_s']:g} s later (its last "
+            f"delivery {_seconds(change['removed_last_delivery_s'])} after the file changed); "
+            "the other "
             f"{change['others']} databases' longest gap between deliveries "
             f"{change['others_max_gap_s']:g} s ({change['others_max_gap_database']}; "
             f"a row every {change['others_expected_gap_s']:g} s) over {change['window_s']:g} s",
@@ -1052,6 +1054,10 @@ def render(report: dict[str, Any]) -> str:
         else f"{report['lost']} ROWS DID NOT ARRIVE",
     ]
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:g} s"
 
 
 def _ms(value: float | None) -> str:
