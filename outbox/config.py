@@ -67,6 +67,7 @@ LIMITS: dict[str, Limit] = {
     "connect_timeout": Limit(0, 3600, above=True),
     "statement_timeout": Limit(0, DAY, above=True),
     "lock_timeout": Limit(0, DAY, above=True),
+    "dormant_after": Limit(0, DAY),
 }
 
 ORDERING_DEAD_LETTERS = ("block", "skip")
@@ -137,6 +138,11 @@ class Settings:
     # (they follow it into the dead letters until it is retried or purged: no gap)
     # or "skip" (they go on; a retried dead letter arrives after them).
     ordering_dead_letters: str = "block"
+    # Seconds with nothing to claim after which the relay goes dormant: it keeps only
+    # its wake-up session (one PostgreSQL session) until a commit, a poll, a due
+    # scheduled row or an orphaned prepared batch wakes it (``outbox.relay.process``).
+    # 0: never (one database); a fleet (``outbox relay --targets``) defaults to 30.
+    dormant_after: float = 0.0
 
     @property
     def hold_keys(self) -> bool:

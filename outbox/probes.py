@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -161,6 +161,13 @@ class Figures(abc.ABC, Generic[S, V]):
             self._store = None
 
 
+class Closes(Protocol):
+    """What an endpoint reads the database with (a ``Figures``, or a fleet's many):
+    closed with the endpoints."""
+
+    def close(self) -> None: ...
+
+
 class Endpoints:
     """``/metrics``, ``/healthz`` and ``/readyz`` of one process, served from a daemon
     thread; ``port=0`` picks a free port (see ``.port``).  A subclass gives the
@@ -172,7 +179,7 @@ class Endpoints:
     def __init__(
         self,
         collector: Collector,
-        figures: Figures[Any, Any],
+        figures: Closes,
         *,
         liveness_limit: float,
         port: int,

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import os
 import re
+from collections.abc import Mapping
 from urllib.parse import parse_qs, quote, unquote
 
 AMQP_PORTS = {"amqp": 5672, "amqps": 5671}
@@ -258,6 +260,18 @@ def check_dsn(dsn: str) -> dict[str, str]:
     if "sslmode" in settings and settings["sslmode"] not in _SSLMODES:
         raise InvalidUrl(f"sslmode must be one of {', '.join(_SSLMODES)}")
     return settings
+
+
+def dsn_database(settings: Mapping[str, str]) -> str:
+    """The database a DSN's ``check_dsn`` settings name, as libpq picks it (dbname,
+    else the user name)."""
+    return (
+        settings.get("dbname")
+        or os.environ.get("PGDATABASE")
+        or settings.get("user")
+        or os.environ.get("PGUSER")
+        or "postgres"
+    )
 
 
 def _check_utf8(setting: str) -> None:

@@ -467,6 +467,27 @@ WHERE r.heartbeat_at < now() - make_interval(secs => %(older_than)s)
   AND NOT EXISTS (
       SELECT 1 FROM pg_prepared_xacts p WHERE p.gid LIKE %(gid_prefix)s || r.relay_id || ':%%')
 
+-- orphaned_batches --
+-- How many prepared batches of this table no live relay answers for: their relay's
+-- lock (``try_lock_relay``, in this database) is not held, or its heartbeat is older
+-- than %(relay_timeout)s.  A dormant relay looks every resolve_interval on its
+-- wake-up session and wakes to resolve them (``outbox.relay.process``).
+SELECT count(*)::int AS batches
+FROM pg_prepared_xacts p
+WHERE p.database = current_database() AND p.gid LIKE %(gid_prefix)s || '%%'
+  AND (NOT EXISTS (
+          SELECT 1 FROM pg_locks l
+          WHERE l.locktype = 'advisory' AND l.granted
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.classid = %(lock_class)s::int::oid
+            AND l.objid = ((('x' || substr(split_part(p.gid, ':', 3), 1, 8))::bit(32)::int)
+                           & 2147483647)::oid
+            AND l.objsubid = 2)
+       OR EXISTS (
+          SELECT 1 FROM {relays} r
+          WHERE r.relay_id = split_part(p.gid, ':', 3)
+            AND r.heartbeat_at < now() - make_interval(secs => %(relay_timeout)s)))
+
 -- front_rows --
 -- The rows of the outbox (id, created_at), found where the relays' claims look
 -- (``outbox/db/front.py``; %(low_water)s etc.: the front they saved): from W on,

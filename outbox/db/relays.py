@@ -220,6 +220,19 @@ class WakeupListener(Session):
             moved = scheduled.move_due(self.conn, self.queries, covered, sweep=sweep)
         return moved
 
+    def orphaned_batches(self, relay_timeout: float) -> int:
+        """How many prepared batches of this table no live relay answers for (dead,
+        or its heartbeat older than ``relay_timeout``): a dormant relay wakes to
+        resolve them (``outbox.relay.process``)."""
+        params = {
+            "gid_prefix": gids.relay_prefix(self.table),
+            "lock_class": gids.LOCK_CLASS,
+            "relay_timeout": relay_timeout,
+        }
+        with self._translated("looking for orphaned batches"):
+            row = self.conn.execute(self.queries["orphaned_batches"], params).fetchone()
+        return int(row["batches"]) if row else 0
+
     def rows_waiting(self, front: ClaimFront | None = None) -> bool:
         """The fallback poll: True if the outbox table has any row where a claim
         starting at ``front`` looks (None: anywhere)."""

@@ -66,15 +66,7 @@ def _settings(dsn: str) -> dict[str, str]:
     return urls.check_dsn(dsn)
 
 
-def _database(settings: Mapping[str, str]) -> str:
-    """The database a DSN names, as libpq picks it (dbname, else the user name)."""
-    return (
-        settings.get("dbname")
-        or os.environ.get("PGDATABASE")
-        or settings.get("user")
-        or os.environ.get("PGUSER")
-        or "postgres"
-    )
+_database = urls.dsn_database
 
 
 def _server(settings: Mapping[str, str]) -> str:

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 
+from outbox import events
 from outbox.db.relays import ControlSession
 from outbox.errors import DatabaseUnavailable
 from outbox.events import emit
@@ -62,6 +63,9 @@ class Liveness:
         self._stopping = threading.Event()
         self._beat_now = threading.Event()  # ``probe``: beat before ``interval`` is up
         self._beaten = threading.Event()  # a beat was tried since ``probe`` asked
+        # The starting thread's event fields (a fleet's ``database``): the heartbeat's
+        # events name the database too.
+        self._context = events.current_context()
         self._thread = threading.Thread(
             target=self._run, name=f"outbox-heartbeat-{self.relay_id[:8]}", daemon=True
         )
@@ -151,6 +155,10 @@ class Liveness:
         self._beaten.wait(timeout)
 
     def _run(self) -> None:
+        with events.context(**self._context):
+            self._beat()
+
+    def _beat(self) -> None:
         while True:
             self._beat_now.wait(self.interval)
             self._beat_now.clear()

@@ -24,6 +24,25 @@ the process around it, in the spirit of dramatiq's ``Worker``:
 - SIGTERM/SIGINT/SIGHUP set the ``StopFlag``: the batch in flight is finished,
   nothing more is claimed, the relay unregisters and exits 0.
 
+Dormancy (``dormant_after`` seconds, 0: never; a fleet's default is 30 s,
+``outbox.fleet.process``): a relay that claimed nothing for that long, with no batch
+in flight or in doubt, saves its claim front, closes its work session and stops its
+liveness (unregisters), and keeps only the wake-up session, and its RabbitMQ
+connection (served while it waits, as an idle relay's is).  It wakes on a NOTIFY
+(it keeps the wake-up lock), a fallback poll that finds rows, a scheduled row
+coming due (it moves it), or a prepared batch of this table that no live relay
+answers for (``WakeupListener.orphaned_batches``, every ``resolve_interval``: a
+dead relay's batch to resolve); waking is ``_connect_database`` opening what is
+missing, as after an outage: a new work session from the saved front, a new relay
+id, a resolve pass at once.  One database session per idle database instead of
+three: what lets one process serve many databases (``outbox.fleet``).
+
+A crash while going dormant or waking (the crash table of ``outbox/relay/batches.py``
+gets this line): going dormant, nothing is in flight, so a crash leaves at most a
+registry row whose lock died with the process (forgotten by the next resolver
+pass) and a front saved or not (a session that finds none walks from the bottom);
+waking, it is a relay starting: no batch before the first claim after it.
+
 Sessions: the work connection (claims, 2PC, resolver passes; every statement
 bounded by ``statement_timeout``, and the server checks every 2 s that we are
 still there), the control session (advisory lock and heartbeat, on a thread of
@@ -97,6 +116,10 @@ class StopFlag:
     def __bool__(self) -> bool:
         return self._event.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if set; whether it is set."""
+        return self._event.wait(timeout)
+
     def install_signal_handlers(self) -> None:
         # SIGHUP too: a closed terminal or a supervisor's reload must not kill the
         # relay with batches prepared (its default action is to terminate).
@@ -140,6 +163,10 @@ class Relay:
         self._reclaiming: tuple[str, float] | None = None
         # When the scheduled rows are moved into the outbox (``outbox.relay.scheduling``).
         self._moves = MoveSchedule()
+        # Dormancy (the module's docstring): when the relay last found work, and
+        # whether it sleeps on its wake-up session alone now.
+        self._last_work = time.monotonic()
+        self.dormant = False
 
     # -- connections -----------------------------------------------------------
     def start(self) -> None:
@@ -410,6 +437,8 @@ class Relay:
                         self._move_due()
                     committed = self.stats.batches_committed
                     progress = self.batches.step()
+                    if progress:
+                        self._last_work = time.monotonic()
                     busy_steps = busy_steps + 1 if progress else 0
                     if busy_steps == 2:
                         self._busy()
@@ -423,6 +452,9 @@ class Relay:
                         continue
                     if drain and self._drained():
                         break
+                    if self._dormant_due(time.monotonic()):
+                        self._sleep_dormant()
+                        continue
                     self._wait_for_work()
                 except RETRYABLE as exc:
                     self.stats.last_error = exc.message
@@ -491,6 +523,8 @@ class Relay:
             self.stats.last_progress = now  # idle is progress too (liveness)
             if self.store is not None and self.store.rescan_due():
                 return  # a claim with the safety net's next slice (``BatchStore.rescan_due``)
+            if self._dormant_due(now):
+                return  # one more step, then dormant (``run``)
             if self.liveness is None or self.liveness.lost:
                 raise DatabaseUnavailable("lost the relay's control session while idle")
             if now >= self._next_resolve:
@@ -521,6 +555,82 @@ class Relay:
                 return
             if not self.publisher.connected:
                 raise BrokerUnavailable("lost the RabbitMQ connection while idle")
+
+    # -- dormancy (the module's docstring) -------------------------------------
+    def _dormant_due(self, now: float) -> bool:
+        """Idle for ``dormant_after`` (0: never), nothing in flight or in doubt."""
+        after = self.settings.dormant_after
+        return (
+            after > 0
+            and now - self._last_work >= after
+            and not self.batches.in_flight
+            and self.store is not None
+            and self.store.idle
+            and self.wakeups is not None
+            and not self.wakeups.broken
+        )
+
+    def _sleep_dormant(self) -> None:
+        """Go dormant, wait on the wake-up session until woken (or stopped), and
+        return with the work and control sessions closed: the loop's
+        ``_connect_database`` opens them again (waking)."""
+        wakeups, store = self.wakeups, self.store
+        assert wakeups is not None and store is not None
+        front = store.front
+        with contextlib.suppress(OutboxError):
+            # The next session (this relay's, waking) starts where this one got.
+            store.save_front()
+        store.close()
+        self.store = self.batches.store = None
+        if self.liveness is not None:
+            self.liveness.stop(unregister=True)
+            self.liveness = None
+        self.dormant = True
+        emit(log, "relay.dormant", idle=f"{time.monotonic() - self._last_work:.0f}s")
+        try:
+            reason = self._dormant_wait(wakeups, front)
+        finally:
+            self.dormant = False
+            self._last_work = time.monotonic()
+        if reason:
+            emit(log, "relay.woken", reason=reason)
+
+    def _dormant_wait(self, wakeups: WakeupListener, front: ClaimFront) -> str | None:
+        """Wait until something wakes a dormant relay; what did (None: stopped).
+        Raises as ``_wait_for_work`` does when a session is lost (the loop then
+        reconnects, which wakes it)."""
+        s = self.settings
+        if not wakeups.wanting:
+            wakeups.want_wakeups(front)
+        next_poll = time.monotonic() + s.poll_interval
+        next_look = time.monotonic()  # orphaned batches: at once, then every resolve_interval
+        while not self.stop:
+            now = time.monotonic()
+            self.stats.last_progress = now  # dormant is progress too (liveness)
+            if wakeups.take_notifications():
+                self._moves.woken()
+                return "notify"
+            if now >= next_look:
+                next_look = now + s.resolve_interval
+                if wakeups.orphaned_batches(s.relay_timeout):
+                    return "orphaned_batches"
+            if now >= next_poll:
+                next_poll = now + s.poll_interval
+                if wakeups.want_wakeups(front):
+                    return "poll"
+            # A failed move is tried again after its pause (``MoveSchedule.failed``).
+            move_at = max(self._moves.idle_until(now), self._moves.next_move)
+            if now >= move_at and self._move_due():
+                return "scheduled"
+            move_at = max(self._moves.idle_until(now), self._moves.next_move)
+            until = min(next_poll, next_look, move_at)
+            if self.publisher.wait(min(max(until - now, 0.0), 1.0), wake_fd=wakeups.fileno()):
+                wakeups.take_notifications()
+                self._moves.woken()
+                return "notify"
+            if not self.publisher.connected:
+                raise BrokerUnavailable("lost the RabbitMQ connection while dormant")
+        return None
 
     def _move_due(self) -> int:
         """Move the scheduled rows that are due into the outbox; how many moved.

@@ -62,7 +62,9 @@ def test_relay_cli__serves_metrics_and_probes_and_logs_one_json_object_per_line(
             ids = outbox.enqueue_many(
                 conn, [outbox.OutgoingMessage(topology.exchange, f"k.{i}", b"x") for i in range(5)]
             )
-        wait_for(lambda: "outbox_messages_published_total 5.0" in http_get(port, "/metrics")[1])
+        database = psycopg.conninfo.conninfo_to_dict(settings.dsn)["dbname"]
+        published = f'outbox_messages_published_total{{database="{database}"}} 5.0'
+        wait_for(lambda: published in http_get(port, "/metrics")[1])
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)

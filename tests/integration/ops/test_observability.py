@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -30,14 +31,21 @@ def get(endpoints: Endpoints, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def scrape(endpoints: Endpoints) -> dict[str, float]:
-    """Every sample of /metrics by name (labels folded into the name)."""
+def scrape(endpoints: Any) -> dict[str, float]:
+    """Every sample of /metrics by name (labels folded into the name).  A relay's
+    samples carry the ``database`` label, its database's name: checked, then left
+    out of the name."""
     status, text = get(endpoints, METRICS_PATH)
     assert status == 200
+    relay = getattr(endpoints, "relay", None)
+    database = psycopg.conninfo.conninfo_to_dict(relay.settings.dsn)["dbname"] if relay else None
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            labels = dict(sample.labels)
+            if database is not None and sample.name.startswith("outbox_"):
+                assert labels.pop("database") == database, sample
+            labels = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 

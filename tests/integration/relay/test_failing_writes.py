@@ -427,7 +427,7 @@ def test_write_failures__counted_by_write_in_the_metric() -> None:
         class publisher:
             connected = True
 
-    collector = RelayCollector(FakeRelay(), Figures())  # type: ignore[arg-type]
+    collector = RelayCollector(FakeRelay(), Figures(), database_name="d")  # type: ignore[arg-type]
     [family] = [m for m in collector.collect() if m.name == "outbox_write_failures"]
     assert {s.labels["write"]: s.value for s in family.samples if s.name.endswith("_total")} == {
         "dead_letters": 3,
