@@ -624,7 +624,9 @@ class FleetBench:
         result["committed_per_s_per_database"] = round(writers.rate_reached(), 2)
         if len(indices) > 1:
             # The databases but the first, which the backlog run loads: its baseline.
-            others = figures(latencies(writers, indices[1:], since=since), receiver, [])
+            others = figures(
+                latencies(writers, indices[1:], since=since), receiver, self.fleet.names
+            )
             result["others_p99_ms"] = others["p99_ms"]
         return writers, receiver, result
 
@@ -718,8 +720,9 @@ class FleetBench:
                 self.fleet,
                 self.all(),
                 self.broker.exchange,
+                # A row a second in each, for just under a second: one row each.
                 dataclasses.replace(self.o, rate=1.0),
-                seconds=0.5,
+                seconds=0.99,
             )
             writers.join(timeout=WRITER_START_SECONDS + 60)
             relays.check_alive()
