@@ -717,6 +717,10 @@ class FleetBench:
             result["start_s"] = round(wait_serving(self.fleet, self.all(), relays), 2)
             _writers, _receiver, written = self._written(relays, self.all())
             result.update(written)
+            # Each relay's sessions in all the databases, just after the writes.
+            result["sessions_per_relay"] = [
+                sum(counts.values()) for counts in sessions(self.fleet, relays)
+            ]
             result["relay_memory"] = [memory(proc.pid) for proc in relays.procs]
             if then_idle:
                 result["idle"] = self._idle(relays)
@@ -1041,8 +1045,8 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "",
             "| run | rows/s per database reached | p50 | p99 | p99 of the worst database "
-            "| p99 vs baseline | relay CPU | relay RSS |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| p99 vs baseline | relay CPU | relay RSS | relay sessions |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, run in written:
             if not run:
@@ -1057,7 +1061,8 @@ def render(report: dict[str, Any]) -> str:
                 f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'-' if cpu is None else f'{cpu:g}% of a core'}"
                 f"{'' if per_row is None else f', {per_row:g} ms per row'} | "
-                f"{rss} MiB |"
+                f"{rss} MiB | "
+                f"{_sum_of(run.get('sessions_per_relay') or [run['relay']['sessions']])} |"
             )
     idle = report.get("idle")
     if idle:

@@ -48,6 +48,8 @@ def test_bench_fleet__every_run_reports_its_figures_and_every_row_arrives_once(
         assert len(report[run]["per_database"]) == 3
         assert report[run]["p99_ratio_to_baseline"] > 0
         assert len(report[run]["relay_memory"]) == report[run]["relays"]
+        assert len(report[run]["sessions_per_relay"]) == report[run]["relays"]
+        assert all(n >= 3 for n in report[run]["sessions_per_relay"])  # a session each at least
     assert report["baseline"]["relay"]["rss_mib"] > 0
     assert report["baseline"]["relay"]["sessions"] >= 1
     # Idle: two fleet relays, dormant, hold sessions in every database; a row in
@@ -86,6 +88,7 @@ def test_bench_fleet__every_run_reports_its_figures_and_every_row_arrives_once(
     )
     assert text.returncode == 0, text.stderr
     assert "| baseline: 1 database, `outbox relay` |" in text.stdout
+    assert "| relay sessions |" in text.stdout
     assert "every row arrived exactly once" in text.stdout
 
 
