@@ -19,6 +19,6 @@ standby whose feedback holds the horizon through a physical slot (``horizon``'s
 for one database against one ``outbox relay --targets`` for fifty (and two), idle,
 with a backlog in one of them, with targets changed while it runs.
 
-May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
+May import: ``outbox.fleet``, ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.
 """

@@ -69,6 +69,7 @@ from outbox.config import Settings
 from outbox.db import migrate, session
 from outbox.db.devcluster import PostgresCluster
 from outbox.errors import OutboxError
+from outbox.fleet.targets import target_dsn
 
 RUNS = ("baseline", "one", "two", "idle", "backlog", "change")
 
@@ -138,12 +139,6 @@ class Fleet:
     max_connections: int
 
 
-def _dsn_for(dsn: str, dbname: str) -> str:
-    from psycopg.conninfo import make_conninfo
-
-    return make_conninfo(dsn, dbname=dbname)
-
-
 @contextlib.contextmanager
 def fleet_databases(dsn: str | None, databases: int, echo: Echo) -> Iterator[Fleet]:
     """``databases`` copies of a migrated template, on the server ``dsn`` reaches (a
@@ -188,7 +183,9 @@ def _databases(server_dsn: str, prefix: str, count: int, echo: Echo) -> Iterator
             )
         echo(f"  creating {count} databases, each with the outbox table ...")
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
-        with session.connect(_dsn_for(server_dsn, template), application_name="outbox-bench") as t:
+        with session.connect(
+            target_dsn(server_dsn, template), application_name="outbox-bench"
+        ) as t:
             migrate.migrate(t, "outbox")
         for name in names:
             admin.execute(
@@ -199,7 +196,7 @@ def _databases(server_dsn: str, prefix: str, count: int, echo: Echo) -> Iterator
         yield Fleet(
             server_dsn,
             names,
-            [_dsn_for(server_dsn, name) for name in names],
+            [target_dsn(server_dsn, name) for name in names],
             "",
             max_connections,
         )
@@ -214,7 +211,7 @@ def _drop(admin: session.Conn, server_dsn: str, name: str) -> None:
     """Drop a bench database, rolling back what a stopped relay left prepared in it."""
     rows = admin.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", [name]).fetchall()
     if rows:
-        with session.connect(_dsn_for(server_dsn, name), application_name="outbox-bench") as db:
+        with session.connect(target_dsn(server_dsn, name), application_name="outbox-bench") as db:
             for row in rows:
                 with contextlib.suppress(Exception):
                     db.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(row["gid"])))
@@ -417,7 +414,6 @@ class Writers:
         for proc in self._procs:
             proc.start()
         self.committed: dict[int, list[tuple[str, float]]] = {}
-        self.stopped = 0.0
         # Every writer connected to its databases first: the clock starts after.
         for _ in self._procs:
             ready = self._get(WRITER_START_SECONDS)
@@ -450,7 +446,6 @@ class Writers:
                 proc.join(timeout=10)
                 if proc.is_alive():
                     proc.kill()
-        self.stopped = time.perf_counter()
 
     def ids(self) -> dict[str, tuple[int, float]]:
         return {mid: (i, t) for i, rows in self.committed.items() for mid, t in rows}
