@@ -63,6 +63,7 @@ from outbox.bench.harness import (
     Echo,
     RelayProcesses,
     latency_figures,
+    machine_ticks,
     process_cpu_seconds,
 )
 from outbox.config import Settings
@@ -660,12 +661,13 @@ class FleetBench:
         writers, the consumer and the figures of the measured part."""
         seconds = WARMUP_SECONDS + (self.o.seconds if seconds is None else seconds)
         with arrivals(self.o.amqp_url, self.broker.queue) as receiver:
-            cpu0 = relays.cpu_seconds()
+            cpu0, machine0 = relays.cpu_seconds(), machine_ticks()
             writers = Writers(self.fleet, indices, self.broker.exchange, self.o, seconds=seconds)
             writers.join(timeout=seconds + 120)
             relays.check_alive()
             self._account(wait_arrived(writers, receiver), receiver)
             cpu, ended = relays.cpu_seconds() - cpu0, time.perf_counter()
+            machine1 = machine_ticks()
         since = writers.start + WARMUP_SECONDS
         result = figures(latencies(writers, indices, since=since), receiver, self.fleet.names)
         result["committed_per_s_per_database"] = round(writers.rate_reached(), 2)
@@ -673,6 +675,10 @@ class FleetBench:
         rows = sum(len(committed) for committed in writers.committed.values())
         result["relay_cpu_percent_of_a_core"] = round(100 * cpu / (ended - writers.start), 1)
         result["relay_cpu_ms_per_row"] = round(1000 * cpu / rows, 2) if rows else None
+        # How busy the machine's CPUs were meanwhile (the servers, writers and
+        # consumer of the bench included, and whatever else runs).
+        busy, total = machine1[0] - machine0[0], machine1[1] - machine0[1]
+        result["machine_busy_percent"] = round(100 * busy / total, 1) if total else None
         if len(indices) > 1:
             # The databases but the first, which the backlog run loads: its baseline.
             others = figures(
@@ -1040,8 +1046,8 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "",
             "| run | rows/s per database reached | p50 | p99 | p99 of the worst database "
-            "| p99 vs baseline | relay CPU | relay RSS | relay sessions |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| p99 vs baseline | relay CPU | relay RSS | relay sessions | machine busy |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for label, run in written:
             if not run:
@@ -1057,7 +1063,8 @@ def render(report: dict[str, Any]) -> str:
                 f"{'-' if cpu is None else f'{cpu:g}% of a core'}"
                 f"{'' if per_row is None else f', {per_row:g} ms per row'} | "
                 f"{rss} MiB | "
-                f"{_sum_of(run.get('sessions_per_relay') or [run['relay']['sessions']])} |"
+                f"{_sum_of(run.get('sessions_per_relay') or [run['relay']['sessions']])} | "
+                f"{run.get('machine_busy_percent')}% |"
             )
     idle = report.get("idle")
     if idle:

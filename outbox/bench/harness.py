@@ -472,7 +472,7 @@ def wait_registered(conn: session.Conn, table: str, count: int, relays: RelayPro
 
 
 # -- the runs ---------------------------------------------------------------------
-def _machine_ticks() -> tuple[int, int]:
+def machine_ticks() -> tuple[int, int]:
     """(busy, total) CPU ticks of the whole machine so far (``/proc/stat``)."""
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
@@ -715,7 +715,7 @@ class Bench:
             with self.conn.transaction():
                 fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
             started = time.perf_counter()
-            busy0, total0 = _machine_ticks()
+            busy0, total0 = machine_ticks()
             deadline = time.monotonic() + 300
             # Watch the queue, not the table: a count(*) every 5 ms on the churned
             # table scans its dead tuples too (a whole core in one grid run, beside
@@ -746,7 +746,7 @@ class Bench:
                 relays.check_alive()
                 time.sleep(pause)
             seconds = delivered - started
-            busy1, total1 = _machine_ticks()
+            busy1, total1 = machine_ticks()
             relay_cpu = relays.cpu_seconds() - cpu0
             backend_cpu1 = backends.cpu_seconds()
         finally:

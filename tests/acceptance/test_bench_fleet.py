@@ -44,6 +44,7 @@ def test_bench_fleet__every_run_reports_its_figures_and_every_row_arrives_once(
         assert figures["sent"] == figures["delivered"] > 0, run
         assert figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"], run
         assert figures["committed_per_s_per_database"] > 0, run
+        assert 0 <= figures["machine_busy_percent"] <= 100, run
     for run in ("one", "two"):
         assert len(report[run]["per_database"]) == 3
         assert report[run]["p99_ratio_to_baseline"] > 0
@@ -88,7 +89,7 @@ def test_bench_fleet__every_run_reports_its_figures_and_every_row_arrives_once(
     )
     assert text.returncode == 0, text.stderr
     assert "| baseline: 1 database, `outbox relay` |" in text.stdout
-    assert "| relay sessions |" in text.stdout
+    assert "| relay sessions | machine busy |" in text.stdout
     assert "every row arrived exactly once" in text.stdout
 
 
