@@ -10,7 +10,9 @@ a test variable left in a deployment) never crashes on purpose.  The points are 
 step boundaries of ``outbox/relay/batches.py`` and ``outbox/inbox/process.py``; when
 nothing is armed, ``reached`` is one string comparison.  Pipelined, the n-th
 occurrence counts across batches: ``after_prepare:2`` is batch 2's PREPARE, with
-batch 1 still in flight.
+batch 1 still in flight.  In a fleet (``outbox.fleet``), ``OUTBOX_CRASH_DATABASE=<name>``
+makes only that target's threads count and reach the point (the others' batches
+are whatever they were when the process dies).
 
 A point only observes the relay: armed or not, the relay runs the production
 schedule (no confirm is awaited that production would not await), so what a crash
@@ -24,6 +26,8 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Mapping
+
+from outbox import events
 
 POINTS = (
     "after_claim",
@@ -60,6 +64,8 @@ def armed_from(environ: Mapping[str, str]) -> tuple[str, int]:
 
 
 _point, _remaining = armed_from(os.environ)
+# A fleet's target whose threads reach the point ("": any thread).
+_database = os.environ.get("OUTBOX_CRASH_DATABASE", "") if _point else ""
 
 
 def _kill() -> None:
@@ -88,6 +94,8 @@ def disarm() -> None:
 def reached(point: str) -> None:
     global _remaining
     if point != _point:
+        return
+    if _database and events.current_context().get("database") != _database:
         return
     _remaining -= 1
     if _remaining == 0:

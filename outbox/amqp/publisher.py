@@ -612,28 +612,29 @@ class Publisher:
             )
 
     # -- idle ------------------------------------------------------------------
-    def wait(self, timeout: float, wake_fd: int | None = None) -> bool:
+    def wait(self, timeout: float, wake_fd: int | Sequence[int] | None = None) -> bool:
         """Serve the connection (heartbeats) for up to ``timeout`` seconds.
 
-        Returns True early when ``wake_fd`` becomes readable (a NOTIFY arrived on
-        the PostgreSQL control session).
+        Returns True early when ``wake_fd`` (or one of several) becomes readable (a
+        NOTIFY arrived on the PostgreSQL control session, a stop flag was set).
         """
         if self._conn is None or not self.connected:
             return False
         woken: list[bool] = []
         ioloop = self._conn.ioloop
-        if wake_fd is not None:
+        fds = [] if wake_fd is None else [wake_fd] if isinstance(wake_fd, int) else list(wake_fd)
 
-            def on_readable(_fd: int, _events: int) -> None:
-                woken.append(True)
-                ioloop.stop()
+        def on_readable(_fd: int, _events: int) -> None:
+            woken.append(True)
+            ioloop.stop()
 
-            ioloop.add_handler(wake_fd, on_readable, ioloop.READ)
+        for fd in fds:
+            ioloop.add_handler(fd, on_readable, ioloop.READ)
         try:
             self._run_until(lambda: bool(woken) or self._failure is not None, timeout)
         finally:
-            if wake_fd is not None:
-                ioloop.remove_handler(wake_fd)
+            for fd in fds:
+                ioloop.remove_handler(fd)
         return bool(woken)
 
 

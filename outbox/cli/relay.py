@@ -69,7 +69,8 @@ def relay(
     stop.install_signal_handlers()
     source = target_source(targets, discover, databases, settings)
     if source is not None:
-        from outbox.fleet.process import Fleet, serve
+        from outbox.fleet.process import Fleet
+        from outbox.fleet.serving import serve
 
         stats = serve(
             Fleet(source, settings, stop=stop, drain=drain),

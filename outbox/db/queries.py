@@ -39,7 +39,8 @@ class Queries:
     def __init__(self, table: str) -> None:
         ids = table_identifiers(table)
         raw = _raw_blocks()
-        # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups;
+        # ``{rows_waiting}``: the idle poll's look, written once, also inside want_wakeups
+        # and, with ``{orphaned_batches}``, inside dormant_look;
         # ``{front_rows}``: the rows where the claims look, in backlog;
         # ``{backlog}``: the backlog counted over them, in chart_sample and metrics_snapshot.
         # ``{front_rows_saved}``: the same rows with the front read in the statement
@@ -55,6 +56,7 @@ class Queries:
             **ids,
             "outbox_name": sql.Literal(table),
             "rows_waiting": sql.SQL(raw["rows_waiting"]).format(**ids),
+            "orphaned_batches": sql.SQL(raw["orphaned_batches"]).format(**ids),
             "front_rows": front_rows,
             "front_rows_saved": sql.SQL(front_rows_saved).format(**ids),
             "backlog": sql.SQL(raw["backlog"]).format(**ids, front_rows=front_rows),

@@ -488,6 +488,12 @@ WHERE p.database = current_database() AND p.gid LIKE %(gid_prefix)s || '%%'
           WHERE r.relay_id = split_part(p.gid, ':', 3)
             AND r.heartbeat_at < now() - make_interval(secs => %(relay_timeout)s)))
 
+-- dormant_look --
+-- A dormant relay's look (``outbox.relay.process``), one round trip: rows where its
+-- claims look (``rows_waiting``) and the prepared batches no live relay answers for
+-- (``orphaned_batches``).
+SELECT ({rows_waiting}) AS rows_waiting, ({orphaned_batches}) AS batches
+
 -- front_rows --
 -- The rows of the outbox (id, created_at), found where the relays' claims look
 -- (``outbox/db/front.py``; %(low_water)s etc.: the front they saved): from W on,

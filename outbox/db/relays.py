@@ -220,18 +220,21 @@ class WakeupListener(Session):
             moved = scheduled.move_due(self.conn, self.queries, covered, sweep=sweep)
         return moved
 
-    def orphaned_batches(self, relay_timeout: float) -> int:
-        """How many prepared batches of this table no live relay answers for (dead,
-        or its heartbeat older than ``relay_timeout``): a dormant relay wakes to
-        resolve them (``outbox.relay.process``)."""
+    def dormant_look(self, front: ClaimFront, relay_timeout: float) -> tuple[bool, int]:
+        """A dormant relay's look, in one round trip: whether rows wait where a claim
+        starting at ``front`` looks, and how many prepared batches of this table no
+        live relay answers for (dead, or its heartbeat older than ``relay_timeout``):
+        either wakes it (``outbox.relay.process``)."""
         params = {
+            **front.params(),
             "gid_prefix": gids.relay_prefix(self.table),
             "lock_class": gids.LOCK_CLASS,
             "relay_timeout": relay_timeout,
         }
-        with self._translated("looking for orphaned batches"):
-            row = self.conn.execute(self.queries["orphaned_batches"], params).fetchone()
-        return int(row["batches"]) if row else 0
+        with self._translated("looking for rows and orphaned batches"):
+            row = self.conn.execute(self.queries["dormant_look"], params).fetchone()
+        assert row is not None
+        return bool(row["rows_waiting"]), int(row["batches"])
 
     def rows_waiting(self, front: ClaimFront | None = None) -> bool:
         """The fallback poll: True if the outbox table has any row where a claim

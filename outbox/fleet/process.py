@@ -10,11 +10,27 @@ there is no coordinator, and a second fleet process is the failover.
 
 Why threads: a relay waits (on its sockets) almost all the time, and its CPU is
 spent in psycopg and pika with the GIL released around the I/O; a process per
-database costs an interpreter each (about 45 MiB), a thread a stack.  Idle
-databases cost one PostgreSQL session each once dormant (``dormant_after``: the
-fleet's default is ``DORMANT_AFTER`` seconds; ``outbox.relay.process``).  Measured
-(``python -m outbox.fleet.footprint``, see its docstring) on a 2-core machine, 50
-dormant targets: FOOTPRINT.
+database costs an interpreter each, a thread a stack.  Idle databases cost one
+PostgreSQL session each once dormant (``dormant_after``: the fleet's default is
+``DORMANT_AFTER`` seconds; ``outbox.relay.process``).  Measured with
+``python -m outbox.fleet.footprint --databases 50 --seconds 30`` (``--seconds 90``
+for the last line) on a 2-core machine shared with other work (load average 15-29),
+50 idle databases, default settings:
+
+==========================================  ========  =======  ==================
+relays                                      sessions  RSS      CPU (of one core)
+==========================================  ========  =======  ==================
+50 ``outbox relay --dsn`` processes         150       2367 MiB 2.90%
+one fleet, ``--dormant-after 0``            150       66 MiB   2.43%
+one fleet, dormant, first version (a 1 s    50        66 MiB   2.10%
+tick and a poll every 5 s per target)
+one fleet, dormant, as now (no tick, one    50        66 MiB   1.07% (90 s)
+statement per 30 s per target)
+==========================================  ========  =======  ==================
+
+An asyncio loop would save the threads' stacks, not the sessions (one per idle
+database either way) nor the statements, and would need an async relay beside the
+one every promise is tested on; a process per database costs 36 times the memory.
 
 A target's life (``TargetRelay``):
 
@@ -49,7 +65,7 @@ import traceback
 from collections.abc import Callable
 
 from outbox.config import Settings
-from outbox.errors import OutboxError
+from outbox.errors import InvalidSetting, OutboxError
 from outbox.events import context, emit
 from outbox.fleet.targets import Target, TargetSource, diff
 from outbox.relay.process import Relay, Stats, StopFlag
@@ -203,8 +219,10 @@ class Fleet:
         drain: bool = False,
         retry_initial: float = RETRY_INITIAL,
         retry_max: float = RETRY_MAX,
+        relay_factory: Callable[[Settings, StopFlag], Relay] | None = None,
     ) -> None:
         self.source = source
+        self._factory = relay_factory
         self.settings = settings
         self.stop = stop if stop is not None else StopFlag()
         self.drain = drain
@@ -213,6 +231,7 @@ class Fleet:
         self._leaving: list[TargetRelay] = []  # removed, finishing their batches
         self.stats = Stats()  # counters of targets that ended
         self.last_progress = time.monotonic()
+        self._started = False
 
     def members(self) -> list[TargetRelay]:
         """The targets served now, by name."""
@@ -221,7 +240,16 @@ class Fleet:
     def start(self) -> None:
         """Read the targets (an unreadable source fails here: a usage error) and start
         a thread for each."""
-        targets = self.source.poll()
+        self._started = True
+        try:
+            targets = self.source.poll()
+        except OutboxError as exc:
+            if self.source.file is None:
+                raise
+            raise InvalidSetting(
+                exc.message,
+                "give --targets a readable UTF-8 file with one PostgreSQL DSN per line",
+            ) from None
         emit(
             log,
             "fleet.started",
@@ -233,7 +261,7 @@ class Fleet:
     def run(self) -> Stats:
         """Supervise until stopped (or, with ``drain``, until every target drained);
         then stop every target and wait for them."""
-        if not self.targets and not self.source.current:
+        if not self._started:
             self.start()
         try:
             while not self.stop:
@@ -270,16 +298,20 @@ class Fleet:
             self._leaving.append(member)
             emit(log, "fleet.target_removed", database=target.name)
         for target in changes.added:
-            member = TargetRelay(
-                target,
-                self.settings,
-                drain=self.drain,
-                retry_initial=self.retry_initial,
-                retry_max=self.retry_max,
-            )
+            member = self._member(target)
             self.targets[target] = member
             member.start()
             emit(log, "fleet.target_added", database=target.name)
+
+    def _member(self, target: Target) -> TargetRelay:
+        return TargetRelay(
+            target,
+            self.settings,
+            drain=self.drain,
+            retry_initial=self.retry_initial,
+            retry_max=self.retry_max,
+            relay_factory=self._factory,
+        )
 
     def _tend(self) -> None:
         """Collect the removed targets that finished; restart a thread that ended
@@ -293,13 +325,7 @@ class Fleet:
                 continue
             emit(log, "fleet.target_thread_ended", logging.ERROR, database=target.name)
             add_stats(self.stats, member.stats)
-            replacement = TargetRelay(
-                target,
-                self.settings,
-                drain=self.drain,
-                retry_initial=self.retry_initial,
-                retry_max=self.retry_max,
-            )
+            replacement = self._member(target)
             self.targets[target] = replacement
             replacement.start()
 
@@ -316,26 +342,3 @@ class Fleet:
             add_stats(self.stats, member.stats)
         self.targets.clear()
         self._leaving.clear()
-
-
-def serve(fleet: Fleet, *, metrics_port: int = 0, metrics_address: str = "0.0.0.0") -> Stats:
-    """What ``outbox relay --targets/--discover`` runs (``outbox.lifecycle.serve``): the
-    endpoints (``outbox.fleet.metrics``), the targets started, the supervisor until
-    stopped, every target stopped, the ``fleet.stopped`` event with the counters of
-    every target.  Signals are the caller's (``StopFlag.install_signal_handlers``)."""
-    from outbox import lifecycle
-    from outbox.fleet.metrics import FleetEndpoints
-
-    def endpoints() -> FleetEndpoints:
-        return FleetEndpoints(fleet, port=metrics_port, address=metrics_address)
-
-    return lifecycle.serve(
-        "fleet",
-        start=fleet.start,
-        run=fleet.run,
-        close=fleet.close,
-        endpoints=endpoints if metrics_port else None,
-        stopped="fleet.stopped",
-        summary=Stats.summary,
-        young_objects=fleet.settings.batch_size,
-    )

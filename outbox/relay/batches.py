@@ -94,6 +94,9 @@ ledger record sent             evidence on the broker, or soon  in the ledger �
                                                                 ROLLBACK, duplicates = batch
 ledger record confirmed        evidence on the broker           COMMIT (resolver); no duplicate
 COMMIT PREPARED sent           unknown to the relay             gid gone → done; present → COMMIT
+going dormant or waking        no batch (dormant only with none a registry row whose lock is gone
+(``outbox.relay.process``)     in flight); the front saved or   (forgotten by resolvers); no
+                               not                              duplicate, no row held
 =============================  ===============================  ==================================
 
 At depth 2 the crash also finds the other batch in flight at its own step of

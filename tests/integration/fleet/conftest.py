@@ -15,7 +15,7 @@ from psycopg import sql
 
 from outbox.config import Settings
 from tests.fixtures.faults import RelayProcess
-from tests.fixtures.servers import Topology
+from tests.fixtures.servers import Topology, drop_database
 
 NewDatabase = Callable[..., str]
 
@@ -38,21 +38,8 @@ def new_database(pg_server: str, pg_template: str) -> Iterator[NewDatabase]:
         return psycopg.conninfo.make_conninfo(pg_server, dbname=name)
 
     yield make
-    with psycopg.connect(pg_server, autocommit=True) as conn:
-        for name in made:
-            for (gid,) in conn.execute(
-                "SELECT gid FROM pg_prepared_xacts WHERE database = %s", [name]
-            ).fetchall():
-                with (
-                    psycopg.connect(
-                        psycopg.conninfo.make_conninfo(pg_server, dbname=name), autocommit=True
-                    ) as db,
-                    contextlib.suppress(psycopg.Error),
-                ):
-                    db.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    for name in made:
+        drop_database(pg_server, name)
 
 
 class TargetsFile:

@@ -256,7 +256,15 @@ def test_broker_connection_cut_with_two_batches_out(
     print(f"{cuts[0]} cuts: {report.duplicates} duplicates")
 
 
-@pytest.mark.parametrize("point", ["mid_publish:2", "after_publish:1", "mid_publish:4"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        # Also against a multi-database relay (``-m fleet_faults``).
+        pytest.param("mid_publish:2", marks=pytest.mark.fleet_faults),
+        "after_publish:1",
+        "mid_publish:4",
+    ],
+)
 def test_kill_9_with_two_batches_out(settings: Settings, topology: Topology, point: str) -> None:
     """kill -9 while N+1 is out beside N (its send, or N's confirms taken after it),
     twice in a row, then a clean drain: ≤ 2 batches of duplicates per crash."""

@@ -7,9 +7,10 @@ import random
 import threading
 import time
 
+import pytest
+
 from outbox.config import Settings
 from tests.fixtures.faults import (
-    both_modes,
     chaos_run,
     check_delivery,
     in_flight,
@@ -22,7 +23,14 @@ RELAYS = 3
 CHAOS_SECONDS = 15
 
 
-@both_modes
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param(False, id="serial"),
+        # Also against a multi-database relay (``-m fleet_faults``).
+        pytest.param(True, id="pipelined", marks=pytest.mark.fleet_faults),
+    ],
+)
 def test_chaos__relays_killed_at_random_lose_nothing(
     settings: Settings, topology: Topology, chaos_seed: int
 ) -> None:

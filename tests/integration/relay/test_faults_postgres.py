@@ -80,6 +80,9 @@ def stop(relay: Relay, thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
+# Not in the fleet subset (-m fleet_faults): this cluster has 3 prepared slots, and
+# slots are the cluster's: a fleet's other database holds some at the crash.
+# tests/integration/fleet/test_fleet_faults.py crashes PostgreSQL under a fleet.
 @both_modes
 def test_pg_crash__prepared_batches_survive_and_are_resolved(
     cluster: PostgresCluster, crash_settings: Settings, topology: Topology
