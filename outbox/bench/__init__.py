@@ -15,8 +15,10 @@ the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
 ``poller`` is the latency run's baseline (the relay's loop without two-phase commit).
 Benchmarks print figures, they never assert timings.  ``standby`` is the hot
 standby whose feedback holds the horizon through a physical slot (``horizon``'s
-``physical-slot`` holder).
+``physical-slot`` holder).  ``fleet`` is many databases on one cluster: a relay
+for one database against one ``outbox relay --targets`` for fifty (and two), idle,
+with a backlog in one of them, with targets changed while it runs.
 
-May import: ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
+May import: ``outbox.fleet``, ``outbox.relay``, ``outbox.inbox``, ``outbox.amqp``, ``outbox.db``,
 ``resolver`` and the plain modules of ``outbox``.
 """

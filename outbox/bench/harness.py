@@ -273,10 +273,14 @@ class RelayProcesses:
         env_per_relay: Sequence[dict[str, str]] = (),
         log_dir: str | None = None,
         log_name: str = "relay",
+        args: Sequence[str] = (),
+        unset: Sequence[str] = (),
     ) -> None:
         """``env_per_relay``: relay n's own variables (a metrics port each, say);
         ``log_dir``: keep each relay's stderr there (``<log_name>-<n>.log``) for a
-        reader after the run; otherwise it lives in an unnamed temporary file."""
+        reader after the run; otherwise it lives in an unnamed temporary file;
+        ``args``: more options of ``outbox relay`` (``--targets FILE``); ``unset``:
+        variables of ``settings`` left out (``OUTBOX_DSN`` beside ``--targets``)."""
         env = dict(os.environ)
         for field in dataclasses.fields(Settings):
             value = getattr(settings, field.name)
@@ -286,6 +290,8 @@ class RelayProcesses:
         env["OUTBOX_LOG_LEVEL"] = log_level
         env["OUTBOX_LOG_FORMAT"] = log_format
         env.update(extra_env or {})
+        for name in unset:
+            env.pop(name, None)
         self.log_paths: list[str] = []
         if log_dir is None:
             self._logs = [tempfile.TemporaryFile() for _ in range(count)]  # noqa: SIM115
@@ -295,7 +301,7 @@ class RelayProcesses:
             self._logs = [open(path, "a+b") for path in self.log_paths]  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "outbox", "relay"],
+                [sys.executable, "-m", "outbox", "relay", *args],
                 env={**env, **(env_per_relay[n] if n < len(env_per_relay) else {})},
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -471,7 +477,7 @@ def wait_registered(conn: session.Conn, table: str, count: int, relays: RelayPro
 
 
 # -- the runs ---------------------------------------------------------------------
-def _machine_ticks() -> tuple[int, int]:
+def machine_ticks() -> tuple[int, int]:
     """(busy, total) CPU ticks of the whole machine so far (``/proc/stat``)."""
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
@@ -714,7 +720,7 @@ class Bench:
             with self.conn.transaction():
                 fill(self.conn, self.db.table, self.broker.exchange, rows, self.o.payload, keys)
             started = time.perf_counter()
-            busy0, total0 = _machine_ticks()
+            busy0, total0 = machine_ticks()
             deadline = time.monotonic() + 300
             # Watch the queue, not the table: a count(*) every 5 ms on the churned
             # table scans its dead tuples too (a whole core in one grid run, beside
@@ -745,7 +751,7 @@ class Bench:
                 relays.check_alive()
                 time.sleep(pause)
             seconds = delivered - started
-            busy1, total1 = _machine_ticks()
+            busy1, total1 = machine_ticks()
             relay_cpu = relays.cpu_seconds() - cpu0
             backend_cpu1 = backends.cpu_seconds()
         finally:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from outbox import urls
+from outbox.bench.fleet import RUNS as FLEET_RUNS
 from outbox.bench.horizon import DEFAULT_HOLDERS
 from outbox.bench.memory import DEFAULT_BACKLOGS as DEFAULT_MEMORY_BACKLOGS
 from outbox.cli.common import (
@@ -306,6 +307,62 @@ from outbox.errors import ExitCode
     help="--horizon, --soak and --scheduled: rows per application transaction.",
 )
 @click.option(
+    "--fleet",
+    is_flag=True,
+    help="Instead: many databases on one PostgreSQL cluster (--fleet-databases, each "
+    "written at --fleet-rate rows/s): one single-database relay on one of them (the "
+    "baseline), one and two `outbox relay --targets FILE` on all, their idle cost "
+    "(CPU, sessions per database, RSS), a backlog in one database, a database added "
+    "to and removed from the targets while running (--payload defaults to 200 here).",
+)
+@click.option(
+    "--fleet-runs",
+    default=",".join(FLEET_RUNS),
+    show_default=True,
+    help="--fleet: the runs, comma-separated.",
+)
+@click.option(
+    "--fleet-databases",
+    default=50,
+    show_default=True,
+    type=click.IntRange(3, 1000),
+    help="--fleet: databases on the cluster.",
+)
+@click.option(
+    "--fleet-rate",
+    default=20.0,
+    show_default=True,
+    type=FiniteFloatRange(0, 10_000, min_open=True),
+    help="--fleet: rows committed per second in each written database.",
+)
+@click.option(
+    "--fleet-seconds",
+    default=30.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--fleet: measured length of each written run.",
+)
+@click.option(
+    "--fleet-idle-seconds",
+    default=60.0,
+    show_default=True,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--fleet: length of the idle window (once the targets are dormant).",
+)
+@click.option(
+    "--fleet-backlog",
+    default=200_000,
+    show_default=True,
+    type=click.IntRange(1, 100_000_000),
+    help="--fleet: rows of the backlog run's backlog.",
+)
+@click.option(
+    "--fleet-dormant-after",
+    default=None,
+    type=FiniteFloatRange(0, DAY, min_open=True),
+    help="--fleet: the fleet relays' --dormant-after [default: theirs].",
+)
+@click.option(
     "--prefetch",
     default=200,
     show_default=True,
@@ -343,6 +400,14 @@ def bench(
     window_seconds: float | None,
     rate: float,
     rows_per_commit: int,
+    fleet: bool,
+    fleet_runs: str,
+    fleet_databases: int,
+    fleet_rate: float,
+    fleet_seconds: float,
+    fleet_idle_seconds: float,
+    fleet_backlog: int,
+    fleet_dormant_after: float | None,
     **options: Any,
 ) -> None:
     """Measure the relay against a bare pika publisher: msg/s, latency, idle cost
@@ -359,6 +424,32 @@ def bench(
         return source not in (None, click.core.ParameterSource.DEFAULT)
 
     payload_given = given("payload")
+    if fleet:
+        from outbox.bench import fleet as bench_fleet
+
+        try:
+            runs = bench_fleet.parse_runs(fleet_runs)
+        except ValueError as exc:
+            raise click.UsageError(f"--fleet-runs: {exc}") from exc
+        fleet_report = bench_fleet.run_fleet_bench(
+            bench_fleet.FleetOptions(
+                amqp_url=urls.parse_amqp_urls(amqp_url)[0].text,
+                dsn=dsn,
+                databases=fleet_databases,
+                rate=fleet_rate,
+                seconds=fleet_seconds,
+                idle_seconds=fleet_idle_seconds,
+                backlog=fleet_backlog,
+                payload=options["payload"] if payload_given else 200,
+                dormant_after=fleet_dormant_after,
+                runs=runs,
+            ),
+            echo,
+        )
+        click.echo(
+            json.dumps(fleet_report, indent=2) if as_json else bench_fleet.render(fleet_report)
+        )
+        sys.exit(0 if fleet_report["every_row_arrived"] else int(ExitCode.FAILURE))
     if soak or given("soak_seconds"):
         from outbox.bench import soak as bench_soak
 
