@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,8 @@ class BenchOptions:
     ordering: bool = True  # unordered / 1,000 keys / one hot key
     memory: bool = True  # the relay's peak RSS draining large rows
     latency: bool = True  # the latency run and the idle run
+    latency_rounds: int = 1  # relay and poller runs, alternated (``Bench.latency``)
+    latency_only: bool = False  # nothing else (no idle run either)
     memory_only: bool = False  # nothing else
     memory_backlogs: tuple[bench_memory.Backlog, ...] = bench_memory.parse_backlogs(
         bench_memory.DEFAULT_BACKLOGS
@@ -781,24 +784,67 @@ class Bench:
         """Commit → consumer at ``--latency-rate``: one relay (with its CPU, then its
         idle cost), and under the same producers the relay's loop without two-phase
         commit (``outbox.bench.poller``), the baseline that says what the guarantee
-        costs on this machine, whatever else runs on it."""
+        costs on this machine, whatever else runs on it.
+
+        ``--latency-rounds`` N: N rounds of both, alternated A B, B A, A B, … (so a
+        drift of the machine's load hits both alike); the figures are the medians
+        over the rounds, each round's ratio relay / poller is kept, and their
+        medians are what to compare.  The idle run follows the first relay run
+        (not with ``--latency-only``)."""
+        rounds: list[dict[str, Any]] = []
+        idle: dict[str, Any] | None = None
+        for number in range(self.o.latency_rounds):
+            kinds = ("relay", "poller") if number % 2 == 0 else ("poller", "relay")
+            figures: dict[str, dict[str, Any]] = {}
+            for kind in kinds:
+                if kind == "poller":
+                    figures[kind] = self._poller_latency()
+                    continue
+                measure_idle = number == 0 and not self.o.latency_only
+                figures[kind], run_idle = self._relay_latency(idle=measure_idle)
+                idle = idle or run_idle
+            relay, poller = figures["relay"], figures["poller"]
+            rounds.append(
+                {
+                    "relay": relay,
+                    "poller": poller,
+                    "ratio_p50": ratio_of(relay["p50_ms"], poller["p50_ms"]),
+                    "ratio_p99": ratio_of(relay["p99_ms"], poller["p99_ms"]),
+                    "first": kinds[0],
+                }
+            )
+            if self.o.latency_rounds > 1:
+                self.echo(f"  latency round {number + 1}: {round_line(rounds[-1])}")
+        result = median_figures([r["relay"] for r in rounds])
+        result["rate_per_s"] = self.o.latency_rate
+        result["baseline"] = median_figures([r["poller"] for r in rounds])
+        result["rounds"] = rounds
+        result["ratio_p50_median"] = median_or_none([r["ratio_p50"] for r in rounds])
+        result["ratio_p99_median"] = median_or_none([r["ratio_p99"] for r in rounds])
+        result["idle"] = idle
+        return result
+
+    def _relay_latency(self, *, idle: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One relay's latency run, with its CPU; then, if ``idle``, its idle run."""
         receiver = self._fresh_receiver()
         relays = RelayProcesses(self.settings(), 1)
+        idle_figures = None
         try:
             wait_registered(self.conn, self.db.table, 1, relays)
             time.sleep(0.5)
             backends = Backends(self.conn)
             cpu0, backend_cpu0 = relays.cpu_seconds(), backends.cpu_seconds()
-            committed, committed_rate = self._commit_and_receive(receiver)
+            committed, committed_rate, busy = self._commit_and_receive(receiver)
             relay_cpu = relays.cpu_seconds() - cpu0
             backend_cpu1 = backends.cpu_seconds()
-            idle = self._idle(relays)
+            if idle:
+                idle_figures = self._idle(relays)
         finally:
             relays.stop()
             receiver.stop()
         self.conn.execute(f'DELETE FROM "{self.db.table}_relays"')
         result = latency_figures(committed, committed_rate, receiver.arrived)
-        result["rate_per_s"] = self.o.latency_rate
+        result["machine_busy_percent"] = busy
         result["relay_cpu_s_per_10k"] = _rounded(per_10k(relay_cpu, len(committed)))
         result["backend_cpu_s_per_10k"] = _rounded(
             per_10k(
@@ -808,20 +854,20 @@ class Bench:
                 len(committed),
             )
         )
-        result["baseline"] = self._poller_latency()
-        result["idle"] = idle
-        return result
+        return result, idle_figures
 
     def _poller_latency(self) -> dict[str, Any]:
         receiver = self._fresh_receiver()
         poller = PollerProcess(self.db.dsn, self.db.table, self.o.amqp_url)
         try:
             time.sleep(0.5)
-            committed, committed_rate = self._commit_and_receive(receiver)
+            committed, committed_rate, busy = self._commit_and_receive(receiver)
         finally:
             poller.stop()
             receiver.stop()
-        return latency_figures(committed, committed_rate, receiver.arrived)
+        result = latency_figures(committed, committed_rate, receiver.arrived)
+        result["machine_busy_percent"] = busy
+        return result
 
     def _fresh_receiver(self) -> Receiver:
         """An empty outbox and queue, and a consumer noting arrivals on it."""
@@ -832,17 +878,22 @@ class Bench:
         receiver.ready.wait(10)
         return receiver
 
-    def _commit_and_receive(self, receiver: Receiver) -> tuple[dict[str, float], float]:
+    def _commit_and_receive(self, receiver: Receiver) -> tuple[dict[str, float], float, float]:
         """Commit the latency run's rows and wait (10 s at most) for them to arrive;
-        returns when each commit returned, by message id, and the rate reached."""
+        returns when each commit returned, by message id, the rate reached and how
+        busy the machine's CPUs were meanwhile (percent of all, the producers'
+        start included)."""
         count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
         committed: dict[str, float] = {}
+        busy0, total0 = _machine_ticks()
         # On a busy machine the producers may fall behind the rate: said in the report.
         committed_rate = self._commit_at_rate(count, committed)
+        busy1, total1 = _machine_ticks()
         deadline = time.monotonic() + 10
         while len(receiver.arrived) < count and time.monotonic() < deadline:
             time.sleep(0.05)
-        return committed, committed_rate
+        busy = 100 * (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
+        return committed, committed_rate, round(busy, 1)
 
     def _commit_at_rate(self, count: int, committed: dict[str, float]) -> float:
         """Commit ``count`` single-row transactions at ``--latency-rate``, noting when
@@ -942,6 +993,50 @@ def latency_figures(
         result[f"p{q}_ms"] = round(percentile(latencies, q), 2)
     result["max_ms"] = round(latencies[-1], 2) if latencies else None
     return result
+
+
+def ratio_of(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator`` to three places; None without a denominator."""
+    if numerator is None or not denominator or math.isnan(denominator):
+        return None
+    return round(numerator / denominator, 3)
+
+
+def median_or_none(values: Sequence[float | None]) -> float | None:
+    """The median of the known values, None if there is none."""
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def median_figures(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several latency runs as one: each figure the median over the runs (counts
+    summed), so that one round gives its own figures back."""
+    result: dict[str, Any] = {
+        "sent": sum(r["sent"] for r in runs),
+        "delivered": sum(r["delivered"] for r in runs),
+    }
+    for key in sorted({k for r in runs for k in r} - {"sent", "delivered"}):
+        result[key] = median_or_none([r.get(key) for r in runs])
+    if "committed_per_s" in result and result["committed_per_s"] is not None:
+        result["committed_per_s"] = round(result["committed_per_s"])
+    return result
+
+
+def round_line(r: dict[str, Any]) -> str:
+    """One latency round: the relay's and the poller's p50/p99 and the ratios."""
+    relay, poller = r["relay"], r["poller"]
+
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    return (
+        f"relay p50 {relay['p50_ms']} / p99 {relay['p99_ms']} ms, "
+        f"poller p50 {poller['p50_ms']} / p99 {poller['p99_ms']} ms: "
+        f"{x(r['ratio_p50'])} at p50, {x(r['ratio_p99'])} at p99 "
+        f"({relay['committed_per_s']} / {poller['committed_per_s']} commits/s, "
+        f"machine {relay.get('machine_busy_percent', '-')}% / "
+        f"{poller.get('machine_busy_percent', '-')}% busy, {r['first']} first)"
+    )
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

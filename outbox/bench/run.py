@@ -67,6 +67,8 @@ def run_bench(options: BenchOptions, echo: Echo) -> dict[str, Any]:
         broker = BenchTopology(options.amqp_url, suffix)
         bench = Bench(options, db, broker, echo)
         try:
+            if options.latency_only:
+                return _measure_latency(bench, db, echo)
             return _measure(bench, options, db, echo)
         finally:
             bench.close()
@@ -86,6 +88,25 @@ def _measure_memory(o: BenchOptions, db: Database, echo: Echo) -> dict[str, Any]
         "memory": memory,
         "every_row_arrived": all(m["exactly_once"] for m in memory),
     }
+
+
+def _measure_latency(bench: Bench, db: Database, echo: Echo) -> dict[str, Any]:
+    """``--latency-only``: the latency rounds, nothing else."""
+    echo("  latency rounds ...")
+    latency = bench.latency()
+    return {
+        "machine": {"cpus": os.cpu_count(), "postgres": db.description},
+        "load_average": os.getloadavg(),
+        "latency": {k: v for k, v in latency.items() if k != "idle"},
+        "every_row_arrived": _latency_arrived(latency),
+    }
+
+
+def _latency_arrived(latency: dict[str, Any]) -> bool:
+    return bool(
+        latency["delivered"] == latency["sent"]
+        and latency["baseline"]["delivered"] == latency["baseline"]["sent"]
+    )
 
 
 def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[str, Any]:
@@ -171,13 +192,7 @@ def _measure(bench: Bench, o: BenchOptions, db: Database, echo: Echo) -> dict[st
         all(r.delivered == r.rows for r in bare_runs + relay_runs + parallel_runs)
         and all(b["delivered_min"] >= b["rows"] for b in bursts)
         and all(s["delivered_min"] >= s["rows"] for s in (ordering or {}).get("shapes", []))
-        and (
-            latency is None
-            or (
-                latency["delivered"] == latency["sent"]
-                and latency["baseline"]["delivered"] == latency["baseline"]["sent"]
-            )
-        )
+        and (latency is None or _latency_arrived(latency))
         and all(m["exactly_once"] for m in memory)
     )
     return {
@@ -268,6 +283,17 @@ def _cpu_cell(own: float | None, backends: float | None = None) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
+    if "throughput" not in report and "latency" in report:  # --latency-only
+        return "\n".join(
+            [
+                f"outbox bench --latency-only: {report['machine']['cpus']} CPUs, "
+                f"PostgreSQL {report['machine']['postgres']}, load average at the end "
+                + " / ".join(f"{v:.2f}" for v in report["load_average"]),
+                *_latency_lines(report["latency"], None),
+                "",
+                "every row arrived exactly once" if report["every_row_arrived"] else "ROWS MISSING",
+            ]
+        )
     if "throughput" not in report:  # --memory-only
         lines = [
             f"outbox bench --memory-only: {report['machine']['cpus']} CPUs, "
@@ -332,8 +358,8 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _latency_lines(lat: dict[str, Any], idle: dict[str, Any]) -> list[str]:
-    return [
+def _latency_lines(lat: dict[str, Any], idle: dict[str, Any] | None) -> list[str]:
+    lines = [
         "",
         f"latency at {lat['rate_per_s']:.0f} commits/s (commit → consumer), "
         f"{lat['delivered']}/{lat['sent']} delivered: p50 {lat['p50_ms']} ms, "
@@ -341,6 +367,51 @@ def _latency_lines(lat: dict[str, Any], idle: dict[str, Any]) -> list[str]:
         f"{lat.get('committed_per_s', '-')} commits/s reached; CPU s per 10,000 msgs: "
         f"{_cpu_cell(lat.get('relay_cpu_s_per_10k'), lat.get('backend_cpu_s_per_10k'))}",
         *_baseline_lines(lat),
-        f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
-        f"{idle['db_transactions_per_s']} database transactions/s",
     ]
+    rounds = lat.get("rounds") or []
+    if len(rounds) > 1:
+        lines += _rounds_lines(lat, rounds)
+    if idle is not None:
+        lines.append(
+            f"idle relay over {idle['seconds']} s: {idle['cpu_percent_of_a_core']}% of a core, "
+            f"{idle['db_transactions_per_s']} database transactions/s"
+        )
+    return lines
+
+
+def _rounds_lines(lat: dict[str, Any], rounds: list[dict[str, Any]]) -> list[str]:
+    """The rounds of ``--latency-rounds``, relay and poller side by side."""
+
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        "",
+        f"{len(rounds)} rounds, relay and poller alternated (ms; ratio = relay / poller; "
+        "machine = share of both CPUs busy while the rows were committed):",
+        "",
+        "| round | first | relay p50 | relay p99 | poller p50 | poller p99 | ratio p50 "
+        "| ratio p99 | commits/s relay / poller | machine busy relay / poller |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for number, r in enumerate(rounds, 1):
+        relay, poller = r["relay"], r["poller"]
+        lines.append(
+            f"| {number} | {r['first']} | {relay['p50_ms']} | {relay['p99_ms']} "
+            f"| {poller['p50_ms']} | {poller['p99_ms']} | {x(r['ratio_p50'])} "
+            f"| {x(r['ratio_p99'])} | {relay['committed_per_s']} / {poller['committed_per_s']} "
+            f"| {relay.get('machine_busy_percent', '-')}% / "
+            f"{poller.get('machine_busy_percent', '-')}% |"
+        )
+    p50s = [r["ratio_p50"] for r in rounds if r["ratio_p50"] is not None]
+    p99s = [r["ratio_p99"] for r in rounds if r["ratio_p99"] is not None]
+
+    def span(values: list[float]) -> str:
+        return f" ({min(values):.2f}-{max(values):.2f})" if values else ""
+
+    lines += [
+        "",
+        f"median ratio relay / poller: p50 {x(lat.get('ratio_p50_median'))}{span(p50s)}, "
+        f"p99 {x(lat.get('ratio_p99_median'))}{span(p99s)}",
+    ]
+    return lines

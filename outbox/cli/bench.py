@@ -85,6 +85,19 @@ from outbox.errors import ExitCode
     help="Length of the latency run.",
 )
 @click.option(
+    "--latency-rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Latency rounds, the relay and the poller without two-phase commit alternated "
+    "(relay first, then poller first, …): per-round p50/p99 and the median ratios.",
+)
+@click.option(
+    "--latency-only",
+    is_flag=True,
+    help="Instead: only the latency rounds (--latency-rounds, --latency-rate), no idle run.",
+)
+@click.option(
     "--idle-seconds",
     default=12.0,
     show_default=True,
