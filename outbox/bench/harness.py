@@ -885,10 +885,10 @@ class Bench:
         start included)."""
         count = max(1, int(self.o.latency_rate * self.o.latency_seconds))
         committed: dict[str, float] = {}
-        busy0, total0 = _machine_ticks()
+        busy0, total0 = machine_ticks()
         # On a busy machine the producers may fall behind the rate: said in the report.
         committed_rate = self._commit_at_rate(count, committed)
-        busy1, total1 = _machine_ticks()
+        busy1, total1 = machine_ticks()
         deadline = time.monotonic() + 10
         while len(receiver.arrived) < count and time.monotonic() < deadline:
             time.sleep(0.05)
