@@ -429,6 +429,8 @@ class Batches:
         self._may_commit = may_commit
         self._on_batch = on_batch
         self._seq = 0
+        # Rows the last ``step`` claimed (0: it claimed nothing, whatever it committed).
+        self.claimed = 0
         # Rows whose dead letter could not be written (row id → reason, when last
         # refused): while any is left, a batch writes the dead letters it knows
         # before publishing.
@@ -446,6 +448,7 @@ class Batches:
         before: that frees the next rows of its ordering keys, and the rows a claim
         cut short by the byte budget kept locked.  That is progress, and the loop
         claims again at once instead of waiting for a wake-up."""
+        self.claimed = 0
         try:
             finished = 0
             for survivor in [b for b in self.in_flight.values() if b.kept and b.state in _WAITING]:
@@ -482,6 +485,7 @@ class Batches:
                 finished += len(kept.rows)
             if batch is not None and (self.depth == 1 or batch.unpublishable is not None):
                 self._finish(batch)  # unpublishable: nothing was sent; roll back, back off
+            self.claimed = len(batch.rows) if batch else 0
             return len(batch.rows) if batch else finished
         except RETRYABLE as exc:
             self.fail(exc)
