@@ -8,8 +8,9 @@ the claim's cost behind the dead rows a held horizon keeps,
 ``horizon`` the relay while a snapshot, a slot or a prepared transaction holds the
 horizon, ``scheduled`` the rows due now beside a million scheduled ones (and the
 lateness of rows coming due), ``autovacuum`` what the outbox table's own
-autovacuum parameters do once it has held a backlog, ``retries`` what a retry queue would cost the consumer (the
-broker's head-of-line expiry and dead-lettering), ``soak`` an hour of load with
+autovacuum parameters do once it has held a backlog, ``retries`` what a retry
+queue would cost the consumer (the broker's head-of-line expiry and
+dead-lettering), ``soak`` an hour of load with
 a fault every few minutes (on a private broker, ``outbox.amqp.devnode``), over
 the ``harness`` (servers, relays as subprocesses, the bare publisher, one run);
 ``publishers`` the scaling grid's N bare publishers sending in parallel;
